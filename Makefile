@@ -1,0 +1,53 @@
+# llmstream: `make demo` and `make test` each set up everything they need (venv, pip, jars).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: all venv jars demo test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
+
+all: test
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+jars: $(STAMP)
+	$(BIN)/python pom-free/fetch.py --set all
+
+demo: venv jars
+	$(BIN)/llmstream demo
+
+lint: venv
+	$(BIN)/ruff check jobs udfs tests
+
+typecheck: venv
+	$(BIN)/mypy jobs udfs
+
+unit: venv
+	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)
+
+integration: venv jars
+	$(BIN)/python -m pytest tests/integration -q $(PYTEST_ARGS)
+
+# The test command CI runs: lint, types, unit tests (no JVM), then integration and
+# fault tests on a real broker, a real mini cluster and a real standalone cluster.
+test: venv jars lint typecheck
+	$(BIN)/python -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
+
+fault: venv jars
+	$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
+
+bench: venv jars
+	$(BIN)/llmstream bench
+
+bench-smoke: venv jars
+	$(BIN)/llmstream bench --smoke
+
+clean:
+	rm -rf $(VENV) pom-free/cache var build *.egg-info

@@ -1,0 +1,25 @@
+"""Packaging for llmstream: the `jobs` and `udfs` packages and the `llmstream` command."""
+from setuptools import find_packages, setup
+
+setup(
+    name="llmstream",
+    version="0.1.0",
+    description="PyFlink job: LLM inference over Kafka with bounded concurrency and exactly-once output",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["jobs", "jobs.*", "udfs", "udfs.*"]),
+    package_data={"jobs": ["*.yaml", "data/*.jsonl"]},
+    install_requires=[
+        "apache-flink==2.2.1",
+        "kafka-python==3.0.12",
+        "requests>=2.32,<3",
+        "pyyaml>=6,<7",
+        # The inference hot path: measured ~8x faster than requests on a thread pool
+        # (see README, Performance). requests stays for admin and REST calls.
+        "aiohttp>=3.10,<4",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10", "matplotlib>=3.8", "types-requests", "types-PyYAML"],
+    },
+    entry_points={"console_scripts": ["llmstream=jobs.cli:main"]},
+)

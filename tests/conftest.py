@@ -1,0 +1,17 @@
+"""Test-wide settings: markers and warning filters (kept here: the repo has no pytest.ini)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker in (
+        "integration: needs a JVM (real broker and/or Flink mini cluster)",
+        "slow: takes more than ~30 s",
+        "fault: fault-injection test on a real standalone Flink cluster",
+    ):
+        config.addinivalue_line("markers", marker)
+    for noisy in ("httplib2", "apache_beam", "pyflink"):
+        config.addinivalue_line("filterwarnings", f"ignore::DeprecationWarning:{noisy}.*")
+    config.addinivalue_line("filterwarnings", "ignore:.*deprecated - use.*")

@@ -1,0 +1,100 @@
+"""Config loading: typed, frozen, and every mistake named by its key path."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from udfs.config import DEFAULT_CONFIG, JobConfig, config_from_dict, load_config, to_dict, with_overrides
+from udfs.errors import ConfigError
+
+
+def _base() -> dict[str, Any]:
+    return yaml.safe_load(DEFAULT_CONFIG.read_text())
+
+
+def _error(data: dict[str, Any]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    return info.value
+
+
+def test_default_config_loads_and_is_frozen() -> None:
+    config = load_config()
+    assert isinstance(config, JobConfig)
+    assert config.kafka.input_topic == "llm-requests"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.kafka.input_topic = "x"  # type: ignore[misc]
+
+
+def test_round_trip_through_dict() -> None:
+    config = load_config()
+    assert config_from_dict(to_dict(config)) == config
+
+
+@pytest.mark.parametrize(
+    ("mutate", "key", "problem"),
+    [
+        (lambda d: d["kafka"].pop("group_id"), "kafka.group_id", "required"),
+        (lambda d: d["kafka"].update(groupid="x"), "kafka.groupid", "unknown key"),
+        (lambda d: d["async"].update(capacity="lots"), "async.capacity", "expected an integer"),
+        (lambda d: d["async"].update(capacity=0), "async.capacity", "must be > 0"),
+        (lambda d: d["async"].update(capacity=True), "async.capacity", "expected an integer"),
+        (lambda d: d["parallelism"].update(inference=1.5), "parallelism.inference", "expected an integer"),
+        (lambda d: d["model"].update(api="rerank"), "model.api", "expected one of"),
+        (lambda d: d["model"].update(endpoint="localhost:8000"), "model.endpoint", "http(s) URL"),
+        (lambda d: d["model"].update(prompt_template="{prompt"), "model.prompt_template", "not a valid template"),
+        (lambda d: d["kafka"].update(transactional_id_prefix=""), "kafka.transactional_id_prefix", "must not be empty"),
+        (lambda d: d["kafka"].update(output_topic=d["kafka"]["input_topic"]), "kafka.output_topic", "must differ"),
+        (lambda d: d["kafka"].update(transaction_timeout_ms=60000), "kafka.transaction_timeout_ms",
+         "must exceed checkpointing.interval_ms + async.record_deadline_s"),
+        (lambda d: d["model"].update(headers=["a"]), "model.headers", "expected a mapping"),
+        (lambda d: d.update(kafka="broker"), "kafka", "expected a mapping"),
+        (lambda d: d["rate_limit"].update(requests_per_minute="fast"), "rate_limit.requests_per_minute",
+         "expected a number"),
+    ],
+)
+def test_errors_name_the_key(mutate: Any, key: str, problem: str) -> None:
+    data = _base()
+    mutate(data)
+    err = _error(data)
+    assert err.key == key
+    assert problem in str(err)
+    assert str(err).startswith(f"{key}: ")
+
+
+def test_load_config_names_the_file(tmp_path: Path) -> None:
+    data = _base()
+    del data["model"]["model"]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"model\.model: required \(in .*job\.yaml\)"):
+        load_config(path)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kafka: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_parallelism_falls_back_to_default() -> None:
+    config = with_overrides(load_config(), parallelism={"default": 3, "inference": None, "sink": 2})
+    assert config.parallelism.of("inference") == 3
+    assert config.parallelism.of("sink") == 2
+
+
+def test_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = with_overrides(load_config(), model={"api_key_env": "LLMSTREAM_TEST_KEY"})
+    monkeypatch.delenv("LLMSTREAM_TEST_KEY", raising=False)
+    assert config.api_key() is None
+    monkeypatch.setenv("LLMSTREAM_TEST_KEY", "sk-secret")
+    assert config.api_key() == "sk-secret"
+    assert "sk-secret" not in repr(config)

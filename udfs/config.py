@@ -1,0 +1,327 @@
+"""Typed, frozen job configuration loaded from one YAML file.
+
+Every section is a frozen dataclass; `load_config` walks the YAML against the field types
+and fails at start with a `ConfigError` naming the key path (`kafka.group_id: required`),
+so a typo never reaches a running job. The objects are pickled to the Python workers
+with the functions that use them, so they live in `udfs/`. Secrets are never in the file:
+`model.api_key_env` names the environment variable that holds the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from udfs.errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "inference.yaml"
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """Where requests come from and where results and dead letters go."""
+
+    bootstrap_servers: str
+    input_topic: str
+    output_topic: str
+    dead_letter_topic: str
+    group_id: str
+    transactional_id_prefix: str
+    transaction_timeout_ms: int = 900_000
+    create_topics: bool = False
+    topic_partitions: int = 1
+    properties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PriceConfig:
+    """Prices per 1,000 tokens, in any currency; outputs then carry an estimated cost."""
+
+    prompt_per_1k: float = 0.0
+    completion_per_1k: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """An OpenAI-compatible endpoint and how to turn a record into a request for it."""
+
+    endpoint: str
+    model: str
+    api: Literal["chat", "completions", "embeddings"] = "chat"
+    api_key_env: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    system_prompt: str | None = None
+    prompt_template: str = "{prompt}"
+    max_input_tokens: int = 8192
+    on_context_overflow: Literal["dead-letter", "truncate"] = "dead-letter"
+    max_tokens: int | None = 256
+    temperature: float | None = None
+    prices: PriceConfig | None = None
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """The async operator: `capacity` bounds in-flight calls per inference subtask.
+
+    Timeouts are enforced inside the coroutine (per attempt and per record), never by the
+    operator's own timeout, which costs one thread per record.
+    """
+
+    capacity: int = 64
+    request_timeout_s: float = 30.0
+    record_deadline_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Exponential backoff with full jitter; the only retry layer in llmstream."""
+
+    max_attempts: int = 6
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    max_retry_after_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    """Job-wide provider limits; each inference subtask takes its share by parallelism."""
+
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    adaptive_concurrency: bool = True
+    min_concurrency: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    """Parallelism of the job and of each stage; `None` means `default`."""
+
+    default: int = 1
+    source: int | None = None
+    inference: int | None = None
+    sink: int | None = None
+
+    def of(self, stage: str) -> int:
+        value = getattr(self, stage)
+        return self.default if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Exactly-once output is committed when a checkpoint completes: interval = output latency."""
+
+    interval_ms: int = 5_000
+    timeout_ms: int = 600_000
+    min_pause_ms: int = 0
+    directory: str | None = None
+
+
+@dataclass(frozen=True)
+class PythonConfig:
+    """Python worker bundles. A bundle end drains every in-flight call, so small bundles cost
+    throughput with slow models; large ones make checkpoints (and so output) wait longer."""
+
+    bundle_size: int = 1000
+    bundle_time_ms: int = 1000
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Input guards: records beyond these go to the dead-letter topic, never to the model."""
+
+    max_record_bytes: int = 1_048_576
+    max_prompt_chars: int = 100_000
+    max_id_chars: int = 512
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole job. `name` is the Flink job name and part of log lines."""
+
+    kafka: KafkaConfig
+    model: ModelConfig
+    name: str = "llmstream-inference"
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
+    python: PythonConfig = field(default_factory=PythonConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def api_key(self) -> str | None:
+        """The API key from the environment, read where it is used and never stored."""
+        return os.environ.get(self.model.api_key_env) if self.model.api_key_env else None
+
+
+def _key_of(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("key", f.name))
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _convert(option, value, path)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0] if len(errors) == 1 else ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(path, f"expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(typing.cast(type, tp), value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {type(value).__name__}")
+        _, vtype = get_args(tp)
+        return {str(k): _convert(vtype, v, _join(path, str(k))) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported type {tp!r}")  # pragma: no cover - a bug in this module
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - set(fields))
+    if unknown:
+        raise ConfigError(_join(path, unknown[0]), f"unknown key (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for key, f in fields.items():
+        if key in data:
+            kwargs[f.name] = _convert(hints[f.name], data[key], _join(path, key))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(_join(path, key), "required")
+    obj = cls(**kwargs)
+    _validate(obj, path)
+    return obj
+
+
+def _require(ok: bool, path: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(path, problem)
+
+
+def _validate(obj: Any, path: str) -> None:
+    """Checks beyond types: ranges and non-empty names, named by key path."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = _join(path, _key_of(f))
+        if isinstance(value, str) and f.name not in ("system_prompt",) and f.type in ("str", str):
+            _require(value.strip() != "", key, "must not be empty")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if f.name in ("temperature", "prompt_per_1k", "completion_per_1k", "min_pause_ms"):
+                _require(value >= 0, key, f"must be >= 0, got {value}")
+            else:
+                _require(value > 0, key, f"must be > 0, got {value}")
+    if isinstance(obj, ModelConfig):
+        _require(obj.endpoint.startswith(("http://", "https://")), _join(path, "endpoint"),
+                 f"must be an http(s) URL, got {obj.endpoint!r}")
+        try:
+            obj.prompt_template.format_map(_FieldProbe())
+        except (ValueError, IndexError) as err:
+            raise ConfigError(_join(path, "prompt_template"), f"not a valid template: {err}") from err
+    if isinstance(obj, KafkaConfig):
+        _require(obj.output_topic != obj.input_topic, _join(path, "output_topic"),
+                 "must differ from kafka.input_topic")
+        _require(obj.dead_letter_topic != obj.input_topic, _join(path, "dead_letter_topic"),
+                 "must differ from kafka.input_topic")
+    if isinstance(obj, AsyncConfig):
+        _require(obj.record_deadline_s >= obj.request_timeout_s, _join(path, "record_deadline_s"),
+                 "must be >= async.request_timeout_s")
+    if isinstance(obj, JobConfig):
+        worst_s = obj.checkpointing.interval_ms / 1000 + obj.async_.record_deadline_s
+        _require(obj.kafka.transaction_timeout_ms / 1000 > worst_s, "kafka.transaction_timeout_ms",
+                 f"must exceed checkpointing.interval_ms + async.record_deadline_s ({worst_s:.0f} s), "
+                 "or a transaction can time out before its checkpoint commits it")
+
+
+class _FieldProbe(dict[str, str]):
+    """Accepts any field name so a template can be checked for syntax alone."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def config_from_dict(data: Any) -> JobConfig:
+    """Builds a `JobConfig` from already-parsed YAML, validating every key."""
+    return typing.cast(JobConfig, _build(JobConfig, data, ""))
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> JobConfig:
+    """Loads and validates the YAML job config; errors name the file and the key path."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError("", f"cannot read config {path}: {err.strerror}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError("", f"{path} is not valid YAML: {err}") from err
+    try:
+        return config_from_dict(data)
+    except ConfigError as err:
+        raise ConfigError(err.key, f"{err.problem} (in {path})") from None
+
+
+def with_overrides(config: JobConfig, **sections: dict[str, Any]) -> JobConfig:
+    """Returns a copy with some section fields replaced, re-validated (used by tests and tools)."""
+    data = to_dict(config)
+    for section, values in sections.items():
+        key = "async" if section == "async_" else section
+        data[key] = {**(data.get(key) or {}), **values}
+    return config_from_dict(data)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as YAML-ready data, keyed as in the file."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out[_key_of(f)] = to_dict(value) if dataclasses.is_dataclass(value) else value
+    return out
