@@ -1,0 +1,136 @@
+"""The `llmstream` command: one entry point, one subcommand per thing a user does.
+
+Subcommands import their modules lazily so `llmstream --help` and config errors answer
+at once, without loading PyFlink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from udfs.errors import ConfigError
+
+# subcommand -> (module, help). Modules with `main(argv)` own their arguments.
+DELEGATED: dict[str, tuple[str, str]] = {
+    "kafka": ("jobs.local_kafka", "start, stop or inspect the local single-node Kafka broker"),
+    "model-server": ("jobs.model_server", "run the OpenAI-compatible model-server SIMULATOR"),
+    "cluster": ("jobs.cluster", "start, stop or inspect a local standalone Flink cluster"),
+    "bench": ("jobs.bench.main", "benchmark llmstream against hand-written consumers"),
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from jobs.pipeline import RunOptions
+    from jobs.run import exit_code, run_job
+    from udfs.config import load_config
+
+    config = load_config(args.config)
+    return exit_code(run_job(config, RunOptions(until_end=args.until_end),
+                             progress_every_s=args.progress_every))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jobs import jars
+    from jobs.pipeline import RunOptions, build_pipeline, create_environment
+    from udfs.config import load_config
+
+    config = load_config(args.config)
+    env = create_environment(config, jars.connector_jar_urls())
+    build_pipeline(env, config, RunOptions(until_end=args.until_end))
+    print(env.get_execution_plan())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from jobs.demo import run_demo
+
+    return run_demo(records=args.records, keep=args.keep)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from jobs.cluster import submit
+
+    return submit(args.config, jobmanager=args.jobmanager, until_end=args.until_end)
+
+
+def _fetch_jars(args: argparse.Namespace) -> int:
+    from jobs import jars
+
+    for name in args.sets:
+        jars.ensure(name)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmstream", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the job in a local Flink mini cluster")
+    run.add_argument("--config", default=None, help="job config YAML (default: jobs/inference.yaml)")
+    run.add_argument("--until-end", action="store_true",
+                     help="stop once the records present at start are processed and committed (a backfill)")
+    run.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
+                     help="progress line interval (0: none)")
+    run.set_defaults(handler=_run)
+
+    plan = sub.add_parser("plan", help="print the job's Flink execution plan (JSON) without running it")
+    plan.add_argument("--config", default=None)
+    plan.add_argument("--until-end", action="store_true")
+    plan.set_defaults(handler=_plan)
+
+    demo = sub.add_parser("demo", help="broker + simulator + sample prompts + the job, end to end")
+    demo.add_argument("--records", type=int, default=None, help="how many sample prompts to send (default: all)")
+    demo.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
+    demo.set_defaults(handler=_demo)
+
+    submit = sub.add_parser("submit", help="submit the job to a Flink cluster")
+    submit.add_argument("--config", default=None)
+    submit.add_argument("--jobmanager", default=None, metavar="HOST:PORT",
+                        help="cluster REST address (default: the local cluster)")
+    submit.add_argument("--until-end", action="store_true")
+    submit.set_defaults(handler=_submit)
+
+    fetch = sub.add_parser("fetch-jars", help="resolve the pom-free JVM jars into the local cache")
+    fetch.add_argument("sets", nargs="*", default=["connector", "broker"])
+    fetch.set_defaults(handler=_fetch_jars)
+
+    for name, (module, help_text) in DELEGATED.items():
+        delegated = sub.add_parser(name, help=help_text, add_help=False)
+        delegated.add_argument("rest", nargs=argparse.REMAINDER)
+        delegated.set_defaults(handler=_delegate(module))
+    return parser
+
+
+def _delegate(module: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        main: Callable[[list[str]], int] = importlib.import_module(module).main
+        return main(args.rest)
+
+    return handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("LLMSTREAM_LOG", "INFO")),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.handler(args) or 0)
+    except ConfigError as err:
+        print(f"llmstream: config error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llmstream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

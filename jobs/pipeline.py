@@ -1,0 +1,150 @@
+"""The job graph: Kafka → decode → bounded async inference → exactly-once Kafka.
+
+This module only wires stages from the config; the stages live in `udfs/`. The Kafka ends
+are Flink's Kafka table connector (the DataStream `KafkaSource`/`KafkaSink` underneath),
+because only the table connector hands Python the record key and its topic, partition and
+offset, and writes a key and a per-record topic (output or dead letter) through one
+exactly-once sink.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyflink.common import Configuration, Types
+from pyflink.common.time import Time
+from pyflink.datastream import AsyncDataStream, CheckpointingMode, StreamExecutionEnvironment
+from pyflink.table import StreamTableEnvironment
+
+from udfs.config import JobConfig
+from udfs.operators import DEAD_LETTERS, SINK_ROW_TYPE, DecodeFunction, InferenceFunction
+
+SOURCE_TABLE = "kafka_requests"
+SINK_TABLE = "kafka_results"
+UDFS_DIR = Path(__file__).resolve().parents[1] / "udfs"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How this run differs from the config: `until_end` bounds the source (a backfill)."""
+
+    until_end: bool = False
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _with(options: dict[str, str]) -> str:
+    return ",\n  ".join(f"{_quote(k)} = {_quote(v)}" for k, v in options.items())
+
+
+def source_options(config: JobConfig, options: RunOptions) -> dict[str, str]:
+    """Kafka source: the consumer group's committed offsets, earliest where there are none;
+    offsets are committed to the group when a checkpoint completes."""
+    kafka = config.kafka
+    out = {
+        "connector": "kafka",
+        "topic": kafka.input_topic,
+        "properties.bootstrap.servers": kafka.bootstrap_servers,
+        "properties.group.id": kafka.group_id,
+        "scan.startup.mode": "group-offsets",
+        "properties.auto.offset.reset": "earliest",
+        "properties.commit.offsets.on.checkpoint": "true",
+        "key.format": "raw",
+        "key.fields": "k",
+        "value.format": "raw",
+        "value.fields-include": "EXCEPT_KEY",
+        "scan.parallelism": str(config.parallelism.of("source")),
+    }
+    if options.until_end:
+        out["scan.bounded.mode"] = "latest-offset"
+    out.update({f"properties.{k}": v for k, v in kafka.properties.items()})
+    return out
+
+
+def sink_options(config: JobConfig) -> dict[str, str]:
+    """Kafka sink: exactly-once transactions, committed on checkpoint, one sink for both topics."""
+    kafka = config.kafka
+    out = {
+        "connector": "kafka",
+        "topic": f"{kafka.output_topic};{kafka.dead_letter_topic}",
+        "properties.bootstrap.servers": kafka.bootstrap_servers,
+        "sink.delivery-guarantee": "exactly-once",
+        "sink.transactional-id-prefix": kafka.transactional_id_prefix,
+        "properties.transaction.timeout.ms": str(kafka.transaction_timeout_ms),
+        "key.format": "raw",
+        "key.fields": "k",
+        "value.format": "raw",
+        "value.fields-include": "EXCEPT_KEY",
+        "sink.parallelism": str(config.parallelism.of("sink")),
+    }
+    out.update({f"properties.{k}": v for k, v in kafka.properties.items()})
+    return out
+
+
+def flink_configuration(config: JobConfig, jar_urls: list[str]) -> Configuration:
+    """Settings that must be in place before the environment exists."""
+    conf = Configuration()
+    conf.set_string("python.executable", sys.executable)
+    conf.set_string("python.client.executable", sys.executable)
+    conf.set_string("python.fn-execution.bundle.size", str(config.python.bundle_size))
+    conf.set_string("python.fn-execution.bundle.time", str(config.python.bundle_time_ms))
+    conf.set_string("pipeline.name", config.name)
+    if jar_urls:
+        conf.set_string("pipeline.jars", ";".join(jar_urls))
+    if config.checkpointing.directory:
+        conf.set_string("execution.checkpointing.dir", config.checkpointing.directory)
+    return conf
+
+
+def create_environment(config: JobConfig, jar_urls: list[str]) -> StreamExecutionEnvironment:
+    """A stream environment configured for this job (mini cluster or cluster client)."""
+    env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config, jar_urls))
+    env.set_parallelism(config.parallelism.default)
+    checkpoints = config.checkpointing
+    env.enable_checkpointing(checkpoints.interval_ms, CheckpointingMode.EXACTLY_ONCE)
+    checkpoint_config = env.get_checkpoint_config()
+    checkpoint_config.set_checkpoint_timeout(checkpoints.timeout_ms)
+    checkpoint_config.set_min_pause_between_checkpoints(checkpoints.min_pause_ms)
+    env.add_python_file(str(UDFS_DIR))
+    return env
+
+
+def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, options: RunOptions = RunOptions()) -> None:
+    """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it."""
+    t_env = StreamTableEnvironment.create(env)
+    t_env.execute_sql(
+        f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n"
+        "  k BYTES, v BYTES,\n"
+        "  `topic` STRING METADATA VIRTUAL, `partition` INT METADATA VIRTUAL,\n"
+        "  `offset` BIGINT METADATA VIRTUAL, ts TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL\n"
+        f") WITH (\n  {_with(source_options(config, options))}\n)"
+    )
+    t_env.execute_sql(
+        f"CREATE TEMPORARY TABLE {SINK_TABLE} (k BYTES, v BYTES, `topic` STRING METADATA)\n"
+        f"WITH (\n  {_with(sink_options(config))}\n)"
+    )
+    inference_parallelism = config.parallelism.of("inference")
+    records = t_env.to_data_stream(t_env.from_path(SOURCE_TABLE))
+    requests = (
+        records.process(DecodeFunction(config), output_type=Types.PICKLED_BYTE_ARRAY())
+        .name("decode").uid("decode").set_parallelism(inference_parallelism)
+    )
+    results = (
+        AsyncDataStream.unordered_wait(
+            requests,
+            InferenceFunction(config),
+            # 0 disables the operator's per-record timer thread; deadlines live in the coroutine.
+            Time.milliseconds(0),
+            config.async_.capacity,
+            output_type=SINK_ROW_TYPE,
+        )
+        .name("inference").uid("inference").set_parallelism(inference_parallelism)
+    )
+    outgoing = results.union(requests.get_side_output(DEAD_LETTERS))
+    statements = t_env.create_statement_set()
+    statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
+    statements.attach_as_datastream()

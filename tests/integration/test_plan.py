@@ -1,0 +1,65 @@
+"""The job graph from the execution plan: names, parallelism, capacity, sink guarantee.
+
+No broker is needed: building the graph only declares the Kafka tables.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from jobs import jars
+from jobs.pipeline import RunOptions, build_pipeline, create_environment, sink_options, source_options
+from udfs.config import load_config, with_overrides
+
+pytestmark = pytest.mark.integration
+
+
+def _plan(**overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    config = with_overrides(load_config(), **overrides)
+    env = create_environment(config, jars.connector_jar_urls())
+    build_pipeline(env, config, RunOptions())
+    return json.loads(env.get_execution_plan())["nodes"]
+
+
+def _node(nodes: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    matches = [n for n in nodes if n["type"] == name or n["type"].startswith(name)]
+    assert matches, f"no operator named {name!r} in {[n['type'] for n in nodes]}"
+    return matches[0]
+
+
+def test_stages_and_parallelism_follow_the_config() -> None:
+    nodes = _plan(parallelism={"default": 1, "source": 2, "inference": 3, "sink": 2})
+    assert _node(nodes, "Source: kafka_requests")["parallelism"] == 2
+    assert _node(nodes, "decode")["parallelism"] == 3
+    assert _node(nodes, "inference")["parallelism"] == 3
+    assert _node(nodes, "kafka_results")["parallelism"] == 2
+
+
+def test_changing_inference_parallelism_changes_the_graph() -> None:
+    one = _node(_plan(parallelism={"inference": 1}), "inference")["parallelism"]
+    four = _node(_plan(parallelism={"inference": 4}), "inference")["parallelism"]
+    assert (one, four) == (1, 4)
+
+
+def test_sink_is_exactly_once_with_the_configured_transactions() -> None:
+    config = load_config()
+    options = sink_options(config)
+    assert options["sink.delivery-guarantee"] == "exactly-once"
+    assert options["sink.transactional-id-prefix"] == config.kafka.transactional_id_prefix
+    assert options["properties.transaction.timeout.ms"] == str(config.kafka.transaction_timeout_ms)
+    types = [n["type"] for n in _plan()]
+    assert any(t.startswith("kafka_results") and t.endswith(": Writer") for t in types)
+    assert any(t.startswith("kafka_results") and t.endswith(": Committer") for t in types)
+
+
+def test_source_uses_group_offsets_and_bounds_only_for_backfills() -> None:
+    config = load_config()
+    unbounded = source_options(config, RunOptions())
+    assert unbounded["properties.group.id"] == config.kafka.group_id
+    assert unbounded["scan.startup.mode"] == "group-offsets"
+    assert unbounded["properties.auto.offset.reset"] == "earliest"
+    assert "scan.bounded.mode" not in unbounded
+    assert source_options(config, RunOptions(until_end=True))["scan.bounded.mode"] == "latest-offset"

@@ -1,0 +1,66 @@
+"""Output and dead-letter records: what a consumer of the two topics sees."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from udfs import dead_letter
+from udfs.encode import result_row
+from udfs.errors import BadInput, RetryableError
+from udfs.records import Completion, Request, SourceRef
+
+SOURCE = SourceRef("requests", 1, 42, 1_700_000_000_000)
+
+
+def test_result_row_keeps_key_and_carries_accounting() -> None:
+    request = Request(id="r1", key=b"\x00key", source=SOURCE, prompt="hi")
+    completion = Completion(output="hello", model="m", finish_reason="stop", prompt_tokens=3,
+                            completion_tokens=5, latency_ms=12.34, attempts=2, endpoint="http://x/v1/chat/completions",
+                            started_ms=1, completed_ms=2, cost=0.5)
+    row = result_row(request, completion, "results")
+    assert row.key == b"\x00key"
+    assert row.topic == "results"
+    body = json.loads(row.value)
+    assert body["id"] == "r1"
+    assert body["output"] == "hello"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert body["attempts"] == 2
+    assert body["latency_ms"] == 12.3
+    assert body["timestamps"] == {"produced": 1_700_000_000_000, "started": 1, "completed": 2}
+    assert body["source"] == {"topic": "requests", "partition": 1, "offset": 42, "timestamp": 1_700_000_000_000}
+
+
+def test_bad_input_dead_letter_keeps_original_bytes() -> None:
+    raw = b"\xff\xfe not utf-8"
+    row = dead_letter.for_bad_input(BadInput("invalid_utf8", "value is not UTF-8 at byte 0"), key=b"k",
+                                    value=raw, source=SOURCE, record_id=None, job="j", topic="dlq")
+    body = json.loads(row.value)
+    assert (row.key, row.topic) == (b"k", "dlq")
+    assert body["reason"] == "invalid_utf8"
+    assert body["original"]["encoding"] == "base64"
+    assert base64.b64decode(body["original"]["value"]) == raw
+    assert body["source"]["offset"] == 42
+    assert body["attempts"] == 0
+
+
+def test_inference_dead_letter_has_attempts_and_status() -> None:
+    err = RetryableError("HTTP 503 from server", status=503, attempts=6)
+    row = dead_letter.for_inference_error(err, key=None, value=b'{"id":"r"}', source=SOURCE, record_id="r",
+                                          job="j", topic="dlq")
+    body = json.loads(row.value)
+    assert body["reason"] == "inference_retries_exhausted"
+    assert body["attempts"] == 6
+    assert body["last_status"] == 503
+    assert body["id"] == "r"
+    assert body["original"] == {"size": 10, "truncated": False, "encoding": "utf-8", "value": '{"id":"r"}'}
+
+
+def test_huge_original_is_cut_with_its_hash() -> None:
+    raw = b"x" * (dead_letter.ORIGINAL_LIMIT_BYTES + 10)
+    body = json.loads(dead_letter.dead_letter_value(reason="record_too_large", error="big", source=SOURCE,
+                                                    original=raw, record_id=None, job="j"))
+    assert body["original"]["truncated"] is True
+    assert body["original"]["size"] == len(raw)
+    assert len(body["original"]["value"]) == dead_letter.ORIGINAL_LIMIT_BYTES
+    assert len(body["original"]["sha256"]) == 64

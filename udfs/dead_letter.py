@@ -1,0 +1,82 @@
+"""Dead letters: what is written, instead of a result, for a record that gets none.
+
+A dead letter says why (a stable `reason` code and a human `error`), where the record came
+from (topic/partition/offset), how hard we tried (`attempts`, `last_status`) and carries
+the original bytes, so nothing is lost. The original is UTF-8 text where it is, base64
+where not, and cut at `ORIGINAL_LIMIT_BYTES` (with its full size and sha256) so a 10 MB
+bad record cannot make the dead-letter write itself fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+from typing import Any
+
+from udfs.errors import BadInput, InferenceError
+from udfs.records import SinkRow, SourceRef
+
+ORIGINAL_LIMIT_BYTES = 256 * 1024
+
+
+def _original(value: bytes | None) -> dict[str, Any]:
+    if value is None:
+        return {"encoding": None, "value": None, "size": 0}
+    kept = value[:ORIGINAL_LIMIT_BYTES]
+    out: dict[str, Any] = {"size": len(value), "truncated": len(kept) < len(value)}
+    try:
+        out.update(encoding="utf-8", value=kept.decode("utf-8"))
+    except UnicodeDecodeError:
+        out.update(encoding="base64", value=base64.b64encode(kept).decode("ascii"))
+    if out["truncated"]:
+        out["sha256"] = hashlib.sha256(value).hexdigest()
+    return out
+
+
+def dead_letter_value(
+    *,
+    reason: str,
+    error: str,
+    source: SourceRef,
+    original: bytes | None,
+    record_id: str | None,
+    job: str,
+    attempts: int = 0,
+    last_status: int | None = None,
+) -> bytes:
+    """The dead-letter record's JSON value (see README, "Record contract")."""
+    body = {
+        "reason": reason,
+        "error": error,
+        "id": record_id,
+        "attempts": attempts,
+        "last_status": last_status,
+        "source": source.as_json(),
+        "original": _original(original),
+        "dead_lettered_at": int(time.time() * 1000),
+        "job": job,
+    }
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+def for_bad_input(
+    err: BadInput, *, key: bytes | None, value: bytes | None, source: SourceRef,
+    record_id: str | None, job: str, topic: str,
+) -> SinkRow:
+    """A record that never reached the model."""
+    payload = dead_letter_value(reason=err.reason, error=err.detail, source=source, original=value,
+                                record_id=record_id, job=job)
+    return SinkRow(key, payload, topic)
+
+
+def for_inference_error(
+    err: InferenceError, *, key: bytes | None, value: bytes | None, source: SourceRef,
+    record_id: str | None, job: str, topic: str,
+) -> SinkRow:
+    """A record the model could not answer, after the retries the error allowed."""
+    payload = dead_letter_value(reason=err.reason, error=err.detail, source=source, original=value,
+                                record_id=record_id, job=job, attempts=err.attempts,
+                                last_status=err.status)
+    return SinkRow(key, payload, topic)

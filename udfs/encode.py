@@ -1,0 +1,38 @@
+"""Stage 3: the output record for a request the model answered."""
+
+from __future__ import annotations
+
+import json
+
+from udfs.records import Completion, Request, SinkRow
+
+
+def result_value(request: Request, completion: Completion) -> bytes:
+    """The output record's JSON value (see README, "Record contract")."""
+    body = {
+        "id": request.id,
+        "output": completion.output,
+        "model": completion.model,
+        "finish_reason": completion.finish_reason,
+        "usage": {
+            "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": completion.completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+        },
+        "latency_ms": round(completion.latency_ms, 1),
+        "attempts": completion.attempts,
+        "endpoint": completion.endpoint,
+        "cost": completion.cost,
+        "timestamps": {
+            "produced": request.source.timestamp_ms,
+            "started": completion.started_ms,
+            "completed": completion.completed_ms,
+        },
+        "source": request.source.as_json(),
+    }
+    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
+def result_row(request: Request, completion: Completion, topic: str) -> SinkRow:
+    """The sink row for a result: the input's key, kept as it was."""
+    return SinkRow(request.key, result_value(request, completion), topic)
