@@ -1,0 +1,623 @@
+"""A single-node KRaft Kafka 4.1.1 broker on loopback, plus the admin helpers tests use.
+
+The broker runs from the jars pinned in ``pom-free/`` (no Kafka distribution, no
+Docker), detached from the Python process that starts it, so ``llmstream kafka
+start`` can return while the broker keeps serving; ``stop`` finds it again via the
+pid file in the data dir. Everything lives under the data dir: ``server.properties``,
+``log4j2.properties``, ``broker.pid``, ``data/`` (``log.dirs``) and ``logs/``.
+
+The admin helpers wrap kafka-python 3.0.12 (whose admin responses are plain dicts)
+and are what tests, the demo and the benchmarks use to set up and inspect topics.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # type: ignore[import-untyped]
+from kafka.admin import KafkaAdminClient, OffsetSpec  # type: ignore[import-untyped]
+from kafka.consumer.fetcher import ConsumerRecord  # type: ignore[import-untyped]
+from kafka.errors import KafkaError, for_code  # type: ignore[import-untyped]
+from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[import-untyped]
+
+from jobs import jars
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9092
+DEFAULT_HEAP = "512m"
+_TOPIC_ALREADY_EXISTS = 36
+_UNKNOWN_TOPIC_OR_PARTITION = 3
+
+__all__ = [
+    "BrokerConfig",
+    "LocalBroker",
+    "add_arguments",
+    "committed_offsets",
+    "consume_committed",
+    "create_topics",
+    "default_data_dir",
+    "delete_topics",
+    "end_offsets",
+    "free_port",
+    "main",
+    "produce",
+    "run",
+]
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the usual race applies; fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def default_data_dir() -> Path:
+    return jars.repo_root() / "var" / "kafka"
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Where and how one local broker runs.
+
+    ``transaction.max.timeout.ms`` is set explicitly to the broker default (15 min)
+    because Flink's exactly-once sink must use a ``transaction.timeout.ms`` no larger
+    than it; override it through ``extra_properties`` if a job needs longer.
+    ``controller_port`` 0 means ``port + 1``.
+    """
+
+    port: int = DEFAULT_PORT
+    controller_port: int = 0
+    data_dir: Path = field(default_factory=default_data_dir)
+    heap: str = DEFAULT_HEAP
+    extra_properties: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.controller_port:
+            object.__setattr__(self, "controller_port", self.port + 1)
+        if self.port == self.controller_port:
+            raise ValueError(f"port and controller_port must differ (both {self.port})")
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
+
+    @classmethod
+    def ephemeral(cls, data_dir: Path, **kwargs: Any) -> BrokerConfig:
+        """A config on two fresh free ports, for tests and benchmarks that must not collide."""
+        port = free_port()
+        controller_port = free_port()
+        while controller_port == port:
+            controller_port = free_port()
+        return cls(port=port, controller_port=controller_port, data_dir=data_dir, **kwargs)
+
+    def server_properties(self) -> dict[str, str]:
+        data = self.data_dir / "data"
+        listeners = f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}"
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
+            "listeners": listeners,
+            "advertised.listeners": listeners,
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(data),
+            "offsets.topic.replication.factor": "1",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            "num.partitions": "1",
+            "auto.create.topics.enable": "false",
+            "transaction.max.timeout.ms": "900000",
+        }
+        props.update({str(k): str(v) for k, v in self.extra_properties.items()})
+        return props
+
+
+_LOG4J2 = """\
+# Written by jobs/local_kafka.py: the broker logs to a rolling file only, never stdout.
+status = warn
+name = llmstream-local-kafka
+# Kafka logs its own shutdown from a JVM hook; log4j's hook would close the file first.
+shutdownHook = disable
+appender.file.type = RollingFile
+appender.file.name = FILE
+appender.file.fileName = {log}
+appender.file.filePattern = {log}.%i
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 50MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 3
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = FILE
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+logger.statechange.name = state.change.logger
+logger.statechange.level = WARN
+"""
+
+
+def _java() -> str:
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").is_file():
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if found is None:
+        raise RuntimeError("java not found (need Java 17+ on PATH or JAVA_HOME)")
+    return found
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no {path.name})"
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie; reaps it if it is our exited child."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+class LocalBroker:
+    """Start, stop and query one broker whose state lives in ``config.data_dir``."""
+
+    def __init__(self, config: BrokerConfig | None = None) -> None:
+        self.config = config or BrokerConfig()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.config.data_dir
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.config.port}"
+
+    @property
+    def properties_file(self) -> Path:
+        return self.data_dir / "server.properties"
+
+    @property
+    def log4j_file(self) -> Path:
+        return self.data_dir / "log4j2.properties"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / "logs" / "server.log"
+
+    @property
+    def stdout_file(self) -> Path:
+        return self.data_dir / "logs" / "stdout.log"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / "broker.pid"
+
+    def pid(self) -> int | None:
+        """The pid from the pid file if that process is alive and is this data dir's broker."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if not _pid_alive(pid):
+            return None
+        cmd = _cmdline(pid)
+        if cmd and not ("kafka.Kafka" in cmd and str(self.properties_file) in cmd):
+            return None
+        return pid
+
+    def is_ready(self, timeout_s: float = 3.0) -> bool:
+        """True if our process is alive and the broker answers a metadata request."""
+        return self.pid() is not None and _answers(self.bootstrap_servers, timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        pid = self.pid()
+        return {
+            "running": pid is not None,
+            "ready": pid is not None and _answers(self.bootstrap_servers, 3.0),
+            "pid": pid,
+            "bootstrap": self.bootstrap_servers,
+            "controller": f"127.0.0.1:{self.config.controller_port}",
+            "data_dir": str(self.data_dir),
+            "log_file": str(self.log_file),
+        }
+
+    def _write_config(self) -> None:
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
+        lines = [f"{k}={v}" for k, v in self.config.server_properties().items()]
+        self.properties_file.write_text(
+            "# Written by jobs/local_kafka.py on every start; edits are overwritten.\n" + "\n".join(lines) + "\n"
+        )
+        self.log4j_file.write_text(_LOG4J2.format(log=self.log_file))
+
+    def _written_listeners(self) -> str | None:
+        with contextlib.suppress(OSError):
+            for line in self.properties_file.read_text().splitlines():
+                if line.startswith("listeners="):
+                    return line.split("=", 1)[1]
+        return None
+
+    def _java_base(self) -> list[str]:
+        return [_java(), f"-Dlog4j2.configurationFile={self.log4j_file}", "-cp", jars.classpath("broker")]
+
+    def _format_storage(self) -> None:
+        """Format ``log.dirs`` once; a formatted dir keeps its cluster id across restarts."""
+        if (self.data_dir / "data" / "meta.properties").exists():
+            return
+        base = [*self._java_base(), "-Xmx256m", "kafka.tools.StorageTool"]
+        uuid_proc = subprocess.run([*base, "random-uuid"], check=False, capture_output=True, text=True, timeout=120)
+        cluster_id = uuid_proc.stdout.strip().splitlines()[-1] if uuid_proc.stdout.strip() else ""
+        if uuid_proc.returncode != 0 or not cluster_id:
+            raise RuntimeError(f"kafka StorageTool random-uuid failed:\n{uuid_proc.stdout}{uuid_proc.stderr}")
+        fmt = subprocess.run(
+            [*base, "format", "-t", cluster_id, "-c", str(self.properties_file), "--standalone"],
+            check=False, capture_output=True, text=True, timeout=120,
+        )
+        if fmt.returncode != 0:
+            raise RuntimeError(f"kafka StorageTool format failed:\n{fmt.stdout}{fmt.stderr}")
+
+    def start(self, timeout: float = 60) -> None:
+        """Start the broker and wait until it answers; a no-op if it already runs.
+
+        On timeout or early exit the process is killed and the error carries the
+        last lines of the broker log, which is where the reason will be.
+        """
+        if self.pid() is not None:
+            running = self._written_listeners()
+            if running != self.config.server_properties()["listeners"]:
+                raise RuntimeError(
+                    f"a broker for {self.data_dir} already runs with listeners {running}; stop it first"
+                )
+            self._wait_ready(timeout)
+            return
+        for port in (self.config.port, self.config.controller_port):
+            if _port_in_use(port):
+                raise RuntimeError(f"port {port} on 127.0.0.1 is already in use; pick another (--port)")
+        jars.ensure("broker")
+        self._write_config()
+        self._format_storage()
+        cmd = [
+            _java(), f"-Xmx{self.config.heap}", f"-Xms{self.config.heap}",
+            "-XX:+UseG1GC", "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.log4j_file}",
+            "-cp", jars.classpath("broker"),
+            "kafka.Kafka", str(self.properties_file),
+        ]
+        with self.stdout_file.open("ab") as out:
+            self._process = subprocess.Popen(
+                cmd, cwd=self.data_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.pid_file.write_text(f"{self._process.pid}\n")
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self._kill(signal.SIGKILL, 10)
+            self._reap()
+            self.pid_file.unlink(missing_ok=True)
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.pid() is None:
+                raise RuntimeError(
+                    f"kafka broker exited during startup; last lines of {self.log_file}:\n{self._log_tail()}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(
+                    f"kafka broker not ready after {timeout:g}s at {self.bootstrap_servers}; "
+                    f"last lines of {self.log_file}:\n{self._log_tail()}"
+                )
+            if _answers(self.bootstrap_servers, min(3.0, max(remaining, 0.5))):
+                return
+            time.sleep(0.3)
+
+    def _log_tail(self) -> str:
+        tail = _tail(self.log_file)
+        stdout = _tail(self.stdout_file).strip()
+        return tail + (f"\n--- {self.stdout_file.name}:\n{stdout}" if stdout else "")
+
+    def _kill(self, sig: signal.Signals, timeout: float) -> bool:
+        """Send ``sig`` to the pid-file process and wait; True once it is gone."""
+        pid = self.pid()
+        if pid is None:
+            return True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _pid_alive(pid):
+                return True
+            time.sleep(0.1)
+        return not _pid_alive(pid)
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM for a clean controlled shutdown, SIGKILL if it does not finish in time."""
+        if not self._kill(signal.SIGTERM, timeout) and not self._kill(signal.SIGKILL, 10):
+            raise RuntimeError(f"kafka broker pid {self.pid()} survived SIGKILL")
+        self._reap()
+        self.pid_file.unlink(missing_ok=True)
+
+    def _reap(self) -> None:
+        if self._process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=5)
+            self._process = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _answers(bootstrap: str, timeout_s: float) -> bool:
+    ms = max(int(timeout_s * 1000), 500)
+    try:
+        with KafkaAdminClient(
+            bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms,
+            reconnect_backoff_max_ms=200,
+        ) as admin:
+            admin.describe_cluster()
+            admin.list_topics()
+        return True
+    except Exception:  # noqa: BLE001 - any failure just means "not ready yet"
+        return False
+
+
+@contextlib.contextmanager
+def _admin(bootstrap: str, timeout_s: float = 30.0) -> Iterator[KafkaAdminClient]:
+    ms = int(timeout_s * 1000)
+    with KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms) as admin:
+        yield admin
+
+
+def _raise_for(code: int, message: str | None, what: str) -> None:
+    err = for_code(code)
+    raise err(f"{what}: {message or err.__name__}")
+
+
+def create_topics(
+    bootstrap: str,
+    names: Sequence[str],
+    partitions: int = 1,
+    exist_ok: bool = True,
+    *,
+    configs: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+) -> None:
+    """Create topics (replication factor 1) and wait until every partition has a leader."""
+    if not names:
+        return
+    spec = {n: {"num_partitions": partitions, "replication_factor": 1, "configs": dict(configs or {})} for n in names}
+    with _admin(bootstrap, timeout_s) as admin:
+        result = admin.create_topics(spec, timeout_ms=int(timeout_s * 1000), raise_errors=False)
+        for topic in result["topics"]:
+            code = topic["error_code"]
+            if code and not (exist_ok and code == _TOPIC_ALREADY_EXISTS):
+                _raise_for(code, topic.get("error_message"), f"create topic {topic['name']}")
+        admin.wait_for_topics(list(names), timeout_ms=int(timeout_s * 1000))
+
+
+def delete_topics(bootstrap: str, names: Sequence[str], missing_ok: bool = True, *, timeout_s: float = 30.0) -> None:
+    if not names:
+        return
+    with _admin(bootstrap, timeout_s) as admin:
+        result = admin.delete_topics(list(names), timeout_ms=int(timeout_s * 1000), raise_errors=False)
+        for topic in result["topics"]:
+            code = topic["error_code"]
+            if code and not (missing_ok and code == _UNKNOWN_TOPIC_OR_PARTITION):
+                _raise_for(code, topic.get("error_message"), f"delete topic {topic['name']}")
+
+
+def produce(
+    bootstrap: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes | None]],
+    *,
+    partition: int | None = None,
+    timeout_s: float = 30.0,
+) -> int:
+    """Send ``(key, value)`` pairs with acks=all, flush, and raise if any send failed; returns the count."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    try:
+        futures = [producer.send(topic, key=k, value=v, partition=partition) for k, v in records]
+        producer.flush(timeout=timeout_s)
+        for fut in futures:
+            fut.get(timeout=timeout_s)
+        return len(futures)
+    finally:
+        producer.close(timeout=timeout_s)
+
+
+def _partitions(bootstrap: str, topic: str, timeout_s: float) -> list[int]:
+    with _admin(bootstrap, timeout_s) as admin:
+        described = admin.describe_topics([topic])
+    if not described or described[0].get("error_code"):
+        code = described[0]["error_code"] if described else _UNKNOWN_TOPIC_OR_PARTITION
+        _raise_for(code, None, f"describe topic {topic}")
+    return sorted(p["partition_index"] for p in described[0]["partitions"])
+
+
+def consume_committed(
+    bootstrap: str,
+    topic: str,
+    *,
+    expected: int | None = None,
+    timeout_s: float,
+    group_id: str | None = None,
+) -> list[ConsumerRecord]:
+    """Read ``topic`` with ``read_committed``, as a downstream exactly-once consumer would.
+
+    Without ``group_id`` it reads every partition from the beginning and commits
+    nothing. With one, it starts from that group's committed offsets (the beginning
+    for a new group) and commits what it read, so a caller can resume; partitions are
+    assigned directly, so there is no group membership or rebalance to wait for.
+    Stops once ``expected`` records are seen, or, if ``expected`` is None, once
+    every partition reaches its last stable offset as of the call; returns what it
+    has when ``timeout_s`` passes rather than raising, so callers assert on counts.
+    """
+    deadline = time.monotonic() + timeout_s
+    parts = [TopicPartition(topic, p) for p in _partitions(bootstrap, topic, timeout_s)]
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group_id,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    records: list[ConsumerRecord] = []
+    try:
+        consumer.assign(parts)
+        if group_id is None:
+            consumer.seek_to_beginning(*parts)
+        targets = consumer.end_offsets(parts) if expected is None else {}
+        while time.monotonic() < deadline:
+            if expected is not None and len(records) >= expected:
+                break
+            if expected is None and all(consumer.position(tp) >= end for tp, end in targets.items()):
+                break
+            wait_ms = int(max(0.0, min(0.5, deadline - time.monotonic())) * 1000)
+            for batch in consumer.poll(timeout_ms=wait_ms).values():
+                records.extend(batch)
+        if group_id is not None:
+            consumer.commit()
+    finally:
+        consumer.close()
+    return sorted(records, key=lambda r: (r.partition, r.offset))
+
+
+def end_offsets(bootstrap: str, topic: str, *, committed_only: bool = False, timeout_s: float = 30.0) -> dict[int, int]:
+    """Per-partition end offsets: the high watermark, or with ``committed_only`` the last stable offset."""
+    parts = _partitions(bootstrap, topic, timeout_s)
+    isolation = IsolationLevel.READ_COMMITTED if committed_only else IsolationLevel.READ_UNCOMMITTED
+    with _admin(bootstrap, timeout_s) as admin:
+        result = admin.list_partition_offsets(
+            {TopicPartition(topic, p): OffsetSpec.LATEST for p in parts}, isolation_level=isolation,
+        )
+    return {tp.partition: int(o.offset) for tp, o in sorted(result.items())}
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str, *, timeout_s: float = 30.0) -> dict[int, int]:
+    """The group's committed offsets for ``topic``; partitions without a commit are left out."""
+    with _admin(bootstrap, timeout_s) as admin:
+        result = admin.list_group_offsets({group: None})
+    offsets = result.get(group, {})
+    return {
+        tp.partition: int(meta.offset)
+        for tp, meta in sorted(offsets.items())
+        if tp.topic == topic and meta.offset is not None and meta.offset >= 0
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``start|stop|status`` command and broker options (dests are ``kafka_*`` to avoid clashes)."""
+    parser.add_argument("kafka_command", metavar="{start,stop,status}", choices=["start", "stop", "status"])
+    parser.add_argument("--port", dest="kafka_port", type=int, default=DEFAULT_PORT,
+                        help=f"PLAINTEXT listener port (default {DEFAULT_PORT})")
+    parser.add_argument("--controller-port", dest="kafka_controller_port", type=int, default=None,
+                        help="KRaft controller port (default: port+1)")
+    parser.add_argument("--data-dir", dest="kafka_data_dir", type=Path, default=None,
+                        help="broker state, config and logs (default: <repo>/var/kafka)")
+    parser.add_argument("--heap", dest="kafka_heap", default=DEFAULT_HEAP, help=f"JVM heap (default {DEFAULT_HEAP})")
+    parser.add_argument("--timeout", dest="kafka_timeout", type=float, default=60.0,
+                        help="seconds to wait for start/stop (default 60)")
+    parser.add_argument("--json", dest="kafka_json", action="store_true", help="print status as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed ``add_arguments`` namespace; returns the exit code (status: 0 running, 1 not)."""
+    broker = LocalBroker(BrokerConfig(
+        port=args.kafka_port,
+        controller_port=args.kafka_controller_port or 0,
+        data_dir=args.kafka_data_dir if args.kafka_data_dir is not None else default_data_dir(),
+        heap=args.kafka_heap,
+    ))
+    try:
+        if args.kafka_command == "start":
+            started = time.monotonic()
+            already = broker.pid() is not None
+            broker.start(timeout=args.kafka_timeout)
+            state = "already running" if already else f"started in {time.monotonic() - started:.1f}s"
+            print(f"kafka: {state}: pid {broker.pid()} bootstrap {broker.bootstrap_servers} log {broker.log_file}")
+            return 0
+        if args.kafka_command == "stop":
+            pid = broker.pid()
+            broker.stop(timeout=args.kafka_timeout)
+            print(f"kafka: stopped pid {pid}" if pid else "kafka: not running")
+            return 0
+        status = broker.status()
+        if args.kafka_json:
+            print(json.dumps(status, indent=2))
+        elif status["running"]:
+            print(f"kafka: running pid {status['pid']} ready {status['ready']} "
+                  f"bootstrap {status['bootstrap']} log {status['log_file']}")
+        else:
+            print(f"kafka: not running (data dir {status['data_dir']})")
+        return 0 if status["running"] else 1
+    except (RuntimeError, KafkaError, OSError) as exc:
+        print(f"kafka: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmstream kafka", description="Local single-node KRaft Kafka broker.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

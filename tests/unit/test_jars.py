@@ -1,0 +1,106 @@
+"""The pom-free lock file and fetcher, without Maven or the network."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from jobs import jars
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def fetch() -> ModuleType:
+    """``pom-free/fetch.py`` loaded by path: the folder name has a hyphen, so it cannot be imported."""
+    name = "pom_free_fetch_under_test"
+    spec = importlib.util.spec_from_file_location(name, REPO / "pom-free" / "fetch.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_manifest_rows_are_well_formed(fetch: ModuleType) -> None:
+    entries = fetch.read_manifest()
+    for e in entries:
+        assert re.fullmatch(r"[0-9a-f]{64}", e.sha256), e
+        assert len(e.coord.split(":")) in (3, 4), e
+    by_set = {s: fetch.entries_for(s, entries) for s in fetch.SETS}
+    assert set(by_set) == {"connector", "broker"}
+    assert all(by_set.values())
+    assert [e.coord for e in by_set["connector"]] == ["org.apache.flink:flink-sql-connector-kafka:5.0.0-2.2"]
+    broker = {e.coord for e in by_set["broker"]}
+    assert set(fetch.ROOTS["broker"]) <= broker
+    assert not any(c.startswith("org.slf4j:slf4j-api:1.") for c in broker)
+    for rows in by_set.values():
+        names = [e.filename for e in rows]
+        assert len(names) == len(set(names))
+    assert entries == sorted(entries)
+
+
+def test_read_manifest_rejects_short_hash(fetch: ModuleType, tmp_path: Path) -> None:
+    bad = tmp_path / "manifest.tsv"
+    bad.write_text("# c\nbroker\torg.example:x:1\tabc123\n")
+    with pytest.raises(fetch.FetchError, match="64"):
+        fetch.read_manifest(bad)
+
+
+def test_verify_rejects_wrong_hash_and_deletes_jar(fetch: ModuleType, tmp_path: Path) -> None:
+    good = fetch.Entry("broker", "org.example:good:1.0", hashlib.sha256(b"good").hexdigest())
+    wrong = "0" * 64
+    bad = fetch.Entry("broker", "org.example:bad:1.0:tests", wrong)
+    (tmp_path / good.filename).write_bytes(b"good")
+    (tmp_path / bad.filename).write_bytes(b"tampered")
+    assert bad.filename == "bad-1.0-tests.jar"
+
+    fetch.verify(tmp_path, [good])
+    with pytest.raises(fetch.FetchError) as info:
+        fetch.verify(tmp_path, [good, bad])
+    message = str(info.value)
+    assert "bad-1.0-tests.jar" in message
+    assert wrong in message and hashlib.sha256(b"tampered").hexdigest() in message
+    assert not (tmp_path / bad.filename).exists()
+    assert (tmp_path / good.filename).exists()
+    assert fetch.stale_entries(tmp_path, [good, bad]) == [bad]
+
+
+def test_fetch_pom_excludes_transitive_dependencies(fetch: ModuleType) -> None:
+    pom = fetch.render_pom(["g:a:1", "g:b:2:cls"], exclude_all=True)
+    assert pom.count("<exclusion><groupId>*</groupId><artifactId>*</artifactId></exclusion>") == 2
+    assert "<classifier>cls</classifier>" in pom
+
+
+def test_jars_api_uses_cache_override(fetch: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSTREAM_JAR_CACHE", str(tmp_path))
+    assert jars.jar_dir("connector") == tmp_path / "connector"
+    with pytest.raises(RuntimeError, match="ensure"):
+        jars.classpath("broker")
+    with pytest.raises(ValueError):
+        jars.jar_dir("nope")
+
+    for set_name in fetch.SETS:
+        (tmp_path / set_name).mkdir()
+        for e in fetch.entries_for(set_name, fetch.read_manifest()):
+            (tmp_path / set_name / e.filename).write_bytes(b"")
+    (tmp_path / "broker" / "stray.jar").write_bytes(b"")
+    cp = jars.classpath("broker").split(":")
+    assert len(cp) == len(fetch.entries_for("broker", fetch.read_manifest()))
+    assert all(p.startswith(str(tmp_path / "broker")) for p in cp)
+    assert not any(p.endswith("stray.jar") for p in cp)
+    (url,) = jars.connector_jar_urls()
+    assert url.startswith("file://") and url.endswith("flink-sql-connector-kafka-5.0.0-2.2.jar")
+
+
+def test_repo_root_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert jars.repo_root() == REPO
+    monkeypatch.setenv("LLMSTREAM_HOME", str(tmp_path))
+    assert jars.repo_root() == tmp_path
+    with pytest.raises(RuntimeError, match="LLMSTREAM_HOME"):
+        jars.jar_dir("broker")
