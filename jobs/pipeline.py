@@ -15,11 +15,20 @@ from pathlib import Path
 
 from pyflink.common import Configuration, Types
 from pyflink.common.time import Time
-from pyflink.datastream import AsyncDataStream, CheckpointingMode, StreamExecutionEnvironment
+from pyflink.datastream import (
+    AsyncDataStream,
+    CheckpointingMode,
+    StreamExecutionEnvironment,
+)
 from pyflink.table import StreamTableEnvironment
 
 from udfs.config import JobConfig
-from udfs.operators import DEAD_LETTERS, SINK_ROW_TYPE, DecodeFunction, InferenceFunction
+from udfs.operators import (
+    DEAD_LETTERS,
+    SINK_ROW_TYPE,
+    DecodeFunction,
+    InferenceFunction,
+)
 
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
@@ -113,8 +122,9 @@ def create_environment(config: JobConfig, jar_urls: list[str]) -> StreamExecutio
     return env
 
 
-def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, options: RunOptions = RunOptions()) -> None:
+def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, options: RunOptions | None = None) -> None:
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it."""
+    options = options or RunOptions()
     t_env = StreamTableEnvironment.create(env)
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n"

@@ -10,13 +10,15 @@ lost, nothing is written twice.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -25,9 +27,6 @@ from jobs.pipeline import RunOptions, build_pipeline, create_environment
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.run")
-
-TERMINAL_STATES = {"FINISHED", "CANCELED", "FAILED"}
-
 
 class GroupProgress:
     """Committed offsets of the job's group vs the input's end offsets."""
@@ -49,78 +48,100 @@ class GroupProgress:
         committed = sum((self._consumer.committed(tp) or 0) for tp in tps)
         return committed, sum(end.values())
 
+    def wait_committed(self, target: int, timeout_s: float = 15.0) -> tuple[int, int]:
+        """Waits for the group's commits to reach `target`: the source commits its final offsets
+        asynchronously, so they can land just after the job reports FINISHED."""
+        deadline = time.monotonic() + timeout_s
+        committed, end = self.snapshot()
+        while committed < target and time.monotonic() < deadline:
+            time.sleep(0.2)
+            committed, end = self.snapshot()
+        return committed, end
+
     def close(self) -> None:
         self._consumer.close()
 
 
-def _status(job_client: object) -> str:
-    return str(job_client.get_job_status().result()).split(".")[-1]  # type: ignore[attr-defined]
+def _status(job_client: Any) -> str:
+    """The job's state, or "ENDED" once a mini cluster has shut down after the job."""
+    try:
+        return str(job_client.get_job_status().result()).split(".")[-1]
+    except Exception:  # noqa: BLE001 - the mini cluster is gone: the job has ended
+        return "ENDED"
 
 
-def run_job(
-    config: JobConfig,
-    options: RunOptions = RunOptions(),
-    *,
-    progress_every_s: float = 5.0,
-    report: Callable[[str], None] = print,
-    stop: threading.Event | None = None,
-) -> str:
-    """Runs the job until it finishes, fails, or `stop` is set / Ctrl-C; returns the final state."""
-    preflight.check(config)
-    jars.ensure("connector")
-    env = create_environment(config, jars.connector_jar_urls())
-    build_pipeline(env, config, options)
-    job_client = env.execute_async(config.name)
-    job_id = str(job_client.get_job_id())
-    report(f"llmstream: job {config.name} ({job_id}) started in a local mini cluster; "
-           f"{config.kafka.input_topic} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
-    stop = stop or threading.Event()
-    previous: dict[int, Callable[..., object] | int | None] = {}
-
+@contextlib.contextmanager
+def _cancel_on_signals(stop: threading.Event, report: Callable[[str], None]) -> Iterator[None]:
+    """Turns SIGINT/SIGTERM into `stop` (a cancel request) instead of killing this process
+    under a running job; handlers are restored afterwards."""
     def request_stop(signum: int, _frame: FrameType | None) -> None:
         report(f"llmstream: {signal.Signals(signum).name} received, cancelling the job "
                "(uncommitted work is redone by the next run)")
         stop.set()
 
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, request_stop)
-    progress = GroupProgress(config)
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        started, last_report, state = time.monotonic(), 0.0, "RUNNING"
-        while True:
-            state = _status(job_client)
-            if state in TERMINAL_STATES:
-                break
-            if stop.is_set():
-                job_client.cancel().result()
-                stop.clear()
-                continue
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_job(
+    config: JobConfig,
+    options: RunOptions | None = None,
+    *,
+    progress_every_s: float = 5.0,
+    report: Callable[[str], None] = print,
+    stop: threading.Event | None = None,
+) -> str:
+    """Runs the job until it finishes, fails, or `stop` is set / Ctrl-C; returns the final state:
+    FINISHED, CANCELED or FAILED."""
+    options = options or RunOptions()
+    stop = stop or threading.Event()
+    preflight.check(config)
+    jars.ensure("connector")
+    env = create_environment(config, jars.connector_jar_urls())
+    build_pipeline(env, config, options)
+    with contextlib.closing(GroupProgress(config)) as progress, _cancel_on_signals(stop, report):
+        target = progress.snapshot()[1] if options.until_end else 0
+        job_client = env.execute_async(config.name)
+        report(f"llmstream: job {config.name} ({job_client.get_job_id()}) started in a local mini cluster; "
+               f"{config.kafka.input_topic} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
+        result = job_client.get_job_execution_result()
+        started, last_report, cancelled = time.monotonic(), 0.0, False
+        while not result.done():
+            if stop.is_set() and not cancelled:
+                cancelled = True
+                job_client.cancel()
             now = time.monotonic()
             if progress_every_s and now - last_report >= progress_every_s:
                 last_report = now
                 try:
                     committed, end = progress.snapshot()
-                    report(f"llmstream: {now - started:6.0f}s  {state:<9} committed {committed}/{end} "
-                           f"input records (lag {max(end - committed, 0)})")
+                    report(f"llmstream: {now - started:6.0f}s  {_status(job_client):<9} committed "
+                           f"{committed}/{end} input records (lag {max(end - committed, 0)})")
                 except Exception as err:  # noqa: BLE001 - progress is best effort, the job is not
                     log.debug("progress unavailable: %s", err)
-            time.sleep(0.5)
-        if state == "FINISHED":
-            committed, end = progress.snapshot()
-            report(f"llmstream: job finished; committed {committed}/{end} input records")
-        elif state == "FAILED":
-            try:
-                job_client.get_job_execution_result().result()
-            except Exception as err:  # noqa: BLE001 - reported, then returned as the state
-                report(f"llmstream: job failed: {str(err).splitlines()[0][:500]}")
-        else:
-            report(f"llmstream: job {state.lower()}")
-        return state
-    finally:
-        progress.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            time.sleep(0.2)
+        try:
+            result.result()
+        except Exception as err:  # noqa: BLE001 - reported, then returned as the state
+            if cancelled:
+                report("llmstream: job cancelled")
+                return "CANCELED"
+            report(f"llmstream: job failed: {_root_cause(err)}")
+            return "FAILED"
+        committed, end = progress.wait_committed(target)
+        report(f"llmstream: job finished; committed {committed}/{end} input records")
+        return "FINISHED"
+
+
+def _root_cause(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if "Exception:" in line or "Error:" in line]
+    return (lines[-1] if lines else str(err).splitlines()[0] if str(err) else type(err).__name__).strip()[:500]
 
 
 def exit_code(state: str) -> int:

@@ -12,6 +12,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "fault: fault-injection test on a real standalone Flink cluster",
     ):
         config.addinivalue_line("markers", marker)
-    for noisy in ("httplib2", "apache_beam", "pyflink"):
+    for noisy in ("httplib2", "apache_beam", "pyflink", "kafka", "importlib"):
         config.addinivalue_line("filterwarnings", f"ignore::DeprecationWarning:{noisy}.*")
     config.addinivalue_line("filterwarnings", "ignore:.*deprecated - use.*")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from pyflink.common import Row, Types
 from pyflink.datastream import AsyncFunction, ProcessFunction, RuntimeContext
@@ -70,7 +71,7 @@ class DecodeFunction(ProcessFunction):
             return
         except BadInput as err:
             failure = err
-        except Exception as err:  # noqa: BLE001 - data must never restart the job
+        except Exception as err:
             log.exception("unexpected error decoding %s-%s@%s", source.topic, source.partition, source.offset)
             failure = BadInput("internal_error", f"{type(err).__name__}: {err}"[:500])
         self._bad_input.inc()
@@ -121,7 +122,7 @@ class InferenceFunction(AsyncFunction):
             row = dead_letter.for_bad_input(
                 err, key=value.key, value=value.raw, source=value.source, record_id=value.id,
                 job=self._config.name, topic=kafka.dead_letter_topic)
-        except Exception as err:  # noqa: BLE001 - a model failure must never restart the job
+        except Exception as err:
             log.exception("unexpected error in inference for id=%s", value.id)
             row = dead_letter.for_bad_input(
                 BadInput("internal_error", f"{type(err).__name__}: {err}"[:500]), key=value.key,
@@ -136,5 +137,5 @@ class InferenceFunction(AsyncFunction):
             return
         try:
             asyncio.run(client.close())
-        except Exception:  # noqa: BLE001 - the worker is going away; nothing left to protect
+        except Exception:
             log.debug("closing the inference client failed", exc_info=True)

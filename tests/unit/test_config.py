@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import yaml
 
-from udfs.config import DEFAULT_CONFIG, JobConfig, config_from_dict, load_config, to_dict, with_overrides
+from udfs.config import (
+    DEFAULT_CONFIG,
+    JobConfig,
+    config_from_dict,
+    load_config,
+    to_dict,
+    with_overrides,
+)
 from udfs.errors import ConfigError
 
 

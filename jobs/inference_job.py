@@ -1,0 +1,37 @@
+"""Entry point for `flink run -py jobs/inference_job.py --config FILE` on a Flink cluster.
+
+`llmstream submit` builds that command; locally, `llmstream run` is the same job in a
+mini cluster. This file only loads the config and hands the graph to Flink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jobs import jars
+from jobs.pipeline import RunOptions, build_pipeline, create_environment
+from udfs.config import load_config
+from udfs.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="llmstream inference job (cluster entry point)")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--until-end", action="store_true")
+    parser.add_argument("--jar", action="append", default=None,
+                        help="connector jar URL (default: the pom-free cache)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"llmstream: config error: {err}", file=sys.stderr)
+        return 2
+    env = create_environment(config, args.jar if args.jar is not None else jars.connector_jar_urls())
+    build_pipeline(env, config, RunOptions(until_end=args.until_end))
+    env.execute(config.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The spine on real parts: a real broker, the simulator over HTTP, a real Flink mini cluster.
+
+Every assertion is on what a user sees: records in the output and dead-letter topics,
+read by a read_committed consumer, and the CLI's exit code and messages.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from jobs.local_kafka import committed_offsets, consume_committed, end_offsets, produce
+from jobs.pipeline import RunOptions
+from jobs.run import run_job
+from tests.integration.pipeline_fixtures import (
+    JobConfigFactory,
+    child_env,
+    job_config,
+    simulator,
+    write_config,
+)
+from udfs.config import JobConfig
+
+pytestmark = pytest.mark.integration
+__all__ = ["job_config", "simulator"]
+
+
+def _good(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
+    return [(f"{prefix}-{i}".encode(), json.dumps({"id": f"{prefix}-{i}", "prompt": f"Question number {i}?"}).encode())
+            for i in range(n)]
+
+
+def _read(config: JobConfig, topic: str, expected: int) -> list:
+    return consume_committed(config.kafka.bootstrap_servers, topic, expected=expected, timeout_s=30)
+
+
+def _run_until_end(config: JobConfig) -> None:
+    assert run_job(config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
+
+
+def test_thousand_records_exactly_once(job_config: JobConfigFactory) -> None:
+    config = job_config()
+    records = _good(1000, "r")
+    produce(config.kafka.bootstrap_servers, config.kafka.input_topic, records)
+    _run_until_end(config)
+
+    out = _read(config, config.kafka.output_topic, 1000)
+    ids = Counter(json.loads(m.value)["id"] for m in out)
+    assert len(out) == 1000
+    assert max(ids.values()) == 1
+    assert set(ids) == {f"r-{i}" for i in range(1000)}
+    first = json.loads(out[0].value)
+    assert out[0].key == first["id"].encode()
+    assert first["output"].startswith("Simulated answer to: Question number")
+    assert first["usage"]["prompt_tokens"] > 0 and first["usage"]["completion_tokens"] > 0
+    assert first["attempts"] == 1
+    assert first["timestamps"]["produced"] <= first["timestamps"]["started"] <= first["timestamps"]["completed"]
+    assert _read(config, config.kafka.dead_letter_topic, 0) == []
+    committed = committed_offsets(config.kafka.bootstrap_servers, config.kafka.group_id, config.kafka.input_topic)
+    assert committed == end_offsets(config.kafka.bootstrap_servers, config.kafka.input_topic)
+
+
+BAD_RECORDS: list[tuple[bytes | None, str]] = [
+    (b'{"id": "b1", "prompt": "unterminated', "invalid_json"),
+    (b"\x00\x01\x02 binary \xff", "invalid_utf8"),
+    (None, "null_value"),
+    (b'{"id": "b4"}', "missing_field"),
+    (b'{"id": 4, "prompt": "p"}', "wrong_type"),
+    (b'{"id": "b6", "prompt": ""}', "empty_prompt"),
+    (json.dumps({"id": "b7", "prompt": "x" * 100_001}).encode(), "prompt_too_large"),
+    (b"[1, 2, 3]", "not_an_object"),
+    (b'{"id": "b9", "prompt": "p", "params": {"max_tokens": -1}}', "invalid_params"),
+    (b'{"id": "b10", "messages": [{"role": "user"}]}', "invalid_messages"),
+]
+
+
+def test_bad_records_are_dead_lettered_good_ones_answered(job_config: JobConfigFactory) -> None:
+    config = job_config(kafka={"topic_partitions": 1})
+    good = _good(100, "g")
+    stream: list[tuple[bytes | None, bytes | None]] = []
+    expected_reason: dict[int, str] = {}
+    for i, record in enumerate(good):
+        stream.append(record)
+        if i % 10 == 5:
+            value, reason = BAD_RECORDS[i // 10]
+            expected_reason[len(stream)] = reason
+            stream.append((f"bad-{i}".encode(), value))
+    produce(config.kafka.bootstrap_servers, config.kafka.input_topic, stream)
+    _run_until_end(config)
+
+    out = _read(config, config.kafka.output_topic, len(good))
+    assert sorted(json.loads(m.value)["id"] for m in out) == sorted(k.decode() for k, _ in good)
+    dead = _read(config, config.kafka.dead_letter_topic, len(BAD_RECORDS))
+    assert len(dead) == len(BAD_RECORDS)
+    for message in dead:
+        body = json.loads(message.value)
+        offset = body["source"]["offset"]
+        assert body["reason"] == expected_reason[offset], body
+        assert body["source"]["topic"] == config.kafka.input_topic
+        assert message.key == stream[offset][0]
+        original = stream[offset][1]
+        if original is None:
+            assert body["original"]["value"] is None
+        elif body["original"]["encoding"] == "utf-8" and not body["original"]["truncated"]:
+            assert body["original"]["value"].encode() == original
+
+
+def test_model_rejection_is_dead_lettered_without_restart(job_config: JobConfigFactory,
+                                                          simulator) -> None:  # type: ignore[no-untyped-def]
+    config = job_config(retry={"max_attempts": 3, "initial_backoff_s": 0.01, "max_backoff_s": 0.05})
+    simulator.admin({"error_rate": 1.0, "error_status": 503})
+    try:
+        produce(config.kafka.bootstrap_servers, config.kafka.input_topic, _good(20, "m"))
+        _run_until_end(config)
+    finally:
+        simulator.admin({})
+    dead = _read(config, config.kafka.dead_letter_topic, 20)
+    assert len(dead) == 20
+    body = json.loads(dead[0].value)
+    assert body["reason"] == "inference_retries_exhausted"
+    assert body["attempts"] == 3
+    assert body["last_status"] == 503
+
+
+def test_second_run_of_the_same_group_processes_nothing_twice(job_config: JobConfigFactory) -> None:
+    config = job_config()
+    bootstrap, kafka = config.kafka.bootstrap_servers, config.kafka
+    produce(bootstrap, kafka.input_topic, _good(300, "first"))
+    _run_until_end(config)
+    _run_until_end(config)
+    produce(bootstrap, kafka.input_topic, _good(200, "second"))
+    _run_until_end(config)
+
+    out = _read(config, kafka.output_topic, 500)
+    ids = Counter(json.loads(m.value)["id"] for m in out)
+    assert len(out) == 500
+    assert max(ids.values()) == 1
+    assert len(_read(config, kafka.output_topic, 501)) == 500
+
+
+def test_cli_runs_a_backfill_and_rejects_bad_config(job_config: JobConfigFactory, tmp_path: Path) -> None:
+    config = job_config()
+    produce(config.kafka.bootstrap_servers, config.kafka.input_topic, _good(50, "cli"))
+    path = write_config(config, tmp_path)
+    done = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--config", str(path), "--until-end"],
+                          check=False, capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "job finished; committed 50/50 input records" in done.stdout
+    assert len(_read(config, config.kafka.output_topic, 50)) == 50
+
+    path.write_text(path.read_text().replace("capacity: 64", "capacity: many"))
+    bad = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--config", str(path)],
+                         check=False, capture_output=True, text=True, timeout=60, env=child_env())
+    assert bad.returncode == 2
+    assert "async.capacity: expected an integer" in bad.stderr
