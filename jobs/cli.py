@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:
+        # kafka-python logs every refused connection (e.g. while a broker starts) at ERROR;
+        # llmstream reports Kafka problems itself, naming the setting, so keep it quiet.
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
     try:
         return int(args.handler(args) or 0)
     except ConfigError as err:

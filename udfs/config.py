@@ -83,7 +83,7 @@ class AsyncConfig:
 class RetryConfig:
     """Exponential backoff with full jitter; the only retry layer in llmstream."""
 
-    max_attempts: int = 6
+    max_attempts: int = 10
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
     max_retry_after_s: float = 60.0
