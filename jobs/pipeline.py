@@ -37,9 +37,12 @@ UDFS_DIR = Path(__file__).resolve().parents[1] / "udfs"
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How this run differs from the config: `until_end` bounds the source (a backfill)."""
+    """How this run differs from the config: `until_end` bounds the source (a backfill), at
+    `stop_offsets` (partition -> offset) when given, else at the latest offsets when the
+    source starts."""
 
     until_end: bool = False
+    stop_offsets: dict[int, int] | None = None
 
 
 def _quote(value: str) -> str:
@@ -68,7 +71,11 @@ def source_options(config: JobConfig, options: RunOptions) -> dict[str, str]:
         "value.fields-include": "EXCEPT_KEY",
         "scan.parallelism": str(config.parallelism.of("source")),
     }
-    if options.until_end:
+    if options.until_end and options.stop_offsets:
+        out["scan.bounded.mode"] = "specific-offsets"
+        out["scan.bounded.specific-offsets"] = ";".join(
+            f"partition:{p},offset:{o}" for p, o in sorted(options.stop_offsets.items()))
+    elif options.until_end:
         out["scan.bounded.mode"] = "latest-offset"
     out.update({f"properties.{k}": v for k, v in kafka.properties.items()})
     return out
@@ -104,6 +111,8 @@ def flink_configuration(config: JobConfig, jar_urls: list[str]) -> Configuration
     conf.set_string("pipeline.name", config.name)
     if jar_urls:
         conf.set_string("pipeline.jars", ";".join(jar_urls))
+    for key, value in config.flink.items():
+        conf.set_string(key, value)
     if config.checkpointing.directory:
         conf.set_string("execution.checkpointing.dir", config.checkpointing.directory)
     return conf

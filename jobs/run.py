@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
 
 from jobs import jars, preflight
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
@@ -29,7 +30,7 @@ from udfs.config import JobConfig
 log = logging.getLogger("llmstream.run")
 
 class GroupProgress:
-    """Committed offsets of the job's group vs the input's end offsets."""
+    """The job's consumer group on the input topic: committed offsets vs end offsets."""
 
     def __init__(self, config: JobConfig) -> None:
         self._topic = config.kafka.input_topic
@@ -40,23 +41,39 @@ class GroupProgress:
             client_id="llmstream-progress",
         )
 
+    def _partitions(self) -> list[TopicPartition]:
+        partitions = self._consumer.partitions_for_topic(self._topic) or set()
+        return [TopicPartition(self._topic, p) for p in sorted(partitions)]
+
+    def end_offsets(self) -> dict[int, int]:
+        """The input's end offset per partition, now."""
+        tps = self._partitions()
+        return {tp.partition: offset for tp, offset in (self._consumer.end_offsets(tps) if tps else {}).items()}
+
     def snapshot(self) -> tuple[int, int]:
         """(committed, end) summed over the input's partitions."""
-        partitions = self._consumer.partitions_for_topic(self._topic) or set()
-        tps = [TopicPartition(self._topic, p) for p in sorted(partitions)]
+        tps = self._partitions()
         end = self._consumer.end_offsets(tps) if tps else {}
         committed = sum((self._consumer.committed(tp) or 0) for tp in tps)
         return committed, sum(end.values())
 
-    def wait_committed(self, target: int, timeout_s: float = 15.0) -> tuple[int, int]:
-        """Waits for the group's commits to reach `target`: the source commits its final offsets
-        asynchronously, so they can land just after the job reports FINISHED."""
-        deadline = time.monotonic() + timeout_s
-        committed, end = self.snapshot()
-        while committed < target and time.monotonic() < deadline:
-            time.sleep(0.2)
-            committed, end = self.snapshot()
-        return committed, end
+    def commit_at_least(self, offsets: dict[int, int]) -> None:
+        """Moves the group's committed offsets forward to `offsets` (never back).
+
+        Flink's Kafka source commits its final offsets asynchronously and can close before the
+        commit is sent, so after a backfill FINISHED (every record up to `offsets` processed and
+        its output committed by the final checkpoint) the runner makes the group say so too;
+        otherwise the next run would read the tail again and write it twice.
+        """
+        forward = {}
+        for partition, offset in offsets.items():
+            tp = TopicPartition(self._topic, partition)
+            if (self._consumer.committed(tp) or 0) < offset:
+                forward[tp] = OffsetAndMetadata(offset, "llmstream backfill end", -1)
+        if forward:
+            log.info("committing backfill end offsets for the group: %s",
+                     {tp.partition: om.offset for tp, om in forward.items()})
+            self._consumer.commit(forward)
 
     def close(self) -> None:
         self._consumer.close()
@@ -103,10 +120,11 @@ def run_job(
     stop = stop or threading.Event()
     preflight.check(config)
     jars.ensure("connector")
-    env = create_environment(config, jars.connector_jar_urls())
-    build_pipeline(env, config, options)
     with contextlib.closing(GroupProgress(config)) as progress, _cancel_on_signals(stop, report):
-        target = progress.snapshot()[1] if options.until_end else 0
+        if options.until_end and options.stop_offsets is None:
+            options = RunOptions(until_end=True, stop_offsets=progress.end_offsets())
+        env = create_environment(config, jars.connector_jar_urls())
+        build_pipeline(env, config, options)
         job_client = env.execute_async(config.name)
         report(f"llmstream: job {config.name} ({job_client.get_job_id()}) started in a local mini cluster; "
                f"{config.kafka.input_topic} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
@@ -134,7 +152,9 @@ def run_job(
                 return "CANCELED"
             report(f"llmstream: job failed: {_root_cause(err)}")
             return "FAILED"
-        committed, end = progress.wait_committed(target)
+        if options.stop_offsets:
+            progress.commit_at_least(options.stop_offsets)
+        committed, end = progress.snapshot()
         report(f"llmstream: job finished; committed {committed}/{end} input records")
         return "FINISHED"
 

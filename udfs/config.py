@@ -143,7 +143,8 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
-    """The whole job. `name` is the Flink job name and part of log lines."""
+    """The whole job. `name` is the Flink job name and part of log lines; `flink` holds any
+    further Flink options for the job (e.g. `restart-strategy.type`), passed through as is."""
 
     kafka: KafkaConfig
     model: ModelConfig
@@ -155,6 +156,7 @@ class JobConfig:
     checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
     python: PythonConfig = field(default_factory=PythonConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    flink: dict[str, str] = field(default_factory=dict)
 
     def api_key(self) -> str | None:
         """The API key from the environment, read where it is used and never stored."""

@@ -132,6 +132,7 @@ def test_second_run_of_the_same_group_processes_nothing_twice(job_config: JobCon
     bootstrap, kafka = config.kafka.bootstrap_servers, config.kafka
     produce(bootstrap, kafka.input_topic, _good(300, "first"))
     _run_until_end(config)
+    assert committed_offsets(bootstrap, kafka.group_id, kafka.input_topic) == end_offsets(bootstrap, kafka.input_topic)
     _run_until_end(config)
     produce(bootstrap, kafka.input_topic, _good(200, "second"))
     _run_until_end(config)

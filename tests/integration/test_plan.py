@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from jobs import jars
-from jobs.pipeline import RunOptions, build_pipeline, create_environment, sink_options, source_options
+from jobs.pipeline import (
+    RunOptions,
+    build_pipeline,
+    create_environment,
+    sink_options,
+    source_options,
+)
 from udfs.config import load_config, with_overrides
 
 pytestmark = pytest.mark.integration
@@ -63,3 +69,6 @@ def test_source_uses_group_offsets_and_bounds_only_for_backfills() -> None:
     assert unbounded["properties.auto.offset.reset"] == "earliest"
     assert "scan.bounded.mode" not in unbounded
     assert source_options(config, RunOptions(until_end=True))["scan.bounded.mode"] == "latest-offset"
+    pinned = source_options(config, RunOptions(until_end=True, stop_offsets={1: 7, 0: 3}))
+    assert pinned["scan.bounded.mode"] == "specific-offsets"
+    assert pinned["scan.bounded.specific-offsets"] == "partition:0,offset:3;partition:1,offset:7"
