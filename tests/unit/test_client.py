@@ -1,0 +1,480 @@
+"""The inference client over real HTTP on loopback, against the model-server simulator.
+
+Backoffs are patched to milliseconds through the retry config; timing assertions leave
+room for a busy 2-core machine. The 30 s pacing run is marked `slow`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from aiohttp import web
+
+from jobs.model_server import SimulatorConfig, ThreadedSimulator, start_in_thread
+from udfs import client as client_module
+from udfs.client import InferenceClient
+from udfs.config import JobConfig, config_from_dict
+from udfs.errors import (
+    BadInput,
+    DeadlineExceeded,
+    PermanentError,
+    RateLimited,
+    RetryableError,
+)
+from udfs.metrics import InferenceMetrics
+from udfs.records import Completion, Request, SourceRef
+
+T = TypeVar("T")
+KEY_ENV = "LLMSTREAM_TEST_API_KEY"
+SECRET = "sk-llmstream-test-7f3a9c2e"
+
+
+@pytest.fixture
+def make_sim() -> Iterator[Callable[..., ThreadedSimulator]]:
+    """Simulators on free ports, always stopped, so a failing test leaks no thread."""
+    started: list[ThreadedSimulator] = []
+
+    def make(**overrides: Any) -> ThreadedSimulator:
+        sim = start_in_thread(SimulatorConfig(port=0, stats_log_interval_s=0, **overrides))
+        started.append(sim)
+        return sim
+
+    yield make
+    for sim in started:
+        sim.stop()
+
+
+@pytest.fixture
+def sim(make_sim: Callable[..., ThreadedSimulator]) -> ThreadedSimulator:
+    return make_sim()
+
+
+def job_config(endpoint: str, *, model: dict[str, Any] | None = None, async_: dict[str, Any] | None = None,
+               retry: dict[str, Any] | None = None, rate_limit: dict[str, Any] | None = None) -> JobConfig:
+    return config_from_dict({
+        "kafka": {"bootstrap_servers": "127.0.0.1:9", "input_topic": "in", "output_topic": "out",
+                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t"},
+        "model": {"endpoint": endpoint, "model": "sim", "max_tokens": 16, **(model or {})},
+        "async": {"capacity": 16, "request_timeout_s": 5.0, "record_deadline_s": 20.0, **(async_ or {})},
+        "retry": {"max_attempts": 4, "initial_backoff_s": 0.001, "max_backoff_s": 0.005, **(retry or {})},
+        "rate_limit": {**(rate_limit or {})},
+    })
+
+
+def request(prompt: str = "What is the capital of France?", **changes: Any) -> Request:
+    fields = {"id": "r-1", "prompt": prompt}
+    return Request(**{"id": "r-1", "key": b"k", "source": SourceRef("in", 0, 42), "prompt": prompt,
+                      "fields": fields, **changes})
+
+
+def run(make: Callable[[], Awaitable[T]], timeout: float = 60.0) -> T:
+    """Runs a test coroutine on a fresh loop, with a guard so a bug fails instead of hanging."""
+    async def guarded() -> T:
+        return await asyncio.wait_for(make(), timeout)
+
+    return asyncio.run(guarded())
+
+
+async def complete_one(config: JobConfig, req: Request | None = None) -> tuple[Completion, InferenceClient]:
+    async with InferenceClient(config) as client:
+        return await client.complete(req or request()), client
+
+
+async def failure(config: JobConfig, req: Request | None = None) -> tuple[Exception, float, InferenceClient]:
+    started = time.monotonic()
+    async with InferenceClient(config) as client:
+        try:
+            await client.complete(req or request())
+        except Exception as err:  # noqa: BLE001 - the test inspects whatever was raised
+            return err, time.monotonic() - started, client
+    raise AssertionError("complete() succeeded; a failure was expected")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ------------------------------------------------------------------ answers
+
+
+def test_chat_completion_carries_output_usage_timing_cost_and_endpoint(sim: ThreadedSimulator) -> None:
+    config = job_config(sim.url, model={"system_prompt": "Be brief.",
+                                        "prices": {"prompt_per_1k": 1.0, "completion_per_1k": 2.0}})
+    before = time.time_ns() // 1_000_000
+    completion, client = run(lambda: complete_one(config))
+    assert completion.output.startswith("Simulated answer to: What is the capital")
+    assert completion.endpoint == sim.url + "/chat/completions"
+    assert completion.attempts == 1 and completion.finish_reason in ("stop", "length")
+    assert completion.prompt_tokens > 0 and completion.completion_tokens > 0
+    assert completion.cost == pytest.approx(completion.prompt_tokens / 1000 + completion.completion_tokens / 500)
+    assert before <= completion.started_ms <= completion.completed_ms <= time.time() * 1000 + 1
+    assert 0 < completion.latency_ms < 5000
+    snapshot = client.metrics.snapshot()
+    assert snapshot["requests"] == 1 and snapshot["retries"] == 0
+    assert snapshot["prompt_tokens"] == completion.prompt_tokens
+    assert snapshot["latency_ms"]["count"] == 1
+
+
+@pytest.mark.parametrize(("api", "path"), [("completions", "/completions"), ("embeddings", "/embeddings")])
+def test_completions_and_embeddings_apis(sim: ThreadedSimulator, api: str, path: str) -> None:
+    completion, _ = run(lambda: complete_one(job_config(sim.url, model={"api": api})))
+    assert completion.endpoint == sim.url + path
+    if api == "embeddings":
+        assert isinstance(completion.output, list) and all(isinstance(x, float) for x in completion.output)
+        assert completion.completion_tokens == 0
+    else:
+        assert completion.output.startswith("Simulated answer to:")
+
+
+def test_record_params_override_the_model(sim: ThreadedSimulator) -> None:
+    config = job_config(sim.url, model={"max_tokens": 8})
+    short, _ = run(lambda: complete_one(config, request(params={"model": "other-model"})))
+    long, _ = run(lambda: complete_one(config, request(params={"max_tokens": 200})))
+    assert short.model == "other-model" and long.model == "sim"
+    assert long.completion_tokens > short.completion_tokens
+
+
+def test_client_construction_does_no_io() -> None:
+    client = InferenceClient(job_config(f"http://127.0.0.1:{free_port()}/v1"))
+    assert client.session is None
+
+
+class FakeMetricGroup:
+    """Records what is registered on it, as PyFlink's metric group would take it."""
+
+    class Metric:
+        def __init__(self) -> None:
+            self.values: list[int] = []
+
+        def inc(self, n: int = 1) -> None:
+            self.values.append(n)
+
+        def update(self, value: int) -> None:
+            self.values.append(value)
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, FakeMetricGroup.Metric] = {}
+        self.gauges: dict[str, Callable[[], int]] = {}
+
+    def counter(self, name: str) -> Metric:
+        return self.metrics.setdefault(name, self.Metric())
+
+    def distribution(self, name: str) -> Metric:
+        return self.metrics.setdefault(name, self.Metric())
+
+    def gauge(self, name: str, obj: Callable[[], int]) -> None:
+        self.gauges[name] = obj
+
+
+def test_metrics_reach_the_flink_metric_group(sim: ThreadedSimulator) -> None:
+    group = FakeMetricGroup()
+    metrics = InferenceMetrics(group)
+    config = job_config(sim.url, async_={"capacity": 8})
+
+    async def one() -> Completion:
+        async with InferenceClient(config, metrics=metrics) as client:
+            return await client.complete(request())
+
+    completion = run(one)
+    assert set(group.metrics) == {"requests", "retries", "rate_limited", "dead_lettered", "prompt_tokens",
+                                  "completion_tokens", "latency_ms"}
+    assert sum(group.metrics["requests"].values) == 1
+    assert sum(group.metrics["completion_tokens"].values) == completion.completion_tokens
+    assert group.metrics["latency_ms"].values == [int(completion.latency_ms)]
+    assert group.gauges["in_flight"]() == 0 and group.gauges["concurrency_limit"]() == 8
+    assert metrics.snapshot()["requests"] == 1
+
+
+# ------------------------------------------------------------------ retries and timeouts
+
+
+def test_server_errors_are_retried_exactly_max_attempts_times(sim: ThreadedSimulator) -> None:
+    sim.admin({"error_rate": 1.0, "error_status": 500})
+    err, elapsed, client = run(lambda: failure(job_config(sim.url, retry={"max_attempts": 4})))
+    assert type(err) is RetryableError
+    assert err.status == 500 and err.attempts == 4
+    assert "HTTP 500" in err.detail
+    assert sim.stats()["errors"] == 4
+    assert client.metrics.requests.value == 4 and client.metrics.retries.value == 3
+    assert elapsed < 3.0
+
+
+def test_retry_after_is_honoured(sim: ThreadedSimulator) -> None:
+    sim.admin({"rate_limit_rate": 1.0, "retry_after_s": 1, "until_s": 0.3})
+    started = time.monotonic()
+    completion, client = run(lambda: complete_one(job_config(sim.url)))
+    elapsed = time.monotonic() - started
+    assert completion.attempts == 2
+    assert 0.95 <= elapsed < 3.0
+    assert completion.latency_ms >= 950
+    assert client.metrics.rate_limited.value == 1
+
+
+def test_a_bad_request_is_dead_lettered_after_one_attempt(sim: ThreadedSimulator) -> None:
+    sim.admin({"error_rate": 1.0, "error_status": 400})
+    err, _, _ = run(lambda: failure(job_config(sim.url)))
+    assert type(err) is PermanentError
+    assert err.attempts == 1 and err.status == 400
+    assert sim.stats()["errors"] == 1
+
+
+def test_503_is_retried(sim: ThreadedSimulator) -> None:
+    sim.admin({"error_rate": 1.0, "error_status": 503, "retry_after_s": 0})
+    err, _, _ = run(lambda: failure(job_config(sim.url, retry={"max_attempts": 3})))
+    assert isinstance(err, RateLimited)
+    assert err.attempts == 3 and err.status == 503
+    assert sim.stats()["errors"] == 3
+
+
+def test_connection_resets_are_retried(sim: ThreadedSimulator) -> None:
+    sim.admin({"reset_rate": 1.0})
+    err, _, _ = run(lambda: failure(job_config(sim.url, retry={"max_attempts": 2})))
+    assert type(err) is RetryableError
+    assert err.attempts == 2 and err.status is None
+
+
+def test_nothing_listening_is_retryable() -> None:
+    err, _, _ = run(lambda: failure(job_config(f"http://127.0.0.1:{free_port()}/v1", retry={"max_attempts": 2})))
+    assert type(err) is RetryableError
+    assert err.attempts == 2 and err.status is None
+
+
+@pytest.mark.parametrize(("request_timeout_s", "deadline_s"), [(0.3, 0.8), (0.8, 0.8)])
+def test_a_hung_server_ends_in_deadline_exceeded_within_the_deadline(
+        sim: ThreadedSimulator, request_timeout_s: float, deadline_s: float) -> None:
+    sim.admin({"hang_rate": 1.0})
+    config = job_config(sim.url, async_={"request_timeout_s": request_timeout_s, "record_deadline_s": deadline_s},
+                        retry={"max_attempts": 10})
+    err, elapsed, _ = run(lambda: failure(config))
+    assert type(err) is DeadlineExceeded
+    assert err.attempts >= 1 and err.status is None
+    assert f"{deadline_s:g} s" in err.detail
+    assert deadline_s - 0.05 <= elapsed < deadline_s + 0.7
+
+
+# ------------------------------------------------------------------ concurrency and rate limits
+
+
+def test_the_server_never_sees_more_than_capacity_in_flight(make_sim: Callable[..., ThreadedSimulator]) -> None:
+    sim = make_sim(latency="fixed:30")
+    config = job_config(sim.url, async_={"capacity": 8})
+
+    async def burst() -> list[Completion]:
+        async with InferenceClient(config) as client:
+            return await asyncio.gather(*(client.complete(request()) for _ in range(80)))
+
+    completions = run(burst)
+    assert len(completions) == 80
+    stats = sim.stats()
+    assert stats["served"] == 80
+    assert 4 <= stats["max_in_flight"] <= 8
+
+
+def test_aimd_cuts_concurrency_in_a_429_storm_and_grows_it_back(make_sim: Callable[..., ThreadedSimulator]) -> None:
+    sim = make_sim(latency="fixed:20")
+    capacity = 32
+    config = job_config(sim.url, async_={"capacity": capacity},
+                        retry={"max_attempts": 20, "initial_backoff_s": 0.05, "max_backoff_s": 0.2})
+    limits: list[int] = []
+
+    async def scenario() -> tuple[list[int], InferenceClient]:
+        async with InferenceClient(config) as client:
+            async def sample() -> None:
+                while True:
+                    limits.append(client.concurrency.limit)
+                    await asyncio.sleep(0.01)
+
+            sampler = asyncio.create_task(sample())
+            sim.admin({"rate_limit_rate": 1.0, "retry_after_s": 1, "until_s": 2.0})
+            storm = await asyncio.gather(*(client.complete(request()) for _ in range(200)))
+            after_storm = client.concurrency.limit
+            calm = await asyncio.gather(*(client.complete(request()) for _ in range(600)))
+            sampler.cancel()
+            return [after_storm, len(storm) + len(calm), client.concurrency.limit], client
+
+    (after_storm, completed, final), client = run(scenario)
+    assert completed == 800
+    assert client.metrics.rate_limited.value > 0
+    assert min(limits) <= capacity // 4
+    assert after_storm < capacity
+    assert final == capacity
+    assert sim.stats()["served"] == 800
+
+
+def test_a_sustained_rate_limit_slows_records_but_does_not_dead_letter_them(sim: ThreadedSimulator) -> None:
+    config = job_config(sim.url, async_={"capacity": 64, "request_timeout_s": 0.5, "record_deadline_s": 0.5},
+                        rate_limit={"requests_per_minute": 1200})
+
+    async def queue_up() -> list[Completion]:
+        async with InferenceClient(config) as client:
+            return await asyncio.gather(*(client.complete(request()) for _ in range(60)))
+
+    started = time.monotonic()
+    completions = run(queue_up)
+    assert len(completions) == 60 and all(c.attempts == 1 for c in completions)
+    assert time.monotonic() - started >= 1.8
+
+
+@pytest.mark.parametrize(("window_s", "subtasks"), [
+    (5, 2),
+    pytest.param(30, 1, marks=pytest.mark.slow),
+])
+def test_rate_limiter_paces_requests_within_ten_percent(sim: ThreadedSimulator, window_s: int, subtasks: int) -> None:
+    per_subtask_per_s = 20
+    rpm = per_subtask_per_s * 60 * subtasks
+    count = per_subtask_per_s + per_subtask_per_s * window_s
+    config = job_config(sim.url, async_={"capacity": 64}, rate_limit={"requests_per_minute": rpm})
+
+    async def paced() -> float:
+        async with InferenceClient(config, subtasks=subtasks) as client:
+            started = time.monotonic()
+            await asyncio.gather(*(client.complete(request()) for _ in range(count)))
+            return time.monotonic() - started
+
+    elapsed = run(paced, timeout=window_s * 3)
+    assert sim.stats()["served"] == count
+    assert window_s * 0.9 <= elapsed <= window_s * 1.1
+
+
+# ------------------------------------------------------------------ secrets, errors, cleanup
+
+
+def test_the_api_key_never_appears_in_logs_errors_or_outputs(
+        make_sim: Callable[..., ThreadedSimulator], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    sim = make_sim(api_key=SECRET)
+    config = job_config(sim.url, model={"api_key_env": KEY_ENV}, retry={"max_attempts": 2})
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    completion, client = run(lambda: complete_one(config))
+    assert SECRET not in repr(completion) and SECRET not in repr(client)
+    wrong = "sk-llmstream-wrong-51b0e8d4"
+    monkeypatch.setenv(KEY_ENV, wrong)
+    err, _, _ = run(lambda: failure(config))
+    assert type(err) is PermanentError and err.status == 401
+    for secret in (SECRET, wrong):
+        assert secret not in str(err) and secret not in repr(err) and secret not in str(err.detail)
+        assert secret not in caplog.text
+    assert any(r.name.startswith("udfs.") for r in caplog.records)
+
+
+async def serve_app(routes: list[web.RouteDef]) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}/v1"
+
+
+def test_a_server_that_echoes_the_key_in_its_error_is_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def echo(req: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": f"bad auth {req.headers.get('Authorization')}"}},
+                                 status=400)
+
+    async def scenario() -> Exception:
+        runner, url = await serve_app([web.post("/v1/chat/completions", echo)])
+        try:
+            return (await failure(job_config(url, model={"api_key_env": KEY_ENV})))[0]
+        finally:
+            await runner.cleanup()
+
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    err = run(scenario)
+    assert type(err) is PermanentError and err.status == 400
+    assert "bad auth Bearer ***" in str(err)
+    assert SECRET not in str(err) and SECRET not in repr(err)
+
+
+@pytest.mark.parametrize(("body", "problem"), [("not json", "not JSON"), ('{"choices": []}', "response shape")])
+def test_a_malformed_answer_is_a_permanent_error(body: str, problem: str) -> None:
+    async def bad(req: web.Request) -> web.Response:
+        return web.Response(text=body, content_type="application/json")
+
+    async def scenario() -> Exception:
+        runner, url = await serve_app([web.post("/v1/chat/completions", bad)])
+        try:
+            return (await failure(job_config(url)))[0]
+        finally:
+            await runner.cleanup()
+
+    err = run(scenario)
+    assert type(err) is PermanentError and problem in err.detail
+
+
+def test_unexpected_exceptions_become_permanent_errors(sim: ThreadedSimulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> dict[str, Any]:
+        raise ZeroDivisionError("oops")
+
+    monkeypatch.setattr(client_module, "build_payload", broken)
+    err, _, _ = run(lambda: failure(job_config(sim.url)))
+    assert type(err) is PermanentError and "ZeroDivisionError" in err.detail
+
+
+def test_a_record_that_cannot_become_a_request_is_bad_input_and_never_sent(sim: ThreadedSimulator) -> None:
+    err, _, client = run(lambda: failure(job_config(sim.url, model={"prompt_template": "{title}: {prompt}"})))
+    assert isinstance(err, BadInput) and err.reason == "template_field_missing"
+    assert client.metrics.requests.value == 0
+    assert sim.stats()["requests_total"] == 0
+
+
+def test_close_leaves_no_connection_open(make_sim: Callable[..., ThreadedSimulator]) -> None:
+    sim = make_sim(latency="fixed:10")
+    config = job_config(sim.url, async_={"capacity": 8})
+
+    async def scenario() -> None:
+        client = InferenceClient(config)
+        await asyncio.gather(*(client.complete(request()) for _ in range(20)))
+        session = client.session
+        assert session is not None and not session.closed
+        connector = session.connector
+        assert connector is not None
+        await client.close()
+        assert session.closed and connector.closed
+        assert client.session is None
+
+    run(scenario)
+    deadline = time.monotonic() + 3
+    while sim.stats()["open_connections"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sim.stats()["open_connections"] == 0
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.parametrize("loop_state", ["running", "closed"])
+def test_close_from_another_loop_as_pyflink_does(make_sim: Callable[..., ThreadedSimulator], loop_state: str) -> None:
+    """PyFlink runs `async_invoke` on a loop in its own thread and closes that loop before `close()`."""
+    sim = make_sim()
+    client = InferenceClient(job_config(sim.url, async_={"capacity": 8}))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def calls() -> list[Completion]:
+        return await asyncio.gather(*(client.complete(request()) for _ in range(20)))
+
+    try:
+        assert len(asyncio.run_coroutine_threadsafe(calls(), loop).result(30)) == 20
+        assert sim.stats()["open_connections"] > 0
+        if loop_state == "running":
+            asyncio.run(client.close())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    asyncio.run(client.close())
+    deadline = time.monotonic() + 3
+    while sim.stats()["open_connections"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sim.stats()["open_connections"] == 0
