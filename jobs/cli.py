@@ -67,7 +67,11 @@ def _fetch_jars(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmstream", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="llmstream",
+        description="LLM inference over Kafka on Apache Flink: bounded, back-pressured, exactly-once.",
+        epilog="Each command has its own --help.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -100,22 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("sets", nargs="*", default=["connector", "broker"])
     fetch.set_defaults(handler=_fetch_jars)
 
-    for name, (module, help_text) in DELEGATED.items():
-        delegated = sub.add_parser(name, help=help_text, add_help=False)
-        delegated.add_argument("rest", nargs=argparse.REMAINDER)
-        delegated.set_defaults(handler=_delegate(module))
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def _delegate(module: str) -> Callable[[argparse.Namespace], int]:
-    def handler(args: argparse.Namespace) -> int:
-        main: Callable[[list[str]], int] = importlib.import_module(module).main
-        return main(args.rest)
-
-    return handler
+def _delegated_main(module: str) -> Callable[[list[str]], int]:
+    main: Callable[[list[str]], int] = importlib.import_module(module).main
+    return main
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
+        return int(_delegated_main(DELEGATED[argv[0]][0])(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("LLMSTREAM_LOG", "INFO")),

@@ -1,0 +1,38 @@
+"""The `llmstream` command's own behaviour: help, delegation, and config errors at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs.cli import DELEGATED, main
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("run", "plan", "demo", "submit", *DELEGATED):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["kafka", "model-server"])
+def test_delegated_commands_have_their_own_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert f"llmstream {command}" in capsys.readouterr().out
+
+
+def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("kafka:\n  bootstrap_servers: x:1\nmodel: {endpoint: http://x/v1, model: m}\n")
+    assert main(["run", "--config", str(path)]) == 2
+    assert "kafka.input_topic: required" in capsys.readouterr().err
+
+
+def test_missing_config_file_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read config" in capsys.readouterr().err
