@@ -443,6 +443,152 @@ def _prompt_list(value: Any, param: str) -> list[tuple[str, int]]:
     raise _BadRequest(f"'{param}' must be a non-empty string or array", param)
 
 
+def _model_name(payload: dict[str, Any], default: str) -> str:
+    model = payload.get("model", default)
+    if model is None:
+        return default
+    if not isinstance(model, str):
+        raise _BadRequest("'model' must be a string", "model")
+    return model
+
+
+class _Endpoint:
+    """How one inference endpoint reads a request and answers it; ``SimulatorServer._inference`` runs it.
+
+    ``parse`` validates the payload (``_BadRequest`` answers 400) and keeps what the answer needs, with
+    ``prompt_tokens`` and ``token_cost`` (what the token-per-minute limit charges); ``respond`` builds the body
+    once the gate let the request through, and sets ``completion_tokens``. A server keeps one instance per
+    endpoint and reuses it for every request, so the hot path allocates nothing more: it runs on one event-loop
+    thread, and ``_inference`` is done with the fields before the next request is parsed.
+    """
+
+    __slots__ = ("completion_tokens", "model", "prompt_tokens", "token_cost")
+
+    model: str
+    prompt_tokens: int
+    token_cost: int
+    completion_tokens: int
+
+    def parse(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def respond(self, server: SimulatorServer) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _Generation(_Endpoint):
+    """Chat and text completions: the same options and the same OpenAI-shaped body."""
+
+    __slots__ = ("n", "out_tokens")
+
+    def _options(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
+        if payload.get("stream"):
+            raise _BadRequest("stream=true is not supported by the simulator", "stream")
+        self.model = _model_name(payload, config.models[0])
+        requested = _positive_int(payload, "max_completion_tokens") or _positive_int(payload, "max_tokens")
+        self.out_tokens = min(requested or config.default_max_tokens, config.max_output_tokens)
+        self.n = _positive_int(payload, "n", _MAX_CHOICES) or 1
+
+    def _body(self, server: SimulatorServer, id_prefix: str, kind: str, choices: list[dict[str, Any]],
+              completion_tokens: int) -> dict[str, Any]:
+        self.completion_tokens = completion_tokens
+        prompt_tokens = self.prompt_tokens
+        return {
+            "id": server._next_id(id_prefix),
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model,
+            "system_fingerprint": SIMULATOR_FINGERPRINT,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+
+class _Chat(_Generation):
+    __slots__ = ("prompt",)
+
+    def parse(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("'messages' is required and must be a non-empty array", "messages")
+        chars = 0
+        echo: str | None = None
+        last = ""
+        for message in messages:
+            if not isinstance(message, dict):
+                raise _BadRequest("each message must be an object with 'role' and 'content'", "messages")
+            last = _content_text(message.get("content"))
+            chars += len(last)
+            if message.get("role") == "user":
+                echo = last
+        self._options(config, payload)
+        self.prompt = echo if echo is not None else last
+        self.prompt_tokens = max(1, (chars + 3) // 4)
+        self.token_cost = self.prompt_tokens + self.out_tokens * self.n
+
+    def respond(self, server: SimulatorServer) -> dict[str, Any]:
+        n = self.n
+        text = completion_text(self.prompt, self.out_tokens)
+        message = {"role": "assistant", "content": text}
+        choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": "stop"} for i in range(n)]
+        return self._body(server, "chatcmpl", "chat.completion", choices, approx_tokens(text) * n)
+
+
+class _Completions(_Generation):
+    __slots__ = ("prompts",)
+
+    def parse(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
+        self.prompts = prompts = _prompt_list(payload.get("prompt"), "prompt")
+        self._options(config, payload)
+        self.prompt_tokens = sum(tokens for _, tokens in prompts)
+        self.token_cost = self.prompt_tokens + self.out_tokens * self.n * len(prompts)
+
+    def respond(self, server: SimulatorServer) -> dict[str, Any]:
+        n, out_tokens = self.n, self.out_tokens
+        choices: list[dict[str, Any]] = []
+        completion_tokens = 0
+        for text, _ in self.prompts:
+            answer = completion_text(text, out_tokens)
+            completion_tokens += approx_tokens(answer) * n
+            for _ in range(n):
+                choices.append({"text": answer, "index": len(choices), "logprobs": None, "finish_reason": "stop"})
+        return self._body(server, "cmpl", "text_completion", choices, completion_tokens)
+
+
+class _Embeddings(_Endpoint):
+    __slots__ = ("dim", "encoding", "inputs")
+
+    def parse(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
+        self.inputs = inputs = _prompt_list(payload.get("input"), "input")
+        self.model = _model_name(payload, config.models[0])
+        self.dim = _positive_int(payload, "dimensions", _MAX_EMBEDDING_DIM) or config.embedding_dim
+        self.encoding = payload.get("encoding_format") or "float"
+        if self.encoding not in ("float", "base64"):
+            raise _BadRequest("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+        self.prompt_tokens = self.token_cost = sum(tokens for _, tokens in inputs)
+        self.completion_tokens = 0
+
+    def respond(self, server: SimulatorServer) -> dict[str, Any]:
+        dim = self.dim
+        data = []
+        for index, (text, _) in enumerate(self.inputs):
+            vector = embedding_vector(text, dim)
+            embedding: Any = vector
+            if self.encoding == "base64":
+                embedding = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode("ascii")
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        return {
+            "object": "list",
+            "data": data,
+            "model": self.model,
+            "usage": {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens},
+        }
+
+
 class _Bucket:
     """Token bucket refilled continuously at ``per_minute / 60`` per second, starting full."""
 
@@ -773,9 +919,9 @@ class SimulatorServer:
         self._set_faults(config.faults)
         self._reset_counters()
         self._routes: dict[str, dict[str, Handler]] = {
-            "/v1/chat/completions": {"POST": self._chat},
-            "/v1/completions": {"POST": self._completions},
-            "/v1/embeddings": {"POST": self._embeddings},
+            "/v1/chat/completions": {"POST": self._inference(_Chat())},
+            "/v1/completions": {"POST": self._inference(_Completions())},
+            "/v1/embeddings": {"POST": self._inference(_Embeddings())},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/stats": {"GET": self._stats_route},
@@ -1073,145 +1219,28 @@ class SimulatorServer:
             raise _BadRequest("Request body must be a JSON object")
         return payload
 
-    @staticmethod
-    def _model_name(payload: dict[str, Any], default: str) -> str:
-        model = payload.get("model", default)
-        if model is None:
-            return default
-        if not isinstance(model, str):
-            raise _BadRequest("'model' must be a string", "model")
-        return model
-
-    def _out_tokens(self, payload: dict[str, Any]) -> int:
-        requested = _positive_int(payload, "max_completion_tokens") or _positive_int(payload, "max_tokens")
-        return min(requested or self.config.default_max_tokens, self.config.max_output_tokens)
-
     def _next_id(self, prefix: str) -> str:
         self._ids += 1
         return f"{prefix}-sim{self._ids:x}"
 
-    def _chat(self, conn: _Connection, req: _Request) -> bytes | None:
-        self.requests_total += 1
-        if self._auth is not None and not self._authorized(req):
-            return self._unauthorized(req)
-        try:
-            payload = self._load(req)
-            messages = payload.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise _BadRequest("'messages' is required and must be a non-empty array", "messages")
-            chars = 0
-            echo: str | None = None
-            last = ""
-            for message in messages:
-                if not isinstance(message, dict):
-                    raise _BadRequest("each message must be an object with 'role' and 'content'", "messages")
-                last = _content_text(message.get("content"))
-                chars += len(last)
-                if message.get("role") == "user":
-                    echo = last
-            if payload.get("stream"):
-                raise _BadRequest("stream=true is not supported by the simulator", "stream")
-            model = self._model_name(payload, self.config.models[0])
-            out_tokens = self._out_tokens(payload)
-            n = _positive_int(payload, "n", _MAX_CHOICES) or 1
-        except _BadRequest as exc:
-            return self._bad_request(req, str(exc), exc.param)
-        prompt_tokens = max(1, (chars + 3) // 4)
-        early = self._gate(conn, req, prompt_tokens + out_tokens * n)
-        if early is not None:
-            return early or None
-        text = completion_text(echo if echo is not None else last, out_tokens)
-        completion_tokens = approx_tokens(text) * n
-        message = {"role": "assistant", "content": text}
-        body = {
-            "id": self._next_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": SIMULATOR_FINGERPRINT,
-            "choices": [
-                {"index": i, "message": message, "logprobs": None, "finish_reason": "stop"} for i in range(n)
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-        return self._admit(conn, req, body, prompt_tokens, completion_tokens)
+    def _inference(self, endpoint: _Endpoint) -> Handler:
+        """The handler of an inference endpoint: count, authorise, parse (400 if invalid), gate, answer, admit."""
 
-    def _completions(self, conn: _Connection, req: _Request) -> bytes | None:
-        self.requests_total += 1
-        if self._auth is not None and not self._authorized(req):
-            return self._unauthorized(req)
-        try:
-            payload = self._load(req)
-            prompts = _prompt_list(payload.get("prompt"), "prompt")
-            if payload.get("stream"):
-                raise _BadRequest("stream=true is not supported by the simulator", "stream")
-            model = self._model_name(payload, self.config.models[0])
-            out_tokens = self._out_tokens(payload)
-            n = _positive_int(payload, "n", _MAX_CHOICES) or 1
-        except _BadRequest as exc:
-            return self._bad_request(req, str(exc), exc.param)
-        prompt_tokens = sum(tokens for _, tokens in prompts)
-        early = self._gate(conn, req, prompt_tokens + out_tokens * n * len(prompts))
-        if early is not None:
-            return early or None
-        choices: list[dict[str, Any]] = []
-        completion_tokens = 0
-        for text, _ in prompts:
-            answer = completion_text(text, out_tokens)
-            completion_tokens += approx_tokens(answer) * n
-            for _ in range(n):
-                choices.append({"text": answer, "index": len(choices), "logprobs": None, "finish_reason": "stop"})
-        body = {
-            "id": self._next_id("cmpl"),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": SIMULATOR_FINGERPRINT,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
-        return self._admit(conn, req, body, prompt_tokens, completion_tokens)
+        def handle(conn: _Connection, req: _Request) -> bytes | None:
+            self.requests_total += 1
+            if self._auth is not None and not self._authorized(req):
+                return self._unauthorized(req)
+            try:
+                endpoint.parse(self.config, self._load(req))
+            except _BadRequest as exc:
+                return self._bad_request(req, str(exc), exc.param)
+            early = self._gate(conn, req, endpoint.token_cost)
+            if early is not None:
+                return early or None
+            body = endpoint.respond(self)
+            return self._admit(conn, req, body, endpoint.prompt_tokens, endpoint.completion_tokens)
 
-    def _embeddings(self, conn: _Connection, req: _Request) -> bytes | None:
-        self.requests_total += 1
-        if self._auth is not None and not self._authorized(req):
-            return self._unauthorized(req)
-        try:
-            payload = self._load(req)
-            inputs = _prompt_list(payload.get("input"), "input")
-            model = self._model_name(payload, self.config.models[0])
-            dim = _positive_int(payload, "dimensions", _MAX_EMBEDDING_DIM) or self.config.embedding_dim
-            encoding = payload.get("encoding_format") or "float"
-            if encoding not in ("float", "base64"):
-                raise _BadRequest("'encoding_format' must be 'float' or 'base64'", "encoding_format")
-        except _BadRequest as exc:
-            return self._bad_request(req, str(exc), exc.param)
-        prompt_tokens = sum(tokens for _, tokens in inputs)
-        early = self._gate(conn, req, prompt_tokens)
-        if early is not None:
-            return early or None
-        data = []
-        for index, (text, _) in enumerate(inputs):
-            vector = embedding_vector(text, dim)
-            embedding: Any = vector
-            if encoding == "base64":
-                embedding = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode("ascii")
-            data.append({"object": "embedding", "index": index, "embedding": embedding})
-        body = {
-            "object": "list",
-            "data": data,
-            "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-        }
-        return self._admit(conn, req, body, prompt_tokens, 0)
+        return handle
 
     # ----------------------------------------------------------------- gate and admission
 

@@ -11,13 +11,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
 
-from jobs.model_server import SimulatorConfig, ThreadedSimulator, start_in_thread
+from jobs.model_server import ThreadedSimulator
 from udfs import client as client_module
 from udfs.client import InferenceClient
 from udfs.config import JobConfig, config_from_dict
@@ -34,26 +34,6 @@ from udfs.records import Completion, Request, SourceRef
 T = TypeVar("T")
 KEY_ENV = "LLMSTREAM_TEST_API_KEY"
 SECRET = "sk-llmstream-test-7f3a9c2e"
-
-
-@pytest.fixture
-def make_sim() -> Iterator[Callable[..., ThreadedSimulator]]:
-    """Simulators on free ports, always stopped, so a failing test leaks no thread."""
-    started: list[ThreadedSimulator] = []
-
-    def make(**overrides: Any) -> ThreadedSimulator:
-        sim = start_in_thread(SimulatorConfig(port=0, stats_log_interval_s=0, **overrides))
-        started.append(sim)
-        return sim
-
-    yield make
-    for sim in started:
-        sim.stop()
-
-
-@pytest.fixture
-def sim(make_sim: Callable[..., ThreadedSimulator]) -> ThreadedSimulator:
-    return make_sim()
 
 
 def job_config(endpoint: str, *, model: dict[str, Any] | None = None, async_: dict[str, Any] | None = None,

@@ -9,7 +9,7 @@ import random
 import socket
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -21,30 +21,9 @@ from jobs.model_server import (
     FaultSettings,
     SimulatorConfig,
     ThreadedSimulator,
-    start_in_thread,
 )
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-
-
-@pytest.fixture
-def make_sim() -> Iterator[Callable[..., ThreadedSimulator]]:
-    """Start simulators on free ports and always stop them, so a failing test leaks no thread."""
-    started: list[ThreadedSimulator] = []
-
-    def make(**overrides: Any) -> ThreadedSimulator:
-        sim = start_in_thread(SimulatorConfig(port=0, stats_log_interval_s=0, **overrides))
-        started.append(sim)
-        return sim
-
-    yield make
-    for sim in started:
-        sim.stop()
-
-
-@pytest.fixture
-def sim(make_sim: Callable[..., ThreadedSimulator]) -> ThreadedSimulator:
-    return make_sim()
 
 
 def post(sim: ThreadedSimulator, path: str, body: Any = None, timeout: float = 5, **kwargs: Any) -> requests.Response:
@@ -341,7 +320,7 @@ def test_down_for_s_refuses_connections_then_recovers(sim: ThreadedSimulator) ->
     with requests.Session() as session:
         assert session.post(sim.url + "/chat/completions", json=CHAT, timeout=5).status_code == 200
         response = requests.post(sim.base_url + "/admin/faults", json={"down_for_s": 0.5}, timeout=5)
-        assert response.status_code == 200 and response.json()["down_remaining_s"] == 0.5
+        assert response.status_code == 200 and 0.3 < response.json()["down_remaining_s"] <= 0.5
         with pytest.raises(requests.ConnectionError):
             session.post(sim.url + "/chat/completions", json=CHAT, timeout=5)
     with pytest.raises(ConnectionRefusedError):
