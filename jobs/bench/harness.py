@@ -1,0 +1,472 @@
+"""One approach on one scenario: fresh topics, the same input, a process of its own, measured.
+
+Each run gets its own input, output and dead-letter topics and consumer group, so runs
+never see each other's records. The approach runs in a child process (its own session,
+so its whole tree can be sampled and, at the end, cleaned up): the baselines as
+`python -m jobs.bench.baselines`, llmstream as `llmstream run --config <generated yaml>`,
+exactly what a user runs. Meanwhile a read_committed observer, an RSS sampler and a
+simulator-stats sampler watch from this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jobs import local_kafka
+from jobs.bench.measure import (
+    CheckpointSampler,
+    Latencies,
+    Observer,
+    Outcome,
+    RssSampler,
+    ServerSampler,
+    outcome,
+    steady_window,
+)
+from jobs.bench.scenarios import Scenario
+from jobs.bench.workload import (
+    MAX_TOKENS,
+    MODEL,
+    SYSTEM_PROMPT,
+    InputProducer,
+    PacedProducer,
+)
+from udfs.config import config_from_dict, load_config, to_dict, with_overrides
+
+APPROACHES = ("sequential", "semaphore-gather", "llmstream")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STOP_GRACE_S = 45.0
+"""How long an approach may take to stop after SIGTERM (llmstream cancels its job) before SIGKILL."""
+CATCH_UP_S = 20.0
+"""How long the observer may take, after the approach exits, to read what it committed."""
+
+
+@dataclass(frozen=True)
+class LlmstreamSettings:
+    """The knobs the benchmark tunes; `recommended` derives them as the README recommends.
+
+    A Python bundle end, and every checkpoint, waits for the slowest call in flight (NOTES),
+    so each bundle costs about one p99 latency of idle model slots; under a backlog a
+    checkpoint lasts about as long as one bundle takes to process.
+    """
+
+    capacity: int = 128
+    bundle_size: int = 5000
+    bundle_time_ms: int = 1000
+    checkpoint_interval_ms: int = 5000
+    checkpoint_timeout_ms: int = 120_000
+    parallelism: int = 1
+
+    @classmethod
+    def recommended(cls, scenario: Scenario, parallelism: int = 1) -> LlmstreamSettings:
+        """capacity: twice the server's slots per subtask, so requests wait at the server,
+        not in Python, while a response travels back; bundle_size: at least 12 x p99 and
+        2 s of the limit's records, so one slowest call per bundle costs < 10% and the
+        per-bundle overhead stays small, and at least 1,000; checkpoint timeout: three
+        bundles' worth of time at the limit, at least 2 minutes."""
+        slots = scenario.concurrency if scenario.limit_per_s else 64
+        capacity = max(16, 2 * math.ceil(slots / parallelism))
+        rate = (scenario.limit_per_s or DEFAULT_CEILING_PER_S) / parallelism
+        seconds = max(BUNDLE_MIN_SECONDS, BUNDLE_P99_MULTIPLE * scenario.p99_latency_ms / 1000)
+        bundle = max(1000, _round_up(rate * seconds, 500))
+        timeout_ms = max(120_000, _round_up(3 * bundle / rate * 1000, 10_000))
+        return cls(capacity=capacity, bundle_size=int(bundle), bundle_time_ms=1000,
+                   checkpoint_interval_ms=5000, checkpoint_timeout_ms=int(timeout_ms), parallelism=parallelism)
+
+    def describe(self) -> str:
+        return (f"capacity {self.capacity}, bundle {self.bundle_size} records / {self.bundle_time_ms} ms, "
+                f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
+                f"parallelism {self.parallelism}")
+
+
+BUNDLE_P99_MULTIPLE = 12
+BUNDLE_MIN_SECONDS = 2.0
+DEFAULT_CEILING_PER_S = 2000.0
+"""Records/s one inference subtask reaches with an instant model on the reference machine (scenario d)."""
+
+
+def _round_up(value: float, step: int) -> int:
+    return int(math.ceil(value / step) * step)
+
+
+@dataclass
+class RunResult:
+    """Everything measured for one approach on one scenario (what `latest.json` holds)."""
+
+    scenario: str
+    scenario_name: str
+    approach: str
+    limit_per_s: float | None
+    records_in: int
+    elapsed_s: float
+    stopped_by: str
+    exit_code: int | None
+    outcome: Outcome
+    throughput_steady: float | None
+    steady_window_s: float | None
+    throughput_overall: float | None
+    pct_of_limit: float | None
+    e2e_ms: Latencies
+    pickup_ms: Latencies
+    commit_lag_ms: Latencies
+    utilization: float | None
+    rss_peak_mb: dict[str, float | None]
+    rss_breakdown_mb: dict[str, float]
+    rss_drift_mb: float | None
+    rss_series: list[tuple[float, float]]
+    server: dict[str, Any]
+    settings: dict[str, Any] | None
+    load_avg: tuple[float, float, float]
+    log_file: str
+    notes: list[str] = field(default_factory=list)
+    checkpoints: dict[str, Any] | None = None
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class BenchContext:
+    """What every run of one benchmark invocation shares."""
+
+    broker: local_kafka.LocalBroker
+    workdir: Path
+    overrides: dict[str, int] = field(default_factory=dict)
+    say: Callable[[str], None] = print
+    progress_every_s: float = 5.0
+
+    def settings_for(self, scenario: Scenario) -> LlmstreamSettings:
+        """The recommended settings for `scenario`, with any given on the command line instead."""
+        recommended = LlmstreamSettings.recommended(scenario, self.overrides.get("parallelism", 1))
+        return dataclasses.replace(recommended, **self.overrides)
+
+
+@dataclass(frozen=True)
+class Topics:
+    input: str
+    output: str
+    dead_letter: str
+    group: str
+
+    @classmethod
+    def fresh(cls, scenario: Scenario, approach: str) -> Topics:
+        tag = f"{scenario.key}-{approach}-{uuid.uuid4().hex[:8]}"
+        return cls(f"bench-in-{tag}", f"bench-out-{tag}", f"bench-dlq-{tag}", f"bench-{tag}")
+
+
+def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: LlmstreamSettings,
+                     scenario: Scenario) -> dict[str, Any]:
+    """The job config for one run: the repo's defaults, these topics and the tuned settings."""
+    config = with_overrides(
+        load_config(),
+        kafka={"bootstrap_servers": bootstrap, "input_topic": topics.input, "output_topic": topics.output,
+               "dead_letter_topic": topics.dead_letter, "group_id": topics.group,
+               "transactional_id_prefix": topics.group, "create_topics": False, "topic_partitions": 1},
+        model={"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT, "max_tokens": MAX_TOKENS},
+        async_={"capacity": settings.capacity},
+        python={"bundle_size": settings.bundle_size, "bundle_time_ms": settings.bundle_time_ms},
+        checkpointing={"interval_ms": settings.checkpoint_interval_ms, "timeout_ms": settings.checkpoint_timeout_ms},
+        parallelism={"default": 1, "source": 1, "inference": settings.parallelism, "sink": 1},
+    )
+    data = to_dict(config)
+    data["name"] = f"llmstream-bench-{scenario.key}"
+    config_from_dict(data)  # validate the final form, name included
+    return data
+
+
+def _llmstream_command() -> list[str]:
+    script = Path(sys.executable).with_name("llmstream")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "jobs.cli"]
+
+
+def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint: str, scenario: Scenario,
+                     records: int, max_seconds: float, config_dir: Path) -> list[str]:
+    bootstrap = ctx.broker.bootstrap_servers
+    if approach == "llmstream":
+        config_file = config_dir / f"{topics.group}.yaml"
+        config_file.write_text(yaml.safe_dump(
+            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario), scenario), sort_keys=False))
+        command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
+        return command if scenario.overload_factor else [*command, "--until-end"]
+    return [sys.executable, "-m", "jobs.bench.baselines", approach, "--bootstrap", bootstrap,
+            "--input", topics.input, "--output", topics.output, "--dead-letter", topics.dead_letter,
+            "--group", topics.group, "--endpoint", endpoint, "--records", str(records),
+            "--max-seconds", f"{max_seconds:g}"]
+
+
+class ApproachProcess:
+    """The approach's process, in its own session so that its whole tree can be ended."""
+
+    def __init__(self, command: list[str], log_file: Path) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONUNBUFFERED"] = "1"
+        self.log_file = log_file
+        with log_file.open("wb") as out:
+            self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM (llmstream cancels its job, a baseline flushes and commits), then SIGKILL."""
+        if self.running():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def reap_group(self) -> None:
+        """Ends whatever is left of the session this process led (e.g. an orphaned worker)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+
+def _committed(bootstrap: str, group: str, topic: str) -> int:
+    try:
+        return sum(local_kafka.committed_offsets(bootstrap, group, topic).values())
+    except Exception:  # noqa: BLE001 - a group that never committed has no offsets
+        return 0
+
+
+def _wait_idle(stats: Callable[[], dict[str, Any]], timeout_s: float = 30.0) -> None:
+    """Waits until the simulator has nothing in flight or queued (left over from a stopped run)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            current = stats()
+            if not current.get("in_flight") and not current.get("queued"):
+                return
+        time.sleep(0.5)
+
+
+def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach: str,
+                 records: int, max_seconds: float) -> RunResult:
+    """Runs `approach` on `scenario` and measures it; see the module docstring."""
+    bootstrap = ctx.broker.bootstrap_servers
+    label = f"[{scenario.key}/{approach}]"
+    topics = Topics.fresh(scenario, approach)
+    local_kafka.create_topics(bootstrap, [topics.input, topics.output, topics.dead_letter], partitions=1)
+    producer = InputProducer(bootstrap, topics.input)
+    overload = scenario.overload_rate_per_s
+    if overload is None:
+        ctx.say(f"{label} producing {records:,} input records ...")
+        producer.preload(records)
+    run_seconds = scenario.overload_seconds if overload is not None else max_seconds
+
+    _wait_idle(simulator.stats)
+    simulator.reset_stats()
+    observer = Observer(bootstrap, topics.output, topics.dead_letter)
+    rss = RssSampler()
+    rss.watch("broker", ctx.broker.pid())
+    rss.watch("simulator", simulator.process.pid)
+    server = ServerSampler(simulator.stats)
+    for thread in (observer, rss, server):
+        thread.start()
+
+    log_file = ctx.workdir / f"{topics.group}.log"
+    command = approach_command(approach, topics, ctx, simulator.url, scenario,
+                               records if overload is None else 0, run_seconds, ctx.workdir)
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    started_ms = time.time() * 1000
+    proc = ApproachProcess(command, log_file)
+    rss.watch("approach", proc.pid)
+    checkpoints = CheckpointSampler(proc.pid) if approach == "llmstream" else None
+    if checkpoints is not None:
+        checkpoints.start()
+    paced = None
+    if overload is not None:
+        paced = PacedProducer(producer, overload, scenario.overload_seconds)
+        paced.start()
+        ctx.say(f"{label} started (pid {proc.pid}); producing {overload:,.0f} records/s for "
+                f"{scenario.overload_seconds:g} s")
+    else:
+        ctx.say(f"{label} started (pid {proc.pid}); at most {max_seconds:g} s or {records:,} records")
+
+    stopped_by = "finished"
+    last_report, last_seen = started, 0
+    try:
+        while proc.running():
+            elapsed = time.monotonic() - started
+            if paced is not None and paced.finished.is_set():
+                stopped_by = f"overload window ended ({scenario.overload_seconds:g} s)"
+                break
+            # Baselines stop themselves at max_seconds; llmstream is stopped (its job cancelled) here.
+            if paced is None and elapsed >= max_seconds + (0 if approach == "llmstream" else 10):
+                stopped_by = f"time limit ({max_seconds:g} s)"
+                break
+            if time.monotonic() - last_report >= ctx.progress_every_s:
+                seen = observer.seen
+                target = producer.produced if paced is not None else records
+                rate = (seen - last_seen) / (time.monotonic() - last_report)
+                ctx.say(f"{label} {elapsed:5.0f}s  visible {seen:,}/{target:,}  ({rate:,.0f}/s lately)")
+                last_report, last_seen = time.monotonic(), seen
+            time.sleep(0.25)
+        else:
+            if proc.process.returncode:
+                stopped_by = f"exited with code {proc.process.returncode}"
+            elif paced is not None:
+                stopped_by = f"overload window ended ({scenario.overload_seconds:g} s)"
+            elif observer.seen < records and approach != "llmstream":
+                stopped_by = f"time limit ({max_seconds:g} s)"
+        proc.stop()
+        if paced is not None:
+            paced.stop()
+            paced.join(30)
+            if paced.error is not None:
+                raise RuntimeError(f"input producer failed: {paced.error}") from paced.error
+        elapsed = time.monotonic() - started
+        _catch_up(observer, bootstrap, topics)
+    finally:
+        proc.stop(5)
+        proc.reap_group()
+        samplers: list[Any] = [observer, rss, server, *([checkpoints] if checkpoints else [])]
+        for thread in samplers:
+            thread.stop()
+        server.sample()
+        for thread in samplers:
+            thread.join(10)
+        producer.close()
+
+    committed = _committed(bootstrap, topics.group, topics.input)
+    result = _summarise(ctx, scenario, approach, producer, observer, rss, server, committed,
+                        started_ms, elapsed, stopped_by, proc, load_before)
+    result.checkpoints = checkpoints.summary() if checkpoints is not None else None
+    if proc.process.returncode not in (0, None) or result.outcome.seen == 0:
+        ctx.say(f"{label} exit code {proc.process.returncode}, {result.outcome.seen} results; "
+                f"last lines of {log_file}:\n{proc.tail()}")
+    with contextlib.suppress(Exception):
+        local_kafka.delete_topics(bootstrap, [topics.input, topics.output, topics.dead_letter])
+    return result
+
+
+def _catch_up(observer: Observer, bootstrap: str, topics: Topics) -> None:
+    """Waits until the observer has read everything committed to the output topics."""
+    deadline = time.monotonic() + CATCH_UP_S
+    while time.monotonic() < deadline:
+        try:
+            ends = {t: sum(local_kafka.end_offsets(bootstrap, t, committed_only=True).values())
+                    for t in (topics.output, topics.dead_letter)}
+        except Exception:  # noqa: BLE001 - ask again
+            ends = {}
+        if ends and observer.caught_up(ends):
+            return
+        time.sleep(0.3)
+
+
+def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: InputProducer,
+               observer: Observer, rss: RssSampler, server: ServerSampler, committed: int,
+               started_ms: float, elapsed: float, stopped_by: str, proc: ApproachProcess,
+               load_before: tuple[float, float, float]) -> RunResult:
+    result_outcome = outcome(producer.offsets, observer, committed)
+    seen = [s for s in observer.snapshot()[0].values() if not s.dead]
+    completions = [s.completed_ms if s.completed_ms is not None else s.visible_ms for s in seen]
+    window = steady_window(completions)
+    limit = scenario.limit_per_s
+    e2e = [s.visible_ms - s.produced_ms for s in seen if s.produced_ms is not None]
+    pickup = [s.visible_ms - s.started_ms for s in seen if s.started_ms is not None]
+    lag = [s.visible_ms - s.completed_ms for s in seen if s.completed_ms is not None]
+    utilization = None
+    if window is not None and limit is not None:
+        mean = server.mean_in_flight(window.start_ms, window.end_ms)
+        utilization = None if mean is None else mean / scenario.concurrency
+    overall = None
+    if completions:
+        span = (max(completions) - started_ms) / 1000
+        overall = len(completions) / span if span > 0 else None
+    steady = window.rate if window else None
+    load_after = os.getloadavg()
+    notes = []
+    if load_before[0] > 1.0 or load_after[0] > 3.0:
+        notes.append(f"machine load {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores)")
+    series = [(round((t - started_ms) / 1000, 1), round(v.get("approach", 0) / 2**20, 1))
+              for t, v in rss.series if "approach" in v]
+    return RunResult(
+        scenario=scenario.key,
+        scenario_name=scenario.name,
+        approach=approach,
+        limit_per_s=limit,
+        records_in=producer.produced,
+        elapsed_s=round(elapsed, 1),
+        stopped_by=stopped_by,
+        exit_code=proc.process.returncode,
+        outcome=result_outcome,
+        throughput_steady=steady,
+        steady_window_s=window.seconds if window else None,
+        throughput_overall=overall,
+        pct_of_limit=(100 * steady / limit) if steady and limit else None,
+        e2e_ms=Latencies.of(e2e),
+        pickup_ms=Latencies.of(pickup),
+        commit_lag_ms=Latencies.of(lag),
+        utilization=utilization,
+        rss_peak_mb={role: rss.peak_mb(role) for role in ("approach", "broker", "simulator")}
+        | {"total": rss.peak_total_mb()},
+        rss_breakdown_mb={k: round(v / 2**20, 1) for k, v in sorted(rss.peak_breakdown.items())},
+        rss_drift_mb=rss.drift_mb("approach"),
+        rss_series=series[:: max(1, len(series) // 240)],
+        server={k: server.last.get(k) for k in ("served", "max_in_flight", "max_queued", "rejected", "errors")},
+        settings=asdict(ctx.settings_for(scenario)) if approach == "llmstream" else None,
+        load_avg=(round(load_after[0], 2), round(load_after[1], 2), round(load_after[2], 2)),
+        log_file=str(proc.log_file),
+        notes=notes,
+        cpu_seconds=rss.cpu_seconds(),
+    )
+
+
+def probe(kind: str, endpoint: str, seconds: float = 5.0, concurrency: int = 64) -> dict[str, Any] | None:
+    """One of `jobs.bench.probes` (http, client) against `endpoint`, in a process of its own."""
+    import json
+
+    command = [sys.executable, "-m", "jobs.bench.probes", kind, "--endpoint", endpoint,
+               "--seconds", f"{seconds:g}", "--concurrency", str(concurrency)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=seconds + 60, check=True)
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def wait_for_quiet(threshold: float, max_wait_s: float, say: Callable[[str], None]) -> float:
+    """Waits (at most `max_wait_s`) for the 1-minute load average to drop below `threshold`."""
+    deadline = time.monotonic() + max_wait_s
+    load = os.getloadavg()[0]
+    while load >= threshold and time.monotonic() < deadline:
+        say(f"bench: load average {load:.2f} >= {threshold:g}; waiting for the machine to quieten ...")
+        time.sleep(min(30.0, max(1.0, deadline - time.monotonic())))
+        load = os.getloadavg()[0]
+    return load
+

@@ -1,0 +1,224 @@
+"""`llmstream bench`: llmstream vs a sequential and a semaphore-gather consumer, same broker,
+same simulator settings, same records; writes latest.md / latest.json / latest.png.
+
+    llmstream bench                         # full run: scenarios a-d, all approaches (~13 min)
+    llmstream bench -- --smoke              # ~30 s: scenario a, 100 records, results to a temp dir
+    llmstream bench -- --scenarios b --approaches llmstream --bundle-size 2000   # a tuning run
+    llmstream bench -- --render             # re-write latest.md/png from latest.json
+
+(`--` first: the top-level `llmstream` parser otherwise rejects the bench's flags.)
+
+Exit status 0 when every run produced answers with no duplicates and nothing lost; speed
+targets are reported, never enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from jobs import jars, local_kafka, model_server
+from jobs.bench import report
+from jobs.bench.harness import (
+    APPROACHES,
+    BenchContext,
+    RunResult,
+    probe,
+    run_approach,
+    wait_for_quiet,
+)
+from jobs.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
+
+TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "checkpoint_interval_ms", "checkpoint_timeout_ms",
+                "parallelism")
+PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, no Flink"}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SMOKE_MAX_SECONDS = 45.0
+
+
+def _parse_list(text: str, allowed: list[str] | tuple[str, ...], what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        raise argparse.ArgumentTypeError(f"{what}: unknown {unknown or text!r} (choose from {', '.join(allowed)})")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmstream bench", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser.add_argument("--scenarios", default="a,b,c,d",
+                        type=lambda t: _parse_list(t, list(SCENARIOS), "--scenarios"),
+                        help="comma-separated: " + "; ".join(f"{s.key} = {s.name}" for s in SCENARIOS.values()))
+    parser.add_argument("--approaches", default=",".join(APPROACHES),
+                        type=lambda t: _parse_list(t, APPROACHES, "--approaches"),
+                        help=f"comma-separated, from {', '.join(APPROACHES)}")
+    parser.add_argument("--records", type=int, default=None,
+                        help="input records per run in a, b, d (default per scenario: "
+                             + ", ".join(f"{s.key} {s.records:,}" for s in SCENARIOS.values() if not s.overload_factor)
+                             + ")")
+    parser.add_argument("--max-seconds", type=float, default=90.0,
+                        help="bound on each run, from its process start; throughput counts what completed "
+                             "(default %(default)s)")
+    parser.add_argument("--overload-seconds", type=float, default=None,
+                        help="length of scenario c's overload (default 60)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where latest.md/json/png go (default {RESULTS_DIR}; with --smoke a temp dir)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"CI variant under 60 s: scenario {SMOKE_SCENARIO}, {SMOKE_RECORDS} records, all approaches")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (per-run logs, configs, broker)")
+    parser.add_argument("--render", action="store_true",
+                        help="only re-write latest.md and latest.png from the latest.json in --out")
+    parser.add_argument("--wait-for-quiet", type=float, default=None, metavar="LOAD",
+                        help="first wait (at most 10 min) for the 1-minute load average to drop below LOAD")
+    tuning = parser.add_argument_group(
+        "llmstream settings (default: derived per scenario as the README recommends, see LlmstreamSettings)")
+    for flag in TUNING_FLAGS:
+        tuning.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
+    return parser
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _scenario(key: str, args: argparse.Namespace) -> Scenario:
+    scenario = SCENARIOS[key]
+    if scenario.overload_factor and args.overload_seconds:
+        scenario = dataclasses.replace(scenario, overload_seconds=args.overload_seconds)
+    return scenario
+
+
+def run(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[str, Path], list[str]]:
+    overrides = {flag: getattr(args, flag) for flag in TUNING_FLAGS if getattr(args, flag) is not None}
+    load_before = os.getloadavg()[0]
+    if args.wait_for_quiet is not None:
+        load_before = wait_for_quiet(args.wait_for_quiet, 600, _say)
+    jars.ensure("broker")
+    jars.ensure("connector")
+    workdir = Path(tempfile.mkdtemp(prefix="llmstream-bench-"))
+    out_dir = args.out or (workdir / "results" if args.smoke else RESULTS_DIR)
+    broker: local_kafka.LocalBroker | None = None
+    results: list[RunResult] = []
+    probes: dict[str, Any] = {}
+    failures: list[str] = []
+    started = time.monotonic()
+    try:
+        _say(f"bench: starting a Kafka broker; load average {load_before:.2f} on {os.cpu_count()} CPUs")
+        broker = _start_broker(workdir)
+        ctx = BenchContext(broker=broker, workdir=workdir, overrides=overrides, say=_say)
+        for key in args.scenarios:
+            scenario = _scenario(key, args)
+            records = args.records or scenario.records
+            _say(f"bench: scenario {scenario.summary()}")
+            if "llmstream" in args.approaches:
+                _say(f"bench: llmstream settings for ({key}): {ctx.settings_for(scenario).describe()}")
+            simulator = model_server.spawn(scenario.simulator_args())
+            try:
+                for approach in args.approaches:
+                    try:
+                        result = run_approach(ctx, simulator, scenario, approach, records, args.max_seconds)
+                    except Exception:  # noqa: BLE001 - one broken run must not lose the others' numbers
+                        _say(f"[{key}/{approach}] FAILED:\n{traceback.format_exc()}")
+                        failures.append(f"{key}/{approach}")
+                        continue
+                    results.append(result)
+                    o = result.outcome
+                    _say(f"[{key}/{approach}] done in {result.elapsed_s:.0f}s: {o.seen:,}/{o.expected:,} answered, "
+                         f"steady {report._num(result.throughput_steady, 1)}/s"
+                         + (f" ({result.pct_of_limit:.0f}% of limit)" if result.pct_of_limit else "")
+                         + f", e2e p99 {report._secs(result.e2e_ms.p99)} s, dup {o.duplicates}, lost {o.lost}, "
+                         f"not reached {o.not_reached:,}; {time.monotonic() - started:.0f}s since bench start")
+                if scenario.latency == "0" and any(r.scenario == key for r in results):
+                    for kind, what in PROBE_KINDS.items():
+                        _say(f"[{key}] probe: {what} alone against the simulator, 64 concurrent, 5 s ...")
+                        probes[f"{kind}_{key}"] = probe(kind, simulator.url)
+                        _say(f"[{key}] probe {kind}: {probes[f'{kind}_{key}']}")
+            finally:
+                simulator.stop()
+        paths = report.write(out_dir, results, command, load_before, probes, overrides)
+        return results, paths, failures
+    finally:
+        if broker is not None:
+            broker.stop()
+        if args.keep:
+            _say(f"bench: work dir kept at {workdir}")
+        elif workdir in out_dir.resolve().parents:
+            _drop_all_but(workdir, out_dir.resolve())
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_broker(workdir: Path, attempts: int = 2) -> local_kafka.LocalBroker:
+    """A broker on fresh ephemeral ports; tried again once, on new ports, if start-up fails
+    (a port taken between choosing and binding it, on a machine shared with other tests)."""
+    for attempt in range(1, attempts + 1):
+        broker = local_kafka.LocalBroker(local_kafka.BrokerConfig.ephemeral(workdir / f"kafka-{attempt}"))
+        try:
+            broker.start(timeout=90)
+            return broker
+        except RuntimeError as err:
+            if attempt == attempts:
+                raise
+            _say(f"bench: broker start failed ({str(err).splitlines()[0]}); trying again on new ports")
+    raise AssertionError("unreachable")
+
+
+def _drop_all_but(workdir: Path, keep: Path) -> None:
+    """Removes the work dir except the smoke results inside it."""
+    for child in workdir.iterdir():
+        if child == keep or child in keep.parents:
+            continue
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `llmstream bench -- --smoke`: the separator is for the llmstream parser
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    if args.render:
+        paths = report.render(args.out or RESULTS_DIR)
+        print("bench: re-rendered " + ", ".join(str(p) for p in paths.values()))
+        return 0
+    # kafka-python logs every refused connection while the broker starts, at ERROR; the
+    # harness raises on what matters, so its clients' chatter stays out of the progress lines.
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    if args.smoke:
+        args.scenarios = [SMOKE_SCENARIO]
+        args.records = args.records or SMOKE_RECORDS
+        args.max_seconds = min(args.max_seconds, SMOKE_MAX_SECONDS)
+    command = "llmstream bench " + shlex.join(argv)
+    started = time.monotonic()
+    results, paths, failures = run(args, command.strip())
+    print()
+    print(report.table(results))
+    print()
+    for target in report.targets(results):
+        if target.met is not None:
+            print(f"target ({target.scenario}) {target.text}: {target.verdict} — {target.detail}")
+    print(f"\nbench: {len(results)} runs in {time.monotonic() - started:.0f} s; wrote "
+          + ", ".join(str(p) for p in paths.values()))
+    if failures:
+        print(f"bench: FAILED runs: {', '.join(failures)}")
+    ok = not failures and all(r.outcome.seen > 0 and r.outcome.duplicates == 0 and r.outcome.lost == 0
+                              for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""The benchmark's report: `latest.md` (tables and targets), `latest.json` (every number)
+and `latest.png` (throughput and p99 per approach and scenario; RSS over time under overload)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from jobs.bench.harness import APPROACHES, LlmstreamSettings, RunResult
+from jobs.bench.measure import Latencies, Outcome
+from jobs.bench.scenarios import SCENARIOS
+
+RSS_FLAT_MB = 50.0
+"""RSS drift (last quarter vs second quarter of the run) under which memory counts as flat."""
+
+
+@dataclass(frozen=True)
+class Target:
+    scenario: str
+    text: str
+    met: bool | None
+    detail: str
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "NOT met", None: "not measured"}[self.met]
+
+
+def _find(results: Sequence[RunResult], scenario: str, approach: str) -> RunResult | None:
+    return next((r for r in results if r.scenario == scenario and r.approach == approach), None)
+
+
+def targets(results: Sequence[RunResult]) -> list[Target]:
+    """The issue's targets, judged on these results."""
+    out = []
+    for key in ("a", "b"):
+        run = _find(results, key, "llmstream")
+        met = None if run is None or run.pct_of_limit is None else run.pct_of_limit >= 90
+        detail = "" if run is None or run.throughput_steady is None else (
+            f"{run.throughput_steady:,.0f}/s = {run.pct_of_limit or 0:.0f}% of {run.limit_per_s:,.0f}/s")
+        out.append(Target(key, "llmstream >= 90% of the limit at steady state", met, detail))
+    run, base = _find(results, "b", "llmstream"), _find(results, "b", "semaphore-gather")
+    if run and base and run.throughput_steady and base.throughput_steady:
+        ratio = run.throughput_steady / base.throughput_steady
+        out.append(Target("b", "llmstream >= 5x semaphore-gather", ratio >= 5,
+                          f"{run.throughput_steady:,.0f}/s vs {base.throughput_steady:,.1f}/s = {ratio:.1f}x"))
+    else:
+        out.append(Target("b", "llmstream >= 5x semaphore-gather", None, ""))
+    run = _find(results, "c", "llmstream")
+    if run is not None:
+        drift = run.rss_drift_mb
+        flat = drift is not None and drift < RSS_FLAT_MB
+        out.append(Target("c", f"flat RSS (drift < {RSS_FLAT_MB:g} MB) and nothing lost",
+                          flat and run.outcome.lost == 0 and run.outcome.duplicates == 0,
+                          f"drift {_num(drift, 1)} MB, peak {_num(run.rss_peak_mb.get('approach'))} MB, "
+                          f"lost {run.outcome.lost}, duplicates {run.outcome.duplicates}"))
+    else:
+        out.append(Target("c", "flat RSS and nothing lost", None, ""))
+    run = _find(results, "d", "llmstream")
+    if run is not None and run.throughput_steady:
+        parallelism = int((run.settings or {}).get("parallelism", 1))
+        per = run.throughput_steady / parallelism
+        out.append(Target("d", ">= 10,000 records/s per inference subtask", per >= 10_000,
+                          f"{per:,.0f}/s per subtask (parallelism {parallelism})"))
+    else:
+        out.append(Target("d", ">= 10,000 records/s per inference subtask", None, ""))
+    return out
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def _secs(ms: float | None) -> str:
+    if ms is None:
+        return "–"
+    return f"{ms / 1000:,.2f}" if ms < 10_000 else f"{ms / 1000:,.1f}"
+
+
+def _pair(a: str, b: str) -> str:
+    return f"{a} / {b}"
+
+
+def table(results: Sequence[RunResult]) -> str:
+    """One row per approach and scenario."""
+    head = ("| scenario | approach | limit /s | answered / input | steady /s | % of limit | "
+            "e2e p50 / p99 (s) | pickup→visible p50 / p99 (s) | server util. | "
+            "checkpoints: n, p50 / max (s) | peak RSS approach / all (MB) | RSS drift (MB) | dup | lost | "
+            "not reached | stopped by |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        o = r.outcome
+        rows.append("| " + " | ".join([
+            f"({r.scenario}) {r.scenario_name}",
+            r.approach,
+            _num(r.limit_per_s),
+            f"{o.seen:,} / {o.expected:,}" + (f" ({o.dead_lettered} DLQ)" if o.dead_lettered else ""),
+            _num(r.throughput_steady, 1 if (r.throughput_steady or 0) < 100 else 0),
+            _num(r.pct_of_limit) + ("%" if r.pct_of_limit is not None else ""),
+            _pair(_secs(r.e2e_ms.p50), _secs(r.e2e_ms.p99)),
+            _pair(_secs(r.pickup_ms.p50), _secs(r.pickup_ms.p99)),
+            "–" if r.utilization is None else f"{100 * r.utilization:.0f}%",
+            _checkpoints(r.checkpoints),
+            _pair(_num(r.rss_peak_mb.get("approach")), _num(r.rss_peak_mb.get("total"))),
+            _num(r.rss_drift_mb, 1),
+            str(o.duplicates),
+            str(o.lost),
+            f"{o.not_reached:,}",
+            r.stopped_by,
+        ]) + " |")
+    return "\n".join(rows)
+
+
+def _describe(settings: dict[str, Any]) -> str:
+    return LlmstreamSettings(**settings).describe()
+
+
+def _checkpoints(summary: dict[str, Any] | None) -> str:
+    if not summary:
+        return "–"
+    durations = summary.get("duration_ms") or {}
+    text = f"{summary.get('completed') or 0}, {_secs(durations.get('p50'))} / {_secs(durations.get('max'))}"
+    return text + (f" ({summary['failed']} failed)" if summary.get("failed") else "")
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def markdown(results: Sequence[RunResult], meta: dict[str, Any], probes: dict[str, Any] | None = None,
+             overrides: dict[str, int] | None = None) -> str:
+    scenarios = sorted({r.scenario for r in results})
+    lines = [
+        "# llmstream bench: latest results",
+        "",
+        (f"Generated {meta['generated']} by `{meta['command']}` on {meta['machine']['cpus']} CPUs, "
+        f"{meta['machine']['memory_gb']} GB (load average before {meta['load_before']:.2f}, "
+        f"after {meta['machine']['load_avg_at_end'][0]:.2f}). "
+        "The model server is the SIMULATOR (`jobs/model_server.py`), not a model. "
+        "The machine is shared with other test runs: expect ±15% between runs "
+        "(see the tuning runs in `jobs/bench/README.md`)."),
+        "",
+        "Scenarios, and the llmstream settings used in each"
+        + (f" (set on the command line: {overrides})" if overrides else
+           " (derived from the scenario as the README recommends; see `LlmstreamSettings.recommended`)") + ":",
+        *[f"- {SCENARIOS[k].summary()}" + (f"; llmstream: {_describe(run.settings)}" if run and run.settings else "")
+          for k in scenarios for run in [_find(results, k, "llmstream")]],
+        "",
+        table(results),
+        "",
+        ("How to read it: *steady /s* counts answers completed between the 10th and 90th percentile "
+        "of completion times (start-up and drain left out). *e2e* is from the input record's "
+        "timestamp to the answer being visible to a read_committed consumer; the input is a "
+        "backlog produced before the approach starts (except in c), so e2e includes queueing "
+        "in Kafka and grows with the run. *pickup→visible* starts when the approach sent the "
+        "request: the call plus, for llmstream, the wait for the checkpoint that commits the "
+        "answer. *server util.* is the simulator's time-weighted mean in flight over the "
+        "steady window ÷ its concurrency limit. *lost* = never visible although the group "
+        "committed its input offset; *not reached* = never visible because the run was "
+        "stopped before it (time limit or overload)."),
+        "",
+        "## Targets",
+        "",
+        "| scenario | target | verdict | measured |",
+        "|---|---|---|---|",
+        *[f"| ({t.scenario}) | {t.text} | {t.verdict} | {t.detail} |" for t in targets(results)],
+        "",
+        "![throughput and p99 latency per approach and scenario](latest.png)",
+        "",
+    ]
+    notes = [f"- ({r.scenario}) {r.approach}: {n}" for r in results for n in r.notes]
+    labels = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, without Flink"}
+    for name, probe in (probes or {}).items():
+        kind, scenario = name.rsplit("_", 1)
+        if probe and kind in labels:
+            notes.append(f"- ({scenario}) probe: {labels[kind]}, {probe['concurrency']} concurrent, no Kafka, "
+                         f"against the same simulator: {probe['rate']:,.0f} requests/s over {probe['seconds']:g} s")
+    if notes:
+        lines += ["## Notes", "", *notes, ""]
+    return "\n".join(lines)
+
+
+def chart(results: Sequence[RunResult], path: Path) -> None:
+    """Grouped bars of steady throughput (with the limit) and e2e p99, plus RSS under overload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = sorted({r.scenario for r in results})
+    overload = [r for r in results if r.scenario == "c" and r.rss_series]
+    panels = 3 if overload else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8))
+    width = 0.8 / len(APPROACHES)
+    colors = {"sequential": "#c44e52", "semaphore-gather": "#dd8452", "llmstream": "#4c72b0"}
+    for i, approach in enumerate(APPROACHES):
+        xs, tput, p99, pickup = [], [], [], []
+        for j, key in enumerate(scenarios):
+            run = _find(results, key, approach)
+            if run is None:
+                continue
+            xs.append(j + (i - (len(APPROACHES) - 1) / 2) * width)
+            tput.append(run.throughput_steady or 0)
+            p99.append((run.e2e_ms.p99 or 0) / 1000)
+            pickup.append((run.pickup_ms.p99 or 0) / 1000)
+        if not xs:
+            continue
+        bars = axes[0].bar(xs, tput, width, label=approach, color=colors[approach])
+        axes[0].bar_label(bars, fmt="{:,.0f}", fontsize=7)
+        bars = axes[1].bar(xs, p99, width, label=approach, color=colors[approach])
+        axes[1].bar_label(bars, fmt="{:,.1f}", fontsize=7)
+        axes[1].scatter(xs, [max(v, 0.01) for v in pickup], marker="_", s=300, color="black", zorder=3,
+                        label="pickup→visible p99" if i == 0 else None)
+    for j, key in enumerate(scenarios):
+        limit = SCENARIOS[key].limit_per_s
+        if limit:
+            axes[0].hlines(limit, j - 0.45, j + 0.45, colors="black", linestyles="dashed",
+                           label="limit (Little's law)" if j == 0 else None)
+    labels = [f"({k}) {SCENARIOS[k].name}" for k in scenarios]
+    for ax, title, unit in ((axes[0], "steady-state throughput", "records/s"),
+                            (axes[1], "p99: produced → visible (bars), pickup → visible (—)", "seconds")):
+        ax.set_xticks(range(len(scenarios)), labels, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_ylabel(f"{unit} (log scale)")
+        ax.grid(axis="y", alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8, loc="lower left")
+    if overload:
+        ax = axes[2]
+        for run in overload:
+            ts = [t for t, _ in run.rss_series]
+            mb = [m for _, m in run.rss_series]
+            ax.plot(ts, mb, label=run.approach, color=colors[run.approach])
+        ax.set_title("(c) overload: RSS of the approach's process tree")
+        ax.set_xlabel("seconds since start")
+        ax.set_ylabel("MB")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("llmstream bench (model-server SIMULATOR, one machine)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load(json_path: Path) -> tuple[list[RunResult], dict[str, Any]]:
+    """The results and metadata of an earlier `latest.json`, to re-render its report."""
+    data = json.loads(json_path.read_text())
+    results = []
+    for raw in data["results"]:
+        fields = dict(raw)
+        fields["outcome"] = Outcome(**fields["outcome"])
+        for name in ("e2e_ms", "pickup_ms", "commit_lag_ms"):
+            fields[name] = Latencies(**fields[name])
+        fields["load_avg"] = tuple(fields["load_avg"])
+        fields["rss_series"] = [tuple(point) for point in fields["rss_series"]]
+        results.append(RunResult(**fields))
+    return results, data
+
+
+def render(out_dir: Path) -> dict[str, Path]:
+    """Re-writes latest.md and latest.png from `out_dir`/latest.json (after a report change)."""
+    results, data = load(out_dir / "latest.json")
+    meta = {k: data[k] for k in ("generated", "command", "machine", "load_before")}
+    paths = {"md": out_dir / "latest.md", "png": out_dir / "latest.png"}
+    paths["md"].write_text(markdown(results, meta, data.get("probes"), data.get("llmstream_overrides")))
+    chart(results, paths["png"])
+    return paths
+
+
+def write(out_dir: Path, results: Sequence[RunResult], command: str, load_before: float,
+          probes: dict[str, Any] | None = None, overrides: dict[str, int] | None = None) -> dict[str, Path]:
+    """Writes latest.md, latest.json and latest.png to `out_dir`; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "machine": machine(),
+        "load_before": load_before,
+    }
+    paths = {"md": out_dir / "latest.md", "json": out_dir / "latest.json", "png": out_dir / "latest.png"}
+    data = {
+        **meta,
+        "llmstream_overrides": overrides or {},
+        "scenarios": {k: {**SCENARIOS[k].__dict__, "limit_per_s": SCENARIOS[k].limit_per_s,
+                          "mean_latency_ms": SCENARIOS[k].mean_latency_ms}
+                      for k in sorted({r.scenario for r in results})},
+        "targets": [t.__dict__ | {"verdict": t.verdict} for t in targets(results)],
+        "probes": probes or {},
+        "results": [r.to_json() for r in results],
+    }
+    paths["json"].write_text(json.dumps(data, indent=2, default=str) + "\n")
+    paths["md"].write_text(markdown(results, meta, probes, overrides))
+    chart(results, paths["png"])
+    return paths

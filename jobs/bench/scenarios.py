@@ -1,0 +1,102 @@
+"""The benchmark scenarios: model-server simulator settings and the throughput they allow.
+
+The ceiling of any client of a server that holds `concurrency` requests at once for a
+mean of `L` seconds each is Little's law, `concurrency / L` requests per second. For the
+lognormal model the simulator uses (`mu = ln(median)`, `sigma = ln(p99 / median) / 2.326`)
+the mean is `median * exp(sigma**2 / 2)`, well above the median for a heavy tail.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+Z99 = 2.3263478740408408
+"""The standard normal's 99th percentile, as in `jobs/model_server.py`."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One simulator setting and how the input arrives.
+
+    `records` is the pre-loaded backlog of a full run (`--records` overrides it). With
+    `overload_factor` set there is no backlog: a producer adds records at
+    `overload_factor x limit` per second for `overload_seconds` while the approach runs,
+    and the approach is stopped when the producer stops.
+    """
+
+    key: str
+    name: str
+    description: str
+    latency: str
+    concurrency: int
+    records: int = 5000
+    overload_factor: float | None = None
+    overload_seconds: float = 60.0
+
+    @property
+    def mean_latency_ms(self) -> float:
+        """The mean of the simulator's latency model, in ms (0 for an instant model)."""
+        kind, *values = self.latency.split(":")
+        if kind == "fixed":
+            return float(values[0])
+        if kind == "lognormal":
+            median, p99 = float(values[0]), float(values[1])
+            sigma = math.log(p99 / median) / Z99
+            return median * math.exp(sigma**2 / 2)
+        return 0.0
+
+    @property
+    def p99_latency_ms(self) -> float:
+        """The latency a bundle end typically waits for: its slowest call, about the p99."""
+        kind, *values = self.latency.split(":")
+        if kind == "fixed":
+            return float(values[0])
+        if kind == "lognormal":
+            return float(values[1])
+        return 0.0
+
+    @property
+    def limit_per_s(self) -> float | None:
+        """Little's law: concurrency / mean latency; None when the model is instant (no limit)."""
+        mean_s = self.mean_latency_ms / 1000
+        if mean_s <= 0 or self.concurrency <= 0:
+            return None
+        return self.concurrency / mean_s
+
+    @property
+    def overload_rate_per_s(self) -> float | None:
+        limit = self.limit_per_s
+        return None if self.overload_factor is None or limit is None else self.overload_factor * limit
+
+    def simulator_args(self) -> list[str]:
+        return ["--latency", self.latency, "--concurrency", str(self.concurrency),
+                "--per-token-ms", "0", "--seed", "7", "--stats-interval-s", "0", "--log-level", "WARNING"]
+
+    def summary(self) -> str:
+        limit = self.limit_per_s
+        text = f"({self.key}) {self.name}: latency {self.latency}, server concurrency {self.concurrency}, "
+        text += f"limit {limit:,.0f}/s" if limit else "no server limit"
+        if self.overload_rate_per_s:
+            text += f", input at {self.overload_rate_per_s:,.0f}/s for {self.overload_seconds:g} s"
+        return text
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.key: s
+    for s in (
+        Scenario("a", "fixed 50 ms", "fixed 50 ms latency, server concurrency 64",
+                 latency="fixed:50", concurrency=64, records=20_000),
+        Scenario("b", "heavy tail", "lognormal latency, median 200 ms, p99 2 s, server concurrency 64",
+                 latency="lognormal:200:2000", concurrency=64, records=10_000),
+        # Fewer, slower slots than (a) so that 5x the limit (800/s) can be produced from this
+        # process without the producer taking one of the machine's two cores from the approach.
+        Scenario("c", "overload 5x", "fixed 100 ms, server concurrency 16, input at 5x the limit for 60 s",
+                 latency="fixed:100", concurrency=16, overload_factor=5.0, overload_seconds=60.0),
+        Scenario("d", "instant model", "latency 0, server concurrency 1024: the pipeline's own ceiling",
+                 latency="0", concurrency=1024, records=30_000),
+    )
+}
+
+SMOKE_SCENARIO = "a"
+SMOKE_RECORDS = 100
