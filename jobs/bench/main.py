@@ -2,9 +2,9 @@
 same simulator settings, same records; writes latest.md / latest.json / latest.png.
 
     llmstream bench                         # full run: scenarios a-d, all approaches (~13 min)
-    llmstream bench -- --smoke              # ~30 s: scenario a, 100 records, results to a temp dir
-    llmstream bench -- --scenarios b --approaches llmstream --bundle-size 2000   # a tuning run
-    llmstream bench -- --render             # re-write latest.md/png from latest.json
+    llmstream bench --smoke              # ~30 s: scenario a, 100 records, results to a temp dir
+    llmstream bench --scenarios b --approaches llmstream --bundle-size 2000   # a tuning run
+    llmstream bench --render             # re-write latest.md/png from latest.json
 
 (`--` first: the top-level `llmstream` parser otherwise rejects the bench's flags.)
 
@@ -188,7 +188,7 @@ def _drop_all_but(workdir: Path, keep: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # `llmstream bench -- --smoke`: the separator is for the llmstream parser
+    if argv[:1] == ["--"]:  # `llmstream bench --smoke`: the separator is for the llmstream parser
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     if args.render:
