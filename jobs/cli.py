@@ -114,8 +114,18 @@ def _delegated_main(module: str) -> Callable[[list[str]], int]:
     return main
 
 
+def _forget_parent_gateway() -> None:
+    """PyFlink marks a process that has started a JVM with PYFLINK_GATEWAY_* variables, which
+    children inherit; a child `llmstream` (spawned by a test, the bench or a script that ran a
+    job) would then refuse to start its own JVM. The CLI is never a Flink UDF worker, so it drops
+    them."""
+    for name in ("PYFLINK_GATEWAY_DISABLED", "PYFLINK_GATEWAY_PORT"):
+        os.environ.pop(name, None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _forget_parent_gateway()
     if argv and argv[0] in DELEGATED:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("kafka").setLevel(logging.CRITICAL)

@@ -6,7 +6,6 @@ import ...`), so tests that only need the broker don't start a simulator.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -62,12 +61,6 @@ def job_config(kafka_broker: LocalBroker, simulator: model_server.SpawnedSimulat
         return config
 
     return make
-
-
-def child_env() -> dict[str, str]:
-    """This process's environment without PyFlink's gateway variables, which PyFlink sets once
-    it has started a JVM here and which would make a child `llmstream` refuse to start its own."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYFLINK_GATEWAY")}
 
 
 def write_config(config: JobConfig, directory: Path) -> Path:

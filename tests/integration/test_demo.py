@@ -8,14 +8,12 @@ import sys
 
 import pytest
 
-from tests.integration.pipeline_fixtures import child_env
-
 pytestmark = pytest.mark.integration
 
 
 def test_demo_answers_or_dead_letters_every_record_and_cleans_up() -> None:
     done = subprocess.run([sys.executable, "-m", "jobs.cli", "demo", "--records", "60"], check=False,
-                          capture_output=True, text=True, timeout=300, env=child_env())
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = re.search(r"in (\d+), out (\d+), dead-lettered (\d+), missing (\d+)", done.stdout)
     assert summary, done.stdout[-2000:]
