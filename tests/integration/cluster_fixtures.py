@@ -1,0 +1,395 @@
+"""Fixtures and helpers for tests on a real standalone Flink cluster (test_cluster, test_faults, ...).
+
+Import the fixtures a test module uses (``from tests.integration.cluster_fixtures import
+flink_cluster, cluster, simulator``). The cluster itself is created once per session whichever
+module asks first: it is kept on ``config.stash`` and stopped by a config cleanup, because a
+session fixture imported into two modules is two fixtures to pytest.
+
+What a test sees is what a user would: records in topics read with ``read_committed``
+(`CommittedReader`), job state and restarts from the REST API, and the numbers written to
+``var/fault-report.md`` / ``.json`` (`FaultReport`) for the README.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import pytest
+import yaml
+from kafka import KafkaConsumer, TopicPartition
+
+from jobs import jars, local_kafka, model_server
+from jobs.cluster import ClusterConfig, LocalCluster
+from udfs.config import JobConfig, config_from_dict, load_config, to_dict
+
+log = logging.getLogger("llmstream.tests.cluster")
+
+_CLUSTER_KEY = pytest.StashKey[LocalCluster]()
+REPORT_DIR = jars.repo_root() / "var"
+CHECKPOINT_INTERVAL_MS = 2000
+
+# Simulator settings of the fault tests: ~40 ms a call, and the job's capacity of 6 in-flight
+# calls makes 5,000 records take ~40 s, so a fault injected after a few seconds hits mid-stream.
+SIM_ARGS = ["--latency", "fixed:40", "--seed", "7"]
+FAULT_CAPACITY = 6
+
+
+# ---------------------------------------------------------------------- cluster
+
+
+def _shared_cluster(request: pytest.FixtureRequest) -> LocalCluster:
+    config = request.config
+    if _CLUSTER_KEY not in config.stash:
+        work = request.getfixturevalue("tmp_path_factory").mktemp("flink")
+        cluster = LocalCluster(ClusterConfig.ephemeral(work))
+        started = time.monotonic()
+        cluster.start(taskmanagers=1, timeout=180)
+        log.info("flink cluster up at %s in %.1f s", cluster.rest_url, time.monotonic() - started)
+        config.stash[_CLUSTER_KEY] = cluster
+        config.add_cleanup(cluster.stop)
+    return config.stash[_CLUSTER_KEY]
+
+
+@pytest.fixture(scope="session")
+def flink_cluster(request: pytest.FixtureRequest) -> LocalCluster:
+    """One standalone cluster (JobManager + one 2-slot TaskManager) for the whole session."""
+    return _shared_cluster(request)
+
+
+def heal(cluster: LocalCluster, taskmanagers: int = 1, timeout: float = 180) -> None:
+    """Bring the shared cluster back to a clean state: no jobs running, ``taskmanagers`` registered."""
+    for job in cluster.jobs():
+        if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
+            with contextlib.suppress(Exception):
+                cluster.cancel(job["jid"], timeout=60)
+    cluster.reap_orphans(grace_s=5)
+    cluster.start(taskmanagers=taskmanagers, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        ov = cluster.overview() or {}
+        if ov.get("taskmanagers") == len(cluster.taskmanager_pids()) and ov.get("slots-available") == ov.get(
+                "slots-total"):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cluster did not settle: {ov}, TaskManager pids {cluster.taskmanager_pids()}")
+        time.sleep(1)
+
+
+@pytest.fixture
+def cluster(flink_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """The shared cluster, healed before the test; jobs the test leaves running are cancelled after it."""
+    heal(flink_cluster)
+    yield flink_cluster
+    for job in flink_cluster.jobs():
+        if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
+            with contextlib.suppress(Exception):
+                flink_cluster.cancel(job["jid"], timeout=60)
+
+
+@pytest.fixture
+def simulator() -> Iterator[model_server.SpawnedSimulator]:
+    """The model-server simulator at ~40 ms per call, stopped after the test."""
+    sim = model_server.spawn(SIM_ARGS)
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+# ---------------------------------------------------------------------- jobs and records
+
+
+@dataclass(frozen=True)
+class JobSetup:
+    """A job config written to a YAML file, with its own topics, group and transactional ids."""
+
+    config: JobConfig
+    path: Path
+
+    @property
+    def bootstrap(self) -> str:
+        return self.config.kafka.bootstrap_servers
+
+    @property
+    def input_topic(self) -> str:
+        return self.config.kafka.input_topic
+
+    @property
+    def output_topic(self) -> str:
+        return self.config.kafka.output_topic
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return self.config.kafka.dead_letter_topic
+
+
+def make_job(directory: Path, bootstrap: str, endpoint: str, *, name: str, partitions: int = 2,
+             topic_configs: dict[str, str] | None = None, **sections: dict[str, Any]) -> JobSetup:
+    """A job config on fresh uuid topics (created here) against ``endpoint``, saved as YAML.
+
+    Defaults suit the fault tests: checkpoints every 2 s (output latency), `FAULT_CAPACITY`
+    in-flight calls, everything else from jobs/inference.yaml; ``sections`` override.
+    """
+    tag = f"{name}-{uuid.uuid4().hex[:8]}"
+    data = to_dict(load_config())
+    data["name"] = f"llmstream-{name}"
+    data["kafka"].update(bootstrap_servers=bootstrap, input_topic=f"{tag}-in", output_topic=f"{tag}-out",
+                         dead_letter_topic=f"{tag}-dead", group_id=f"{tag}-group",
+                         transactional_id_prefix=f"{tag}-tx", create_topics=False, topic_partitions=partitions)
+    data["model"]["endpoint"] = endpoint
+    data["async"]["capacity"] = FAULT_CAPACITY
+    data["checkpointing"]["interval_ms"] = CHECKPOINT_INTERVAL_MS
+    for section, values in sections.items():
+        key = "async" if section == "async_" else section
+        data[key] = {**(data.get(key) or {}), **values}
+    config = config_from_dict(data)
+    kafka = config.kafka
+    local_kafka.create_topics(bootstrap, [kafka.input_topic], partitions=partitions, configs=topic_configs)
+    local_kafka.create_topics(bootstrap, [kafka.output_topic, kafka.dead_letter_topic], partitions=partitions)
+    path = directory / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    return JobSetup(config, path)
+
+
+def unique_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
+    """``n`` valid requests with unique ids ``<prefix>-<i>`` (the key is the id)."""
+    out = []
+    for i in range(n):
+        rid = f"{prefix}-{i:06d}"
+        out.append((rid.encode(), json.dumps({"id": rid, "prompt": f"Summarise item {i} in one line.",
+                                              "params": {"max_tokens": 16}}).encode()))
+    return out
+
+
+# ---------------------------------------------------------------------- reading results
+
+
+@dataclass
+class Arrival:
+    t: float
+    topic: str
+    key: bytes | None
+    id: str | None
+    body: dict[str, Any] | None
+
+
+class CommittedReader(threading.Thread):
+    """Reads the output and dead-letter topics with read_committed for the whole test.
+
+    Keeps every record with its arrival time, so a test can tell when output stopped and
+    when it flowed again (what a downstream consumer experiences), and count duplicates.
+    """
+
+    def __init__(self, bootstrap: str, topics: Iterable[str]) -> None:
+        super().__init__(daemon=True, name="committed-reader")
+        self.arrivals: list[Arrival] = []
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self._topics = list(topics)
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False,
+            auto_offset_reset="earliest", reconnect_backoff_max_ms=1000, request_timeout_ms=15000,
+            fetch_max_bytes=64 * 1024 * 1024, max_partition_fetch_bytes=16 * 1024 * 1024,
+        )
+        parts = []
+        for topic in self._topics:
+            parts += [TopicPartition(topic, p) for p in local_kafka._partitions(bootstrap, topic, 30.0)]
+        self._consumer.assign(parts)
+        self._consumer.seek_to_beginning(*parts)
+        self.errors = 0
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                try:
+                    batches = self._consumer.poll(timeout_ms=300)
+                except Exception as err:  # noqa: BLE001 - the broker may be down on purpose
+                    self.errors += 1
+                    log.debug("reader poll failed: %s", err)
+                    time.sleep(0.5)
+                    continue
+                now = time.monotonic()
+                got = []
+                for tp, records in batches.items():
+                    for record in records:
+                        body = None
+                        with contextlib.suppress(ValueError, TypeError):
+                            body = json.loads(record.value)
+                        rid = body.get("id") if isinstance(body, dict) else None
+                        got.append(Arrival(now, tp.topic, record.key, rid, body))
+                with self._lock:
+                    self.arrivals.extend(got)
+        finally:
+            self._consumer.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def snapshot(self) -> list[Arrival]:
+        with self._lock:
+            return list(self.arrivals)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.arrivals)
+
+    def unique_ids(self) -> int:
+        return len({a.id for a in self.snapshot() if a.id is not None})
+
+    def wait_for(self, n: int, timeout: float, *, unique: bool = True,
+                 check: Callable[[], None] | None = None) -> bool:
+        """Wait until ``n`` (unique-id) records arrived; ``check`` runs each second (e.g. job not FAILED)."""
+        deadline = time.monotonic() + timeout
+        last_check = 0.0
+        while time.monotonic() < deadline:
+            if (self.unique_ids() if unique else self.count()) >= n:
+                return True
+            if check is not None and time.monotonic() - last_check >= 1:
+                last_check = time.monotonic()
+                check()
+            time.sleep(0.2)
+        return False
+
+    def first_arrival_after(self, t: float) -> float | None:
+        times = [a.t for a in self.snapshot() if a.t > t]
+        return min(times) if times else None
+
+    def longest_gap(self, start: float | None = None) -> float:
+        """Longest time without any committed arrival, from the first arrival on (or from ``start``)."""
+        times = sorted(a.t for a in self.snapshot())
+        if start is not None:
+            times = [start] + [t for t in times if t > start]
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+@dataclass
+class Tally:
+    """Every expected id exactly once in output ∪ dead letters?"""
+
+    records_in: int
+    out: int
+    dead: int
+    duplicates: int
+    lost: int
+    unexpected: int
+    dead_reasons: dict[str, int] = field(default_factory=dict)
+    lost_sample: list[str] = field(default_factory=list)
+    duplicate_sample: list[str] = field(default_factory=list)
+
+
+def tally(expected_ids: Iterable[str], out_ids: Iterable[str | None], dead: Iterable[dict[str, Any] | None]) -> Tally:
+    expected = set(expected_ids)
+    dead_bodies = [d or {} for d in dead]
+    outs = [i for i in out_ids]
+    seen = Counter([i for i in outs] + [d.get("id") for d in dead_bodies])
+    duplicates = sorted(i for i, c in seen.items() if c > 1 and i is not None)
+    lost = sorted(expected - set(seen))
+    return Tally(
+        records_in=len(expected), out=len(outs), dead=len(dead_bodies),
+        duplicates=sum(seen[i] - 1 for i in duplicates), lost=len(lost),
+        unexpected=len([i for i in seen if i not in expected]),
+        dead_reasons=dict(Counter(str(d.get("reason")) for d in dead_bodies)),
+        lost_sample=lost[:10], duplicate_sample=duplicates[:10],
+    )
+
+
+def final_tally(setup: JobSetup, expected_ids: Iterable[str], *, timeout_s: float = 60) -> Tally:
+    """An independent read_committed pass over both topics, to the last stable offset."""
+    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=timeout_s)
+    dead = local_kafka.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=timeout_s)
+    return tally(expected_ids, [json.loads(r.value).get("id") for r in out],
+                 [json.loads(r.value) for r in dead])
+
+
+# ---------------------------------------------------------------------- report
+
+
+@dataclass
+class FaultResult:
+    """One scenario's numbers, as they go into var/fault-report.md."""
+
+    scenario: str
+    records_in: int
+    out: int
+    dead: int
+    duplicates: int
+    lost: int
+    restarts: int
+    recovery_s: float | None
+    duration_s: float
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class FaultReport:
+    """Appends results to ``var/fault-report.json`` and re-renders ``var/fault-report.md`` after each."""
+
+    def __init__(self, directory: Path = REPORT_DIR) -> None:
+        self.json_path = directory / "fault-report.json"
+        self.md_path = directory / "fault-report.md"
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        try:
+            data: dict[str, dict[str, Any]] = json.loads(self.json_path.read_text())
+            return data
+        except (OSError, ValueError):
+            return {}
+
+    def add(self, result: FaultResult) -> None:
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.load()
+        entry = asdict(result)
+        entry["recorded_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        data[result.scenario] = entry
+        self.json_path.write_text(json.dumps(data, indent=2, sort_keys=True))
+        self.md_path.write_text(render_report(data))
+        log.warning("fault report: %s", json.dumps(entry))
+
+
+def render_report(data: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# llmstream fault and memory tests: measured results",
+        "",
+        "Written by tests/integration/test_faults.py (standalone Flink cluster from the pip package, real",
+        "single-node Kafka broker, model-server simulator). Counts come from a read_committed consumer;",
+        "`dup` = records beyond the first per id, `lost` = ids in neither output nor dead letters,",
+        "`recovery` = seconds from the end of the fault until committed output flowed again.",
+        "",
+        "| scenario | in | out | dead | dup | lost | restarts | recovery s | test s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in sorted(data):
+        r = data[name]
+        rec = "-" if r.get("recovery_s") is None else f"{r['recovery_s']:.1f}"
+        lines.append(f"| {name} | {r['records_in']} | {r['out']} | {r['dead']} | {r['duplicates']} | {r['lost']} "
+                     f"| {r['restarts']} | {rec} | {r['duration_s']:.0f} | {r.get('notes', '')} |")
+    extras = [(n, data[n]["extra"]) for n in sorted(data) if data[n].get("extra")]
+    if extras:
+        lines += ["", "## Details", ""]
+        for name, extra in extras:
+            lines.append(f"- **{name}**: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def fault_report() -> FaultReport:
+    return FaultReport()

@@ -1,0 +1,161 @@
+"""docker-compose.yml, checked without a Docker engine (there is none in CI).
+
+No JVM or network either: it parses the file, checks every path it mounts or copies exists in
+the repo, that the Flink services read the same flink-conf/ the cluster tests run (and that its
+checkpoint dir lands on the shared volume), that the -D overrides name real Flink keys, and
+that the submitter's inline job config passes llmstream's own config validation.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+import pytest
+import yaml
+
+from jobs import jars
+from jobs.cli import build_parser
+from udfs.config import config_from_dict
+
+ROOT = jars.repo_root()
+COMPOSE = ROOT / "docker-compose.yml"
+FLINK_SERVICES = ("jobmanager", "taskmanager")
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR:-default}`` substitution (``$$`` stays a literal ``$``)."""
+    env = env or {}
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(2) or ""), text.replace("$$", "\0")).replace("\0", "$")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+def _dockerfile(compose: dict[str, Any]) -> str:
+    build = compose["services"]["jobmanager"]["build"]
+    return str(build["dockerfile_inline"])
+
+
+def _env(compose: dict[str, Any], service: str) -> dict[str, str]:
+    """ENV of the inline Dockerfile, overlaid by the service's environment."""
+    env: dict[str, str] = {}
+    text = _dockerfile(compose).replace("\\\n", " ")
+    for line in text.splitlines():
+        if line.strip().startswith("ENV "):
+            for item in shlex.split(line.strip()[4:]):
+                key, _, value = item.partition("=")
+                env[key] = value
+    env.update({k: str(v) for k, v in (compose["services"][service].get("environment") or {}).items()})
+    return env
+
+
+def _mounts(compose: dict[str, Any], service: str) -> dict[str, str]:
+    """target -> source of a service's volumes (short syntax)."""
+    out = {}
+    for volume in compose["services"][service].get("volumes") or []:
+        source, target, *_ = str(volume).split(":")
+        out[target] = source
+    return out
+
+
+def test_parses_and_has_every_service(compose: dict[str, Any]) -> None:
+    assert {"kafka", "jobmanager", "taskmanager", "model-server", "submitter"} <= set(compose["services"])
+
+
+def test_every_mounted_or_copied_path_exists(compose: dict[str, Any]) -> None:
+    named = set(compose.get("volumes") or {})
+    for name, service in compose["services"].items():
+        build = service.get("build")
+        if build:
+            assert (ROOT / build["context"]).is_dir(), f"{name}: build context {build['context']}"
+        for source in _mounts(compose, name).values():
+            if source.startswith((".", "/")):
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which is not in the repo"
+            else:
+                assert source in named, f"{name} mounts undeclared volume {source}"
+    for line in _dockerfile(compose).splitlines():
+        if line.strip().startswith("COPY "):
+            *sources, _target = line.split()[1:]
+            for source in sources:
+                assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repo"
+
+
+def test_flink_services_read_the_tested_flink_conf(compose: dict[str, Any]) -> None:
+    """The cluster tests generate their conf from flink-conf/; the containers mount it as is."""
+    for service in (*FLINK_SERVICES, "submitter"):
+        env = _env(compose, service)
+        mounts = _mounts(compose, service)
+        conf_dir = env["FLINK_CONF_DIR"]
+        assert mounts.get(conf_dir) == "./flink-conf", f"{service}: {conf_dir} is not ./flink-conf"
+        assert (ROOT / "flink-conf" / "config.yaml").is_file()
+    flink_conf = yaml.safe_load((ROOT / "flink-conf" / "config.yaml").read_text())
+    for key in ("execution.checkpointing.dir", "execution.checkpointing.savepoint-dir"):
+        path = str(flink_conf[key]).removeprefix("file://")
+        for service in FLINK_SERVICES:
+            shared = [t for t, s in _mounts(compose, service).items() if s == "flink-data"]
+            assert any(path.startswith(t + "/") for t in shared), f"{service}: {key} {path} not on flink-data"
+
+
+def test_command_line_overrides_name_real_flink_keys(compose: dict[str, Any]) -> None:
+    """-D overrides only change keys flink-conf/config.yaml sets (so a typo cannot slip through)."""
+    keys = set(yaml.safe_load((ROOT / "flink-conf" / "config.yaml").read_text()))
+    for service in FLINK_SERVICES:
+        command = " ".join(compose["services"][service]["command"])
+        overrides = re.findall(r"-D ([\w.-]+)=", command)
+        assert overrides, service
+        assert set(overrides) <= keys, set(overrides) - keys
+        assert "start-foreground" in command and "$$FLINK_HOME/bin/" in command
+
+
+def test_llmstream_commands_exist(compose: dict[str, Any]) -> None:
+    """The commands parse as `llmstream` would parse them (model-server owns its arguments)."""
+    from jobs import model_server
+    from jobs.cli import DELEGATED
+
+    server = compose["services"]["model-server"]["command"]
+    assert server[:2] == ["llmstream", "model-server"] and DELEGATED["model-server"][0] == "jobs.model_server"
+    parsed = model_server.build_parser().parse_args(server[2:])
+    assert parsed.host == "0.0.0.0" and parsed.port == 8000
+    submit = compose["services"]["submitter"]["command"]
+    assert submit[0] == "llmstream"
+    args = build_parser().parse_args(submit[1:])
+    assert args.command == "submit" and args.jobmanager == "jobmanager:8081"
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"LLMSTREAM_MODEL_ENDPOINT": "http://ollama:11434/v1", "LLMSTREAM_MODEL": "qwen2.5:0.5b"},
+    {"LLMSTREAM_MODEL_ENDPOINT": "http://vllm:8000/v1", "LLMSTREAM_MODEL": "Qwen/Qwen2.5-0.5B-Instruct"},
+])
+def test_submitted_job_config_is_valid_and_the_model_is_switchable(
+        compose: dict[str, Any], env: dict[str, str]) -> None:
+    raw = compose["configs"]["llmstream-job"]["content"]
+    assert "${LLMSTREAM_MODEL_ENDPOINT" in raw
+    config = config_from_dict(yaml.safe_load(interpolate(raw, env)))
+    assert config.model.endpoint == env.get("LLMSTREAM_MODEL_ENDPOINT", "http://model-server:8000/v1")
+    assert config.kafka.bootstrap_servers == "kafka:9092"
+    assert config.model.api_key_env == "LLMSTREAM_API_KEY"
+    target = compose["services"]["submitter"]["configs"][0]["target"]
+    assert target in compose["services"]["submitter"]["command"]
+    if env:
+        host = env["LLMSTREAM_MODEL_ENDPOINT"].split("//")[1].split(":")[0]
+        assert host in compose["services"], f"no service {host} for the endpoint"
+
+
+def test_secrets_only_from_the_environment(compose: dict[str, Any]) -> None:
+    text = COMPOSE.read_text()
+    assert "LLMSTREAM_API_KEY: ${LLMSTREAM_API_KEY:-}" in text
+    assert not re.search(r"(?i)(api_key|password|secret)\s*[:=]\s*['\"]?[A-Za-z0-9]{16,}", text)
+
+
+def test_broker_allows_the_jobs_transaction_timeout(compose: dict[str, Any]) -> None:
+    kafka_env = compose["services"]["kafka"]["environment"]
+    config = config_from_dict(yaml.safe_load(interpolate(compose["configs"]["llmstream-job"]["content"])))
+    assert config.kafka.transaction_timeout_ms <= int(kafka_env["KAFKA_TRANSACTION_MAX_TIMEOUT_MS"])
+    assert str(kafka_env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"]) == "false"
