@@ -55,7 +55,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from jobs.cluster import submit
 
-    return submit(args.config, jobmanager=args.jobmanager, until_end=args.until_end)
+    return submit(args.config, jobmanager=args.jobmanager, until_end=args.until_end, savepoint=args.from_savepoint)
 
 
 def _fetch_jars(args: argparse.Namespace) -> int:
@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--jobmanager", default=None, metavar="HOST:PORT",
                         help="cluster REST address (default: the local cluster)")
     submit.add_argument("--until-end", action="store_true")
+    submit.add_argument("--from-savepoint", default=None, metavar="PATH",
+                        help="resume from a savepoint or retained checkpoint (else: the group's committed offsets)")
     submit.set_defaults(handler=_submit)
 
     fetch = sub.add_parser("fetch-jars", help="resolve the pom-free JVM jars into the local cache")
