@@ -47,6 +47,7 @@ import yaml
 
 from jobs import jars
 from jobs.local_kafka import free_port
+from jobs.processes import cmdline, pid_alive
 
 log = logging.getLogger("llmstream.cluster")
 
@@ -219,30 +220,6 @@ class ClusterConfig:
         }
 
 
-def _pid_alive(pid: int) -> bool:
-    with contextlib.suppress(ChildProcessError, OSError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return True
-    return state != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _children(pid: int) -> list[int]:
     """All descendants of ``pid`` (the TaskManager's Python workers), via psutil."""
     import psutil
@@ -345,7 +322,7 @@ class LocalCluster:
         for line in lines:
             with contextlib.suppress(ValueError):
                 pid = int(line)
-                if _pid_alive(pid) and str(self.conf_dir) in _cmdline(pid):
+                if pid_alive(pid) and str(self.conf_dir) in " ".join(cmdline(pid)):
                     pids.append(pid)
         return pids
 
@@ -476,7 +453,7 @@ class LocalCluster:
         self._orphans.extend(_children(target))
         os.kill(target, sig)
         deadline = time.monotonic() + 10
-        while _pid_alive(target) and time.monotonic() < deadline:
+        while pid_alive(target) and time.monotonic() < deadline:
             time.sleep(0.05)
         self._forget_pid("taskexecutor", target)
         return target
@@ -484,9 +461,9 @@ class LocalCluster:
     def reap_orphans(self, grace_s: float = 0.0) -> list[int]:
         """Kill Python workers of killed TaskManagers still alive after ``grace_s``; returns their pids."""
         deadline = time.monotonic() + grace_s
-        while any(_pid_alive(w) for w in self._orphans) and time.monotonic() < deadline:
+        while any(pid_alive(w) for w in self._orphans) and time.monotonic() < deadline:
             time.sleep(0.2)
-        survivors = [w for w in self._orphans if _pid_alive(w)]
+        survivors = [w for w in self._orphans if pid_alive(w)]
         for worker in survivors:
             log.warning("python worker %d outlived its TaskManager; killing it", worker)
             with contextlib.suppress(ProcessLookupError):
@@ -502,9 +479,9 @@ class LocalCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while any(_pid_alive(p) for p in everything) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in everything) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in (p for p in everything if _pid_alive(p)):
+        for pid in (p for p in everything if pid_alive(p)):
             log.warning("pid %d did not stop within %g s; killing it", pid, timeout)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -34,6 +34,7 @@ from kafka.errors import KafkaError, for_code  # type: ignore[import-untyped]
 from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[import-untyped]
 
 from jobs import jars
+from jobs.processes import cmdline, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -182,31 +183,6 @@ def _tail(path: Path, lines: int = 20) -> str:
         return f"(no {path.name})"
 
 
-def _pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs and is not a zombie; reaps it if it is our exited child."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
 class LocalBroker:
     """Start, stop and query one broker whose state lives in ``config.data_dir``."""
 
@@ -248,9 +224,9 @@ class LocalBroker:
             pid = int(self.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return None
-        cmd = _cmdline(pid)
+        cmd = cmdline(pid)
         if cmd and not ("kafka.Kafka" in cmd and str(self.properties_file) in cmd):
             return None
         return pid
@@ -378,10 +354,10 @@ class LocalBroker:
             os.kill(pid, sig)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 return True
             time.sleep(0.1)
-        return not _pid_alive(pid)
+        return not pid_alive(pid)
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM for a clean controlled shutdown, SIGKILL if it does not finish in time."""
