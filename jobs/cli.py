@@ -116,32 +116,47 @@ def _delegated_main(module: str) -> Callable[[list[str]], int]:
     return main
 
 
-def _forget_parent_gateway() -> None:
-    """PyFlink marks a process that has started a JVM with PYFLINK_GATEWAY_* variables, which
-    children inherit; a child `llmstream` (spawned by a test, the bench or a script that ran a
-    job) would then refuse to start its own JVM. The CLI is never a Flink UDF worker, so it drops
-    them."""
-    for name in ("PYFLINK_GATEWAY_DISABLED", "PYFLINK_GATEWAY_PORT"):
+# Set in a process's own environment by PyFlink once it has run a job in a mini cluster
+# (its loopback Python workers merge their settings into os.environ); a child llmstream
+# inheriting them would refuse to start a JVM or talk to a worker that is not its own.
+_INHERITED_PYFLINK_VARIABLES = (
+    "PYFLINK_GATEWAY_DISABLED",
+    "PYFLINK_GATEWAY_PORT",
+    "PYTHON_LOOPBACK_SERVER_ADDRESS",
+    "_PYFLINK_CONN_INFO_PATH",
+)
+
+
+def _clean_inherited_environment() -> None:
+    """The CLI is never a Flink UDF worker: forget a parent's PyFlink worker settings, and an
+    empty JAVA_HOME, which PyFlink would turn into the path `bin/java`."""
+    for name in _INHERITED_PYFLINK_VARIABLES:
         os.environ.pop(name, None)
+    if not os.environ.get("JAVA_HOME", "x").strip():
+        os.environ.pop("JAVA_HOME")
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else getattr(logging, os.environ.get("LLMSTREAM_LOG", "INFO")),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not verbose:
+        # kafka-python logs every refused connection (e.g. while a broker starts) at ERROR;
+        # llmstream reports Kafka problems itself, naming the setting, so keep it quiet.
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
+        logging.getLogger("apache_beam").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _forget_parent_gateway()
+    _clean_inherited_environment()
     if argv and argv[0] in DELEGATED:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        logging.getLogger("kafka").setLevel(logging.CRITICAL)
+        _configure_logging(verbose=False)
         return int(_delegated_main(DELEGATED[argv[0]][0])(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else getattr(logging, os.environ.get("LLMSTREAM_LOG", "INFO")),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if not args.verbose:
-        # kafka-python logs every refused connection (e.g. while a broker starts) at ERROR;
-        # llmstream reports Kafka problems itself, naming the setting, so keep it quiet.
-        logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    _configure_logging(args.verbose)
     try:
         return int(args.handler(args) or 0)
     except ConfigError as err:

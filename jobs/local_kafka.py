@@ -318,15 +318,23 @@ class LocalBroker:
         try:
             self._wait_ready(timeout)
         except BaseException:
-            self._kill(signal.SIGKILL, 10)
+            if self._process.poll() is None:
+                self._process.kill()
             self._reap()
             self.pid_file.unlink(missing_ok=True)
             raise
 
+    def _alive(self) -> bool:
+        """Our broker runs: by its Popen handle when this object started it (right after the fork,
+        /proc still shows the parent's command line, so the pid-file check would say no)."""
+        if self._process is not None:
+            return self._process.poll() is None
+        return self.pid() is not None
+
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            if self.pid() is None:
+            if not self._alive():
                 raise RuntimeError(
                     f"kafka broker exited during startup; last lines of {self.log_file}:\n{self._log_tail()}"
                 )

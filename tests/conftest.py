@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The environment as the user's shell gave it, before any test ran PyFlink in this process:
+# PyFlink's in-process (loopback) workers merge their own settings into os.environ, and a
+# command a test starts should see what a user's command would see.
+SHELL_ENV = dict(os.environ)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -113,7 +113,27 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-class RssSampler(threading.Thread):
+class PeriodicSampler(threading.Thread):
+    """A daemon thread that calls `sample()` every `interval_s` until `stop()`."""
+
+    def __init__(self, name: str, interval_s: float) -> None:
+        super().__init__(name=name, daemon=True)
+        self.interval_s = interval_s
+        self._stop_event = threading.Event()
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.sample()
+            self._stop_event.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+class RssSampler(PeriodicSampler):
     """Every `interval_s`, the summed RSS of each role's process tree (root and descendants).
 
     Roles are named pids, e.g. broker, simulator, approach; a root may be added late (the
@@ -122,8 +142,7 @@ class RssSampler(threading.Thread):
     """
 
     def __init__(self, interval_s: float = 0.5) -> None:
-        super().__init__(name="bench-rss", daemon=True)
-        self.interval_s = interval_s
+        super().__init__("bench-rss", interval_s)
         self.roots: dict[str, int] = {}
         self.series: list[tuple[float, dict[str, int]]] = []
         self.peak_breakdown: dict[str, int] = {}
@@ -131,7 +150,6 @@ class RssSampler(threading.Thread):
         self._procs: dict[int, psutil.Process] = {}
         self._cpu_first: dict[int, tuple[float, str]] = {}
         self._cpu_last: dict[int, tuple[float, str]] = {}
-        self._stop_event = threading.Event()
         self._lock = threading.Lock()
 
     def watch(self, role: str, pid: int | None) -> None:
@@ -176,13 +194,6 @@ class RssSampler(threading.Thread):
                 self.peak_breakdown = dict(kinds)
         self.series.append((now_ms(), totals))
 
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.sample()
-            self._stop_event.wait(self.interval_s)
-
-    def stop(self) -> None:
-        self._stop_event.set()
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used while sampled, by role (and, for the approach, by process kind).
@@ -228,17 +239,15 @@ def _kind(proc: psutil.Process) -> str:
     return "other"
 
 
-class ServerSampler(threading.Thread):
+class ServerSampler(PeriodicSampler):
     """Polls the simulator's `/stats` to integrate in-flight requests over any window."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], interval_s: float = 1.0) -> None:
-        super().__init__(name="bench-server-stats", daemon=True)
+        super().__init__("bench-server-stats", interval_s)
         self._stats = stats
-        self.interval_s = interval_s
         # (epoch ms, area = mean_in_flight * seconds since reset, served)
         self.samples: list[tuple[float, float, int]] = []
         self.last: dict[str, Any] = {}
-        self._stop_event = threading.Event()
 
     def sample(self) -> None:
         try:
@@ -250,13 +259,6 @@ class ServerSampler(threading.Thread):
         self.samples.append((now_ms(), float(stats["mean_in_flight"]) * float(stats["since_reset_s"]),
                              int(stats.get("served", 0))))
 
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.sample()
-            self._stop_event.wait(self.interval_s)
-
-    def stop(self) -> None:
-        self._stop_event.set()
 
     def mean_in_flight(self, start_ms: float, end_ms: float) -> float | None:
         """Time-weighted mean of requests in flight between two epoch-ms instants."""
@@ -277,19 +279,17 @@ def _interpolate(samples: Sequence[tuple[float, float, int]], at_ms: float) -> f
     return samples[-1][1]
 
 
-class CheckpointSampler(threading.Thread):
+class CheckpointSampler(PeriodicSampler):
     """Finds the REST endpoint of the mini cluster under `root_pid` (it listens on a random
     port) and keeps its latest `/jobs/<id>/checkpoints` answer: how many checkpoints
     completed and how long they took, which bounds how late exactly-once output is visible."""
 
     def __init__(self, root_pid: int, interval_s: float = 2.0) -> None:
-        super().__init__(name="bench-checkpoints", daemon=True)
+        super().__init__("bench-checkpoints", interval_s)
         self.root_pid = root_pid
-        self.interval_s = interval_s
         self.latest: dict[str, Any] = {}
         self._base: str | None = None
         self._job: str | None = None
-        self._stop_event = threading.Event()
 
     def _discover(self) -> None:
         try:
@@ -325,13 +325,6 @@ class CheckpointSampler(threading.Thread):
         if isinstance(data, dict) and "counts" in data:
             self.latest = data
 
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.sample()
-            self._stop_event.wait(self.interval_s)
-
-    def stop(self) -> None:
-        self._stop_event.set()
 
     def summary(self) -> dict[str, Any] | None:
         """Completed/failed counts and end-to-end durations (ms) of the checkpoints seen."""

@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from tests.conftest import SHELL_ENV
+
 pytestmark = pytest.mark.integration
 
 
 def test_demo_answers_or_dead_letters_every_record_and_cleans_up() -> None:
     done = subprocess.run([sys.executable, "-m", "jobs.cli", "demo", "--records", "60"], check=False,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=SHELL_ENV)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = re.search(r"in (\d+), out (\d+), dead-lettered (\d+), missing (\d+)", done.stdout)
     assert summary, done.stdout[-2000:]

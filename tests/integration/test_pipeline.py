@@ -17,6 +17,7 @@ import pytest
 from jobs.local_kafka import committed_offsets, consume_committed, end_offsets, produce
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
+from tests.conftest import SHELL_ENV
 from tests.integration.pipeline_fixtures import (
     JobConfigFactory,
     job_config,
@@ -148,13 +149,13 @@ def test_cli_runs_a_backfill_and_rejects_bad_config(job_config: JobConfigFactory
     produce(config.kafka.bootstrap_servers, config.kafka.input_topic, _good(50, "cli"))
     path = write_config(config, tmp_path)
     done = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--config", str(path), "--until-end"],
-                          check=False, capture_output=True, text=True, timeout=300)
+                          check=False, capture_output=True, text=True, timeout=300, env=SHELL_ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "job finished; committed 50/50 input records" in done.stdout
     assert len(_read(config, config.kafka.output_topic, 50)) == 50
 
     path.write_text(path.read_text().replace("capacity: 64", "capacity: many"))
     bad = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--config", str(path)],
-                         check=False, capture_output=True, text=True, timeout=60)
+                         check=False, capture_output=True, text=True, timeout=60, env=SHELL_ENV)
     assert bad.returncode == 2
     assert "async.capacity: expected an integer" in bad.stderr
