@@ -61,22 +61,13 @@ def dead_letter_value(
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
-def for_bad_input(
-    err: BadInput, *, key: bytes | None, value: bytes | None, source: SourceRef,
+def for_error(
+    err: BadInput | InferenceError, *, key: bytes | None, value: bytes | None, source: SourceRef,
     record_id: str | None, job: str, topic: str,
 ) -> SinkRow:
-    """A record that never reached the model."""
+    """The dead-letter row for a record that got no result: bad input never reached the model
+    (0 attempts); an inference error carries its attempts and the last HTTP status."""
+    attempts, status = (err.attempts, err.status) if isinstance(err, InferenceError) else (0, None)
     payload = dead_letter_value(reason=err.reason, error=err.detail, source=source, original=value,
-                                record_id=record_id, job=job)
-    return SinkRow(key, payload, topic)
-
-
-def for_inference_error(
-    err: InferenceError, *, key: bytes | None, value: bytes | None, source: SourceRef,
-    record_id: str | None, job: str, topic: str,
-) -> SinkRow:
-    """A record the model could not answer, after the retries the error allowed."""
-    payload = dead_letter_value(reason=err.reason, error=err.detail, source=source, original=value,
-                                record_id=record_id, job=job, attempts=err.attempts,
-                                last_status=err.status)
+                                record_id=record_id, job=job, attempts=attempts, last_status=status)
     return SinkRow(key, payload, topic)

@@ -75,7 +75,7 @@ class DecodeFunction(ProcessFunction):
             log.exception("unexpected error decoding %s-%s@%s", source.topic, source.partition, source.offset)
             failure = BadInput("internal_error", f"{type(err).__name__}: {err}"[:500])
         self._bad_input.inc()
-        yield DEAD_LETTERS, _to_row(dead_letter.for_bad_input(
+        yield DEAD_LETTERS, _to_row(dead_letter.for_error(
             failure, key=key, value=raw, source=source, record_id=record_id(raw),
             job=self._config.name, topic=self._config.kafka.dead_letter_topic))
 
@@ -111,23 +111,17 @@ class InferenceFunction(AsyncFunction):
 
     async def async_invoke(self, value: Request) -> list[Row]:
         kafka = self._config.kafka
+        failure: InferenceError | BadInput
         try:
             completion = await self._client_in_loop().complete(value)
             return [_to_row(result_row(value, completion, kafka.output_topic))]
-        except InferenceError as err:
-            row = dead_letter.for_inference_error(
-                err, key=value.key, value=value.raw, source=value.source, record_id=value.id,
-                job=self._config.name, topic=kafka.dead_letter_topic)
-        except BadInput as err:
-            row = dead_letter.for_bad_input(
-                err, key=value.key, value=value.raw, source=value.source, record_id=value.id,
-                job=self._config.name, topic=kafka.dead_letter_topic)
+        except (InferenceError, BadInput) as err:
+            failure = err
         except Exception as err:
             log.exception("unexpected error in inference for id=%s", value.id)
-            row = dead_letter.for_bad_input(
-                BadInput("internal_error", f"{type(err).__name__}: {err}"[:500]), key=value.key,
-                value=value.raw, source=value.source, record_id=value.id, job=self._config.name,
-                topic=kafka.dead_letter_topic)
+            failure = BadInput("internal_error", f"{type(err).__name__}: {err}"[:500])
+        row = dead_letter.for_error(failure, key=value.key, value=value.raw, source=value.source,
+                                    record_id=value.id, job=self._config.name, topic=kafka.dead_letter_topic)
         self._metrics.dead_lettered.inc()
         return [_to_row(row)]
 

@@ -33,7 +33,7 @@ def test_result_row_keeps_key_and_carries_accounting() -> None:
 
 def test_bad_input_dead_letter_keeps_original_bytes() -> None:
     raw = b"\xff\xfe not utf-8"
-    row = dead_letter.for_bad_input(BadInput("invalid_utf8", "value is not UTF-8 at byte 0"), key=b"k",
+    row = dead_letter.for_error(BadInput("invalid_utf8", "value is not UTF-8 at byte 0"), key=b"k",
                                     value=raw, source=SOURCE, record_id=None, job="j", topic="dlq")
     body = json.loads(row.value)
     assert (row.key, row.topic) == (b"k", "dlq")
@@ -46,7 +46,7 @@ def test_bad_input_dead_letter_keeps_original_bytes() -> None:
 
 def test_inference_dead_letter_has_attempts_and_status() -> None:
     err = RetryableError("HTTP 503 from server", status=503, attempts=6)
-    row = dead_letter.for_inference_error(err, key=None, value=b'{"id":"r"}', source=SOURCE, record_id="r",
+    row = dead_letter.for_error(err, key=None, value=b'{"id":"r"}', source=SOURCE, record_id="r",
                                           job="j", topic="dlq")
     body = json.loads(row.value)
     assert body["reason"] == "inference_retries_exhausted"
