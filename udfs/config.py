@@ -115,12 +115,33 @@ class ParallelismConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Exactly-once output is committed when a checkpoint completes: interval = output latency."""
+    """Exactly-once output is committed when a checkpoint completes: interval = output latency.
+
+    `directory` is the job's state directory (retained checkpoints and savepoints; every
+    run resumes from the newest snapshot in it); `None` means `var/state/<job name>`.
+    `max_restart_ms` is the longest a restart (a failover, or a crashed run started again)
+    may take before the Kafka transactions of the last checkpoint must still be committable;
+    `tolerable_failed_checkpoints` are checkpoint failures tolerated before the job fails over.
+    Both count towards the transaction-timeout rule (see `transaction_lifetime_ms`).
+    """
 
     interval_ms: int = 5_000
     timeout_ms: int = 600_000
     min_pause_ms: int = 0
     directory: str | None = None
+    max_restart_ms: int = 120_000
+    tolerable_failed_checkpoints: int = 0
+
+    def transaction_lifetime_ms(self) -> int:
+        """The longest a sink transaction can stay open before a checkpoint commits it.
+
+        A transaction opens right after one checkpoint and is committed when the next one
+        completes: one interval plus one checkpoint's duration, times one more for every
+        failed checkpoint tolerated (the transaction stays open across it), plus a restart,
+        after which the restored job commits the pending transaction of its checkpoint.
+        """
+        per_attempt = self.interval_ms + self.timeout_ms
+        return (self.tolerable_failed_checkpoints + 1) * per_attempt + self.max_restart_ms
 
 
 @dataclass(frozen=True)
@@ -139,6 +160,9 @@ class LimitsConfig:
     max_record_bytes: int = 1_048_576
     max_prompt_chars: int = 100_000
     max_id_chars: int = 512
+    # Output records larger than this (value + key) are dead-lettered as `result_too_large`
+    # instead of failing the sink (the producer's max.request.size is 1 MiB by default).
+    max_result_bytes: int = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -258,7 +282,8 @@ def _validate(obj: Any, path: str) -> None:
         if isinstance(value, str) and f.name not in ("system_prompt",) and f.type in ("str", str):
             _require(value.strip() != "", key, "must not be empty")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if f.name in ("temperature", "prompt_per_1k", "completion_per_1k", "min_pause_ms"):
+            if f.name in ("temperature", "prompt_per_1k", "completion_per_1k", "min_pause_ms",
+                          "tolerable_failed_checkpoints"):
                 _require(value >= 0, key, f"must be >= 0, got {value}")
             else:
                 _require(value > 0, key, f"must be > 0, got {value}")
@@ -278,10 +303,31 @@ def _validate(obj: Any, path: str) -> None:
         _require(obj.record_deadline_s >= obj.request_timeout_s, _join(path, "record_deadline_s"),
                  "must be >= async.request_timeout_s")
     if isinstance(obj, JobConfig):
-        worst_s = obj.checkpointing.interval_ms / 1000 + obj.async_.record_deadline_s
-        _require(obj.kafka.transaction_timeout_ms / 1000 > worst_s, "kafka.transaction_timeout_ms",
-                 f"must exceed checkpointing.interval_ms + async.record_deadline_s ({worst_s:.0f} s), "
-                 "or a transaction can time out before its checkpoint commits it")
+        _validate_transactions(obj)
+        request_limit = int(obj.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
+        _require(obj.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
+                 f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
+                 f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
+
+
+# The Kafka producer's default `max.request.size`, and room for a record's headers and framing.
+PRODUCER_MAX_REQUEST_BYTES = 1_048_576
+RECORD_OVERHEAD_BYTES = 1024
+
+
+def _validate_transactions(config: JobConfig) -> None:
+    """A sink transaction must be committed before `kafka.transaction_timeout_ms` runs out, or
+    the broker aborts it and a completed checkpoint's output is lost on restore."""
+    checkpoints = config.checkpointing
+    lifetime = checkpoints.transaction_lifetime_ms()
+    _require(
+        config.kafka.transaction_timeout_ms >= lifetime, "kafka.transaction_timeout_ms",
+        f"{config.kafka.transaction_timeout_ms} ms is shorter than a transaction can stay open: "
+        f"(checkpointing.tolerable_failed_checkpoints + 1) x (checkpointing.interval_ms + "
+        f"checkpointing.timeout_ms) + checkpointing.max_restart_ms = "
+        f"({checkpoints.tolerable_failed_checkpoints} + 1) x ({checkpoints.interval_ms} + {checkpoints.timeout_ms}) "
+        f"+ {checkpoints.max_restart_ms} = {lifetime} ms; raise it (up to the broker's "
+        "transaction.max.timeout.ms) or lower those")
 
 
 class _FieldProbe(dict[str, str]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from udfs.errors import ResultTooLarge
 from udfs.records import Completion, Request, SinkRow
 
 
@@ -33,6 +34,15 @@ def result_value(request: Request, completion: Completion) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
-def result_row(request: Request, completion: Completion, topic: str) -> SinkRow:
-    """The sink row for a result: the input's key, kept as it was."""
-    return SinkRow(request.key, result_value(request, completion), topic)
+def result_row(request: Request, completion: Completion, topic: str, max_bytes: int | None = None) -> SinkRow:
+    """The sink row for a result: the input's key, kept as it was.
+
+    Raises `ResultTooLarge` when key + value exceed `max_bytes` (`limits.max_result_bytes`):
+    the caller dead-letters the record rather than let the sink fail on it.
+    """
+    value = result_value(request, completion)
+    size = len(value) + len(request.key or b"")
+    if max_bytes is not None and size > max_bytes:
+        raise ResultTooLarge(f"the output record would be {size} bytes, over limits.max_result_bytes ({max_bytes})",
+                             attempts=completion.attempts)
+    return SinkRow(request.key, value, topic)

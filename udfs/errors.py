@@ -73,6 +73,13 @@ class DeadlineExceeded(InferenceError):
     reason = "inference_deadline_exceeded"
 
 
+class ResultTooLarge(PermanentError):
+    """The model's answer makes an output record larger than `limits.max_result_bytes`; written
+    to the sink it would exceed the producer's max.request.size and fail the job instead."""
+
+    reason = "result_too_large"
+
+
 class ContextTooLong(PermanentError):
     """The prompt exceeds the configured input-token budget and truncation is off."""
 

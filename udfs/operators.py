@@ -114,7 +114,7 @@ class InferenceFunction(AsyncFunction):
         failure: InferenceError | BadInput
         try:
             completion = await self._client_in_loop().complete(value)
-            return [_to_row(result_row(value, completion, kafka.output_topic))]
+            return [_to_row(result_row(value, completion, kafka.output_topic, self._config.limits.max_result_bytes))]
         except (InferenceError, BadInput) as err:
             failure = err
         except Exception as err:

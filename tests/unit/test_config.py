@@ -58,7 +58,15 @@ def test_round_trip_through_dict() -> None:
         (lambda d: d["kafka"].update(transactional_id_prefix=""), "kafka.transactional_id_prefix", "must not be empty"),
         (lambda d: d["kafka"].update(output_topic=d["kafka"]["input_topic"]), "kafka.output_topic", "must differ"),
         (lambda d: d["kafka"].update(transaction_timeout_ms=60000), "kafka.transaction_timeout_ms",
-         "must exceed checkpointing.interval_ms + async.record_deadline_s"),
+         "shorter than a transaction can stay open"),
+        (lambda d: d["checkpointing"].update(tolerable_failed_checkpoints=1), "kafka.transaction_timeout_ms",
+         "(1 + 1) x (5000 + 600000) + 120000 = 1330000 ms"),
+        (lambda d: d["checkpointing"].update(tolerable_failed_checkpoints=-1),
+         "checkpointing.tolerable_failed_checkpoints", "must be >= 0"),
+        (lambda d: d["limits"].update(max_result_bytes=1_048_576), "limits.max_result_bytes",
+         "headroom below the producer's max.request.size (1048576)"),
+        (lambda d: d["kafka"].update(properties={"max.request.size": "500000"}), "limits.max_result_bytes",
+         "(500000)"),
         (lambda d: d["model"].update(headers=["a"]), "model.headers", "expected a mapping"),
         (lambda d: d.update(kafka="broker"), "kafka", "expected a mapping"),
         (lambda d: d["rate_limit"].update(requests_per_minute="fast"), "rate_limit.requests_per_minute",
@@ -90,6 +98,17 @@ def test_invalid_yaml_and_missing_file(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_transaction_timeout_rule_counts_interval_checkpoint_time_failures_and_restart() -> None:
+    config = with_overrides(load_config(), kafka={"transaction_timeout_ms": 900_000},
+                            checkpointing={"interval_ms": 10_000, "timeout_ms": 60_000, "max_restart_ms": 60_000,
+                                           "tolerable_failed_checkpoints": 3})
+    assert config.checkpointing.transaction_lifetime_ms() == 4 * 70_000 + 60_000
+    with pytest.raises(ConfigError) as err:
+        with_overrides(config, kafka={"transaction_timeout_ms": 339_999})
+    assert err.value.key == "kafka.transaction_timeout_ms"
+    assert with_overrides(config, kafka={"transaction_timeout_ms": 340_000}).kafka.transaction_timeout_ms == 340_000
 
 
 def test_parallelism_falls_back_to_default() -> None:

@@ -7,7 +7,7 @@ import json
 
 from udfs import dead_letter
 from udfs.encode import result_row
-from udfs.errors import BadInput, RetryableError
+from udfs.errors import BadInput, ResultTooLarge, RetryableError
 from udfs.records import Completion, Request, SourceRef
 
 SOURCE = SourceRef("requests", 1, 42, 1_700_000_000_000)
@@ -29,6 +29,25 @@ def test_result_row_keeps_key_and_carries_accounting() -> None:
     assert body["latency_ms"] == 12.3
     assert body["timestamps"] == {"produced": 1_700_000_000_000, "started": 1, "completed": 2}
     assert body["source"] == {"topic": "requests", "partition": 1, "offset": 42, "timestamp": 1_700_000_000_000}
+
+
+def test_an_oversized_result_becomes_a_result_too_large_dead_letter() -> None:
+    request = Request(id="big", key=b"k" * 10, source=SOURCE, prompt="write a novel", raw=b'{"id": "big"}')
+    completion = Completion(output="x" * 5000, model="m", finish_reason="length", prompt_tokens=3,
+                            completion_tokens=5000, latency_ms=1.0, attempts=2, endpoint="e", started_ms=1,
+                            completed_ms=2)
+    assert result_row(request, completion, "results", max_bytes=6000).topic == "results"
+    try:
+        result_row(request, completion, "results", max_bytes=5000)
+        raise AssertionError("an oversized result must not become a sink row")
+    except ResultTooLarge as err:
+        row = dead_letter.for_error(err, key=request.key, value=request.raw, source=SOURCE, record_id="big",
+                                    job="j", topic="dlq")
+    body = json.loads(row.value)
+    assert (row.topic, row.key) == ("dlq", b"k" * 10)
+    assert body["reason"] == "result_too_large" and body["attempts"] == 2
+    assert "limits.max_result_bytes (5000)" in body["error"]
+    assert body["original"]["value"] == '{"id": "big"}'
 
 
 def test_bad_input_dead_letter_keeps_original_bytes() -> None:
