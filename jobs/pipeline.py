@@ -1,4 +1,4 @@
-"""The job graph: Kafka → decode → bounded async inference → exactly-once Kafka.
+"""The job graph: Kafka → inference stage (decode, bounded calls kept in keyed state) → exactly-once Kafka.
 
 This module only wires stages from the config; the stages live in `udfs/`. The Kafka ends
 are Flink's Kafka table connector (the DataStream `KafkaSource`/`KafkaSink` underneath),
@@ -14,21 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pyflink.common import Configuration, Types
-from pyflink.common.time import Time
 from pyflink.datastream import (
-    AsyncDataStream,
     CheckpointingMode,
+    KeyedStream,
     StreamExecutionEnvironment,
 )
+from pyflink.java_gateway import get_gateway
 from pyflink.table import StreamTableEnvironment
 
 from udfs.config import JobConfig
-from udfs.operators import (
-    DEAD_LETTERS,
-    SINK_ROW_TYPE,
-    DecodeFunction,
-    InferenceFunction,
-)
+from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
 
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
@@ -131,6 +126,47 @@ def create_environment(config: JobConfig, jar_urls: list[str]) -> StreamExecutio
     return env
 
 
+BUCKETS_PER_SUBTASK = 4
+"""Keys of the inference stage per subtask: its keyed state and timers need keys, nothing else does."""
+
+
+def bucket_keys(parallelism: int, max_parallelism: int | None = None) -> list[int]:
+    """`BUCKETS_PER_SUBTASK` key values for each inference subtask, chosen (with Flink's own
+    key-group assignment) so that every subtask gets the same number of buckets."""
+    gateway = get_gateway()
+    assign = gateway.jvm.org.apache.flink.runtime.state.KeyGroupRangeAssignment
+    max_p = max_parallelism or assign.computeDefaultMaxParallelism(parallelism)
+    chosen: dict[int, list[int]] = {i: [] for i in range(parallelism)}
+    candidate = 0
+    while any(len(keys) < BUCKETS_PER_SUBTASK for keys in chosen.values()):
+        row = gateway.jvm.org.apache.flink.types.Row(1)
+        row.setField(0, gateway.jvm.java.lang.Integer(candidate))
+        subtask = assign.assignKeyToParallelOperator(row, max_p, parallelism)
+        if len(chosen[subtask]) < BUCKETS_PER_SUBTASK:
+            chosen[subtask].append(candidate)
+        candidate += 1
+    return sorted(key for keys in chosen.values() for key in keys)
+
+
+def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int) -> KeyedStream:
+    """The input rows keyed by bucket, with the bucket computed in SQL and the key taken on the
+    JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip) in front."""
+    keys = bucket_keys(parallelism, env.get_max_parallelism() if env.get_max_parallelism() > 0 else None)
+    cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(keys))
+    table = t_env.sql_query(
+        f"SELECT CASE MOD(`offset`, {len(keys)}) {cases} END AS bucket,\n"
+        f"  ROW(k, v, `topic`, `partition`, `offset`, ts) AS rec FROM {SOURCE_TABLE}")
+    rows = t_env.to_data_stream(table)
+    # The keyed Python operator accepts only a RowTypeInfo input; the table hands over the
+    # same Row objects under an ExternalTypeInfo, so declare the equivalent RowTypeInfo.
+    rows._j_data_stream.getTransformation().setOutputType(
+        Types.ROW([Types.INT(), INPUT_ROW_TYPE]).get_java_type_info())
+    gateway = get_gateway()
+    key_type = Types.ROW([Types.INT()]).get_java_type_info()
+    j_keyed = rows._j_data_stream.keyBy(gateway.jvm.KeyByKeySelector(), key_type)
+    return KeyedStream(j_keyed, INPUT_ROW_TYPE, rows)
+
+
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, options: RunOptions | None = None) -> None:
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it."""
     options = options or RunOptions()
@@ -147,23 +183,13 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, options: 
         f"WITH (\n  {_with(sink_options(config))}\n)"
     )
     inference_parallelism = config.parallelism.of("inference")
-    records = t_env.to_data_stream(t_env.from_path(SOURCE_TABLE))
-    requests = (
-        records.process(DecodeFunction(config), output_type=Types.PICKLED_BYTE_ARRAY())
-        .name("decode").uid("decode").set_parallelism(inference_parallelism)
-    )
-    results = (
-        AsyncDataStream.unordered_wait(
-            requests,
-            InferenceFunction(config),
-            # 0 disables the operator's per-record timer thread; deadlines live in the coroutine.
-            Time.milliseconds(0),
-            config.async_.capacity,
-            output_type=SINK_ROW_TYPE,
-        )
+    if config.python.unaligned_checkpoints:
+        env.get_checkpoint_config().enable_unaligned_checkpoints()
+    keyed = keyed_requests(t_env, env, inference_parallelism)
+    outgoing = (
+        keyed.process(InferenceStage(config), output_type=SINK_ROW_TYPE)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
     )
-    outgoing = results.union(requests.get_side_output(DEAD_LETTERS))
     statements = t_env.create_statement_set()
     statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
     statements.attach_as_datastream()

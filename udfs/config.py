@@ -146,11 +146,17 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class PythonConfig:
-    """Python worker bundles. A bundle end drains every in-flight call, so small bundles cost
-    throughput with slow models; large ones make checkpoints (and so output) wait longer."""
+    """Python worker bundles and the checkpoint mode the inference stage needs.
 
-    bundle_size: int = 1000
+    The stage keeps calls in flight across bundles, so a bundle end waits for nothing; a
+    checkpoint waits for the records of the current bundle still queued for a free slot
+    (about bundle_size / throughput), hence a small bundle. `unaligned_checkpoints` lets the
+    barrier overtake the records buffered in front of the keyed stage (aligned: it queues
+    behind them, tens of seconds under backpressure)."""
+
+    bundle_size: int = 100
     bundle_time_ms: int = 1000
+    unaligned_checkpoints: bool = True
 
 
 @dataclass(frozen=True)

@@ -58,21 +58,28 @@ class Distribution:
                 "mean": self.sum / self.count if self.count else None}
 
 
-COUNTERS = ("requests", "retries", "rate_limited", "dead_lettered", "prompt_tokens", "completion_tokens")
+COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_limited", "dead_lettered",
+            "prompt_tokens", "completion_tokens")
 
 
 class InferenceMetrics:
     """Counters, gauges and the latency distribution of one inference subtask.
 
+    `records_in` counts input records, `bad_input` those dead-lettered by the record contract,
+    `reissued` the calls started again after a restore (they were in flight in the snapshot).
     `requests` counts HTTP calls sent (every attempt), `retries` the attempts after the first,
     `rate_limited` the 429 responses, `prompt_tokens`/`completion_tokens` the usage of
     successful calls, `latency_ms` the latency of successful records (first attempt to
     answer). `dead_lettered` is incremented by the operator that writes the dead letter,
     not by the client. The gauges `in_flight` and `concurrency_limit` read the attributes
-    of the same names, which the client keeps current.
+    of the same names, which the client keeps current; `admitted` (calls started and not
+    finished, at most `async.capacity`) is kept by the inference stage.
     """
 
     def __init__(self, group: MetricGroup | None = None) -> None:
+        self.records_in = self._counter(group, "records_in")
+        self.bad_input = self._counter(group, "bad_input")
+        self.reissued = self._counter(group, "reissued")
         self.requests = self._counter(group, "requests")
         self.retries = self._counter(group, "retries")
         self.rate_limited = self._counter(group, "rate_limited")
@@ -82,7 +89,9 @@ class InferenceMetrics:
         self.latency_ms = Distribution(group.distribution("latency_ms") if group is not None else None)
         self.in_flight = 0
         self.concurrency_limit = 0
+        self.admitted = 0
         if group is not None:
+            group.gauge("admitted", lambda: int(self.admitted))
             group.gauge("in_flight", lambda: int(self.in_flight))
             group.gauge("concurrency_limit", lambda: int(self.concurrency_limit))
 
@@ -95,5 +104,6 @@ class InferenceMetrics:
         values: dict[str, Any] = {name: getattr(self, name).value for name in COUNTERS}
         values["in_flight"] = self.in_flight
         values["concurrency_limit"] = self.concurrency_limit
+        values["admitted"] = self.admitted
         values["latency_ms"] = self.latency_ms.snapshot()
         return values

@@ -6,13 +6,17 @@ No broker is needed: building the graph only declares the Kafka tables.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 import pytest
+from pyflink.java_gateway import get_gateway
 
 from jobs import jars
 from jobs.pipeline import (
+    BUCKETS_PER_SUBTASK,
     RunOptions,
+    bucket_keys,
     build_pipeline,
     create_environment,
     sink_options,
@@ -39,9 +43,42 @@ def _node(nodes: list[dict[str, Any]], name: str) -> dict[str, Any]:
 def test_stages_and_parallelism_follow_the_config() -> None:
     nodes = _plan(parallelism={"default": 1, "source": 2, "inference": 3, "sink": 2})
     assert _node(nodes, "Source: kafka_requests")["parallelism"] == 2
-    assert _node(nodes, "decode")["parallelism"] == 3
     assert _node(nodes, "inference")["parallelism"] == 3
     assert _node(nodes, "kafka_results")["parallelism"] == 2
+
+
+def test_decode_and_inference_are_one_keyed_python_operator() -> None:
+    nodes = _plan()
+    types = [n["type"] for n in nodes]
+    assert not any(t.startswith("decode") for t in types), types
+    inference = _node(nodes, "inference")
+    # keyed by bucket on the JVM: no PyFlink key-by map operator in front of it
+    assert not any("_stream_key_by_map_operator" in t for t in types), types
+    assert any(p.get("ship_strategy") == "HASH" for p in inference.get("predecessors", [])), inference
+
+
+@pytest.mark.parametrize("parallelism", [1, 2, 3, 5])
+def test_every_inference_subtask_gets_the_same_number_of_buckets(parallelism: int) -> None:
+    create_environment(load_config(), jars.connector_jar_urls())  # starts the JVM gateway
+    keys = bucket_keys(parallelism)
+    assert len(set(keys)) == BUCKETS_PER_SUBTASK * parallelism
+    gateway = get_gateway()
+    assign = gateway.jvm.org.apache.flink.runtime.state.KeyGroupRangeAssignment
+    max_p = assign.computeDefaultMaxParallelism(parallelism)
+    per_subtask = Counter()
+    for key in keys:
+        row = gateway.jvm.org.apache.flink.types.Row(1)
+        row.setField(0, gateway.jvm.java.lang.Integer(key))
+        per_subtask[assign.assignKeyToParallelOperator(row, max_p, parallelism)] += 1
+    assert per_subtask == {i: BUCKETS_PER_SUBTASK for i in range(parallelism)}
+
+
+def test_unaligned_checkpoints_follow_the_config() -> None:
+    for enabled in (True, False):
+        config = with_overrides(load_config(), python={"unaligned_checkpoints": enabled})
+        env = create_environment(config, jars.connector_jar_urls())
+        build_pipeline(env, config, RunOptions())
+        assert env.get_checkpoint_config().is_unaligned_checkpoints_enabled() is enabled
 
 
 def test_changing_inference_parallelism_changes_the_graph() -> None:

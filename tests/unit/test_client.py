@@ -165,8 +165,8 @@ def test_metrics_reach_the_flink_metric_group(sim: ThreadedSimulator) -> None:
             return await client.complete(request())
 
     completion = run(one)
-    assert set(group.metrics) == {"requests", "retries", "rate_limited", "dead_lettered", "prompt_tokens",
-                                  "completion_tokens", "latency_ms"}
+    assert set(group.metrics) == {"records_in", "bad_input", "requests", "retries", "reissued", "rate_limited",
+                                  "dead_lettered", "prompt_tokens", "completion_tokens", "latency_ms"}
     assert sum(group.metrics["requests"].values) == 1
     assert sum(group.metrics["completion_tokens"].values) == completion.completion_tokens
     assert group.metrics["latency_ms"].values == [int(completion.latency_ms)]

@@ -1,0 +1,344 @@
+"""The inference stage (`udfs.operators.InferenceStage`) without a JVM: fake keyed state, timers
+and runtime context, the simulator over loopback HTTP.
+
+A fake checkpoint is a copy of the fake state at a moment between two function calls, which is
+where Flink takes it (the Python worker finishes its bundle first).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+from pyflink.common import Row
+
+from jobs.model_server import ThreadedSimulator
+from udfs.config import JobConfig, config_from_dict
+from udfs.operators import EMIT_PERIOD_MS, FLUSH_AT, InferenceStage
+
+
+def job_config(endpoint: str, capacity: int = 8, **sections: dict[str, Any]) -> JobConfig:
+    return config_from_dict({
+        "kafka": {"bootstrap_servers": "127.0.0.1:9", "input_topic": "in", "output_topic": "out",
+                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t"},
+        "model": {"endpoint": endpoint, "model": "sim", "max_tokens": 8},
+        "async": {"capacity": capacity, "request_timeout_s": 5.0, "record_deadline_s": 20.0},
+        "retry": {"max_attempts": 3, "initial_backoff_s": 0.001, "max_backoff_s": 0.005},
+        **sections,
+    })
+
+
+class KeyedState:
+    """Keyed MapState as PyFlink's backend serves it: one map per current key."""
+
+    def __init__(self, data: dict[Any, dict[str, Any]] | None = None) -> None:
+        self.data: dict[Any, dict[str, Any]] = data or {}
+        self.current_key: Any = None
+
+    def _map(self) -> dict[str, Any]:
+        return self.data.setdefault(self.current_key, {})
+
+    def put(self, key: str, value: Any) -> None:
+        self._map()[key] = copy.deepcopy(value)
+
+    def get(self, key: str) -> Any:
+        return self._map().get(key)
+
+    def remove(self, key: str) -> None:
+        del self._map()[key]  # a KeyError here means a handle removed twice or never stored
+
+    def values(self) -> Iterable[Any]:
+        return list(self._map().values())
+
+    def snapshot(self) -> dict[Any, dict[str, Any]]:
+        return copy.deepcopy({k: v for k, v in self.data.items() if v})
+
+
+class Metric:
+    def __init__(self) -> None:
+        self.total = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.total += n
+
+    def update(self, value: int) -> None:
+        self.total += 1
+
+
+class MetricGroup:
+    def __init__(self) -> None:
+        self.metrics: dict[str, Metric] = {}
+        self.gauges: dict[str, Callable[[], int]] = {}
+
+    def add_group(self, name: str) -> MetricGroup:
+        return self
+
+    def counter(self, name: str) -> Metric:
+        return self.metrics.setdefault(name, Metric())
+
+    def distribution(self, name: str) -> Metric:
+        return self.metrics.setdefault(name, Metric())
+
+    def gauge(self, name: str, obj: Callable[[], int]) -> None:
+        self.gauges[name] = obj
+
+
+class RuntimeContext:
+    def __init__(self, state: KeyedState) -> None:
+        self.state = state
+        self.group = MetricGroup()
+
+    def get_metrics_group(self) -> MetricGroup:
+        return self.group
+
+    def get_map_state(self, descriptor: Any) -> KeyedState:
+        return self.state
+
+    def get_number_of_parallel_subtasks(self) -> int:
+        return 1
+
+    def get_index_of_this_subtask(self) -> int:
+        return 0
+
+
+class TimerService:
+    def __init__(self) -> None:
+        self.processing: set[tuple[Any, int]] = set()
+        self.event: set[tuple[Any, int]] = set()
+        self.key: Any = None
+
+    def current_processing_time(self) -> int:
+        return int(time.time() * 1000)
+
+    def register_processing_time_timer(self, at: int) -> None:
+        self.processing.add((self.key, at))
+
+    def register_event_time_timer(self, at: int) -> None:
+        self.event.add((self.key, at))
+
+
+class Context:
+    def __init__(self, timers: TimerService) -> None:
+        self.timers = timers
+        self.key: Any = None
+
+    def get_current_key(self) -> Any:
+        return self.key
+
+    def timer_service(self) -> TimerService:
+        return self.timers
+
+
+class Harness:
+    """Drives one function instance the way PyFlink's keyed operation does."""
+
+    def __init__(self, config: JobConfig, state: KeyedState | None = None) -> None:
+        self.state = state or KeyedState()
+        self.timers = TimerService()
+        self.ctx = Context(self.timers)
+        self.function = InferenceStage(config)
+        self.runtime = RuntimeContext(self.state)
+        self.function.open(self.runtime)  # type: ignore[arg-type]
+        self.out: list[Row] = []
+
+    def _at(self, key: Any) -> None:
+        self.state.current_key = self.ctx.key = self.timers.key = key
+
+    def element(self, bucket: int, value: bytes | None, offset: int, key: bytes | None = b"k") -> None:
+        self._at(bucket)
+        row = Row(key, value, "in", 0, offset, 1_700_000_000_000)
+        self.out.extend(self.function.process_element(row, self.ctx))  # type: ignore[arg-type]
+
+    def fire(self, bucket: int, timestamp: int) -> None:
+        self._at(bucket)
+        self.out.extend(self.function.on_timer(timestamp, self.ctx))  # type: ignore[arg-type]
+
+    def fire_due_processing_timers(self) -> None:
+        due = sorted(self.timers.processing, key=lambda t: t[1])
+        self.timers.processing.clear()
+        for bucket, at in due:
+            self.fire(bucket, at)
+
+    def end_of_input(self) -> None:
+        """The final MAX watermark: every event-time timer fires."""
+        for bucket, at in sorted(self.timers.event):
+            assert at == FLUSH_AT
+            self.fire(bucket, at)
+        self.timers.event.clear()
+
+    def metric(self, name: str) -> int:
+        return self.runtime.group.metrics[name].total
+
+    def close(self) -> None:
+        self.function.close()
+
+    def bodies(self, topic: str) -> list[dict[str, Any]]:
+        return [json.loads(bytes(r[1])) for r in self.out if r[2] == topic]
+
+
+def record(i: int) -> bytes:
+    return json.dumps({"id": f"id-{i}", "prompt": f"question {i}"}).encode()
+
+
+def feed(h: Harness, ids: range, buckets: int = 4) -> None:
+    for i in ids:
+        h.element(i % buckets, record(i), offset=i)
+
+
+@pytest.fixture
+def harnesses() -> Iterable[list[Harness]]:
+    made: list[Harness] = []
+    yield made
+    for h in made:
+        h.close()
+
+
+def test_every_record_is_answered_once_and_leaves_state(sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+    h = Harness(job_config(sim.url))
+    harnesses.append(h)
+    feed(h, range(40))
+    h.end_of_input()
+    ids = Counter(b["id"] for b in h.bodies("out"))
+    assert ids == Counter({f"id-{i}": 1 for i in range(40)})
+    assert all(bytes(r[0]) == b"k" for r in h.out)
+    assert h.state.snapshot() == {}
+    assert h.metric("records_in") == 40 and h.metric("reissued") == 0
+
+
+def test_capacity_bounds_calls_in_flight(make_sim: Callable[..., ThreadedSimulator],
+                                         harnesses: list[Harness]) -> None:
+    sim = make_sim(latency="fixed:150")
+    h = Harness(job_config(sim.url, capacity=3))
+    harnesses.append(h)
+    feed(h, range(12))
+    h.end_of_input()
+    stats = sim.stats()
+    assert len(h.bodies("out")) == 12
+    assert stats["max_in_flight"] == 3, stats
+
+
+def test_results_are_emitted_by_the_processing_time_timer_when_no_input_comes(
+        sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+    h = Harness(job_config(sim.url))
+    harnesses.append(h)
+    h.element(1, record(1), offset=1)
+    assert len(h.timers.processing) == 1
+    (_, at), = h.timers.processing
+    assert at - int(time.time() * 1000) <= EMIT_PERIOD_MS
+    deadline = time.monotonic() + 30
+    while not h.out and time.monotonic() < deadline:
+        h.fire_due_processing_timers()
+        if not h.timers.processing:  # nothing left in flight: no timer is kept armed
+            break
+        time.sleep(0.01)
+    assert [b["id"] for b in h.bodies("out")] == ["id-1"]
+    assert h.state.snapshot() == {}
+
+
+def test_bad_input_is_dead_lettered_at_once_and_never_stored(sim: ThreadedSimulator,
+                                                              harnesses: list[Harness]) -> None:
+    h = Harness(job_config(sim.url))
+    harnesses.append(h)
+    h.element(0, b"{not json", offset=7)
+    h.element(0, None, offset=8)
+    reasons = [(b["reason"], b["source"]["offset"]) for b in h.bodies("dlq")]
+    assert reasons == [("invalid_json", 7), ("null_value", 8)]
+    assert h.state.snapshot() == {}
+    assert h.metric("bad_input") == 2
+
+
+def test_an_unexpected_exception_becomes_an_internal_error_dead_letter(
+        sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+    h = Harness(job_config(sim.url))
+    harnesses.append(h)
+
+    async def broken(request: Any) -> Any:
+        raise ZeroDivisionError("a bug")
+
+    h.function._client.complete = broken  # type: ignore[method-assign]
+    h.element(2, record(5), offset=5)
+    h.end_of_input()
+    [body] = h.bodies("dlq")
+    assert body["reason"] == "internal_error" and "ZeroDivisionError" in body["error"]
+    assert body["id"] == "id-5" and body["original"]["value"] == record(5).decode()
+    assert h.state.snapshot() == {}
+
+
+def test_model_failure_is_dead_lettered_with_attempts(sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+    sim.admin({"error_rate": 1.0, "error_status": 400})
+    h = Harness(job_config(sim.url))
+    harnesses.append(h)
+    h.element(0, record(1), offset=1)
+    h.end_of_input()
+    [body] = h.bodies("dlq")
+    assert (body["reason"], body["attempts"], body["last_status"]) == ("inference_rejected", 1, 400)
+
+
+def test_a_snapshot_holds_exactly_what_is_not_emitted_and_a_restore_issues_it_again(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    sim = make_sim(latency="fixed:400")
+    config = job_config(sim.url, capacity=16)
+    first = Harness(config)
+    harnesses.append(first)
+    feed(first, range(20))  # 16 admitted at once, the last 4 waited for slots
+    checkpoint = first.state.snapshot()
+    emitted = {b["id"] for b in first.bodies("out")}
+    stored = {json.loads(v[1])["id"] for bucket in checkpoint.values() for v in bucket.values()}
+    assert stored and not stored & emitted
+    assert stored | emitted == {f"id-{i}" for i in range(20)}
+    first.close()  # the failure: calls in flight are abandoned
+
+    sim.reset_stats()
+    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
+    harnesses.append(second)
+    for bucket in checkpoint:  # restored processing-time timers fire
+        second.fire(bucket, 0)
+    second.end_of_input()
+    again = Counter(b["id"] for b in second.bodies("out"))
+    assert again == Counter({i: 1 for i in stored})
+    assert second.metric("reissued") == len(stored)
+    assert sim.stats()["requests_total"] == len(stored)
+    assert second.state.snapshot() == {}
+
+
+def test_a_restored_bucket_is_issued_again_on_its_first_element_too(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    sim = make_sim(latency="fixed:300")
+    config = job_config(sim.url, capacity=8)
+    first = Harness(config)
+    harnesses.append(first)
+    feed(first, range(4), buckets=1)
+    checkpoint = first.state.snapshot()
+    first.close()
+    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
+    harnesses.append(second)
+    second.element(0, record(100), offset=100)
+    second.end_of_input()
+    ids = Counter(b["id"] for b in second.bodies("out"))
+    stored = {json.loads(v[1])["id"] for v in checkpoint[0].values()}
+    assert ids == Counter({i: 1 for i in [*stored, "id-100"]})
+
+
+def test_after_a_drain_a_restored_job_arms_the_flush_timer_again(sim: ThreadedSimulator,
+                                                                 harnesses: list[Harness]) -> None:
+    config = job_config(sim.url)
+    first = Harness(config)
+    harnesses.append(first)
+    feed(first, range(8))
+    first.end_of_input()  # drain: the flush timers fired and are gone
+    assert first.timers.event == set()
+    drained = first.state.snapshot()
+    assert drained == {}
+    first.close()
+
+    second = Harness(config, KeyedState(drained))
+    harnesses.append(second)
+    feed(second, range(8, 16))
+    assert {at for _, at in second.timers.event} == {FLUSH_AT}
+    second.end_of_input()
+    assert Counter(b["id"] for b in second.bodies("out")) == Counter({f"id-{i}": 1 for i in range(8, 16)})
