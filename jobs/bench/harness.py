@@ -45,7 +45,14 @@ from jobs.bench.workload import (
     InputProducer,
     PacedProducer,
 )
-from udfs.config import config_from_dict, load_config, to_dict, with_overrides
+from udfs.config import (
+    CheckpointConfig,
+    PythonConfig,
+    config_from_dict,
+    load_config,
+    to_dict,
+    with_overrides,
+)
 
 APPROACHES = ("sequential", "semaphore-gather", "llmstream")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,48 +66,30 @@ CATCH_UP_S = 20.0
 class LlmstreamSettings:
     """The knobs the benchmark tunes; `recommended` derives them as the README recommends.
 
-    A Python bundle end, and every checkpoint, waits for the slowest call in flight (NOTES),
-    so each bundle costs about one p99 latency of idle model slots; under a backlog a
-    checkpoint lasts about as long as one bundle takes to process.
+    Only capacity depends on the scenario. The inference stage keeps calls in flight across
+    bundles and checkpoints, so the bundle and checkpoint settings are the job config's
+    defaults (`udfs/config.py`): the benchmark measures the default config.
     """
 
     capacity: int = 128
-    bundle_size: int = 5000
-    bundle_time_ms: int = 1000
-    checkpoint_interval_ms: int = 5000
-    checkpoint_timeout_ms: int = 120_000
+    bundle_size: int = PythonConfig.bundle_size
+    bundle_time_ms: int = PythonConfig.bundle_time_ms
+    checkpoint_interval_ms: int = CheckpointConfig.interval_ms
+    checkpoint_timeout_ms: int = CheckpointConfig.timeout_ms
     parallelism: int = 1
 
     @classmethod
     def recommended(cls, scenario: Scenario, parallelism: int = 1) -> LlmstreamSettings:
         """capacity: twice the server's slots per subtask, so requests wait at the server,
-        not in Python, while a response travels back; bundle_size: at least 12 x p99 and
-        2 s of the limit's records, so one slowest call per bundle costs < 10% and the
-        per-bundle overhead stays small, and at least 1,000; checkpoint timeout: three
-        bundles' worth of time at the limit, at least 2 minutes."""
+        not in Python, while a response travels back; everything else: the defaults."""
         slots = scenario.concurrency if scenario.limit_per_s else 64
         capacity = max(16, 2 * math.ceil(slots / parallelism))
-        rate = (scenario.limit_per_s or DEFAULT_CEILING_PER_S) / parallelism
-        seconds = max(BUNDLE_MIN_SECONDS, BUNDLE_P99_MULTIPLE * scenario.p99_latency_ms / 1000)
-        bundle = max(1000, _round_up(rate * seconds, 500))
-        timeout_ms = max(120_000, _round_up(3 * bundle / rate * 1000, 10_000))
-        return cls(capacity=capacity, bundle_size=int(bundle), bundle_time_ms=1000,
-                   checkpoint_interval_ms=5000, checkpoint_timeout_ms=int(timeout_ms), parallelism=parallelism)
+        return cls(capacity=capacity, parallelism=parallelism)
 
     def describe(self) -> str:
         return (f"capacity {self.capacity}, bundle {self.bundle_size} records / {self.bundle_time_ms} ms, "
                 f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
                 f"parallelism {self.parallelism}")
-
-
-BUNDLE_P99_MULTIPLE = 12
-BUNDLE_MIN_SECONDS = 2.0
-DEFAULT_CEILING_PER_S = 2000.0
-"""Records/s one inference subtask reaches with an instant model on the reference machine (scenario d)."""
-
-
-def _round_up(value: float, step: int) -> int:
-    return int(math.ceil(value / step) * step)
 
 
 @dataclass
@@ -135,6 +124,8 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     checkpoints: dict[str, Any] | None = None
     cpu_seconds: dict[str, float] = field(default_factory=dict)
+    cpu_ms_per_record: float | None = None
+    """CPU ms of the approach's whole process tree (llmstream: JVM and Python) per record, steady window."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -440,6 +431,7 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
         log_file=str(proc.log_file),
         notes=notes,
         cpu_seconds=rss.cpu_seconds(),
+        cpu_ms_per_record=rss.cpu_ms_per_record(window.start_ms, window.end_ms, window.count) if window else None,
     )
 
 

@@ -150,6 +150,8 @@ class RssSampler(PeriodicSampler):
         self._procs: dict[int, psutil.Process] = {}
         self._cpu_first: dict[int, tuple[float, str]] = {}
         self._cpu_last: dict[int, tuple[float, str]] = {}
+        self.approach_cpu: list[tuple[float, float]] = []
+        """(wall ms, CPU seconds of the approach's live process tree) per sample."""
         self._lock = threading.Lock()
 
     def watch(self, role: str, pid: int | None) -> None:
@@ -175,7 +177,7 @@ class RssSampler(PeriodicSampler):
             roots = dict(self.roots)
         totals: dict[str, int] = {}
         for role, pid in roots.items():
-            total, kinds = 0, Counter[str]()
+            total, kinds, cpu_total = 0, Counter[str](), 0.0
             for proc in self._tree(pid):
                 try:
                     rss = int(proc.memory_info().rss)
@@ -188,7 +190,10 @@ class RssSampler(PeriodicSampler):
                 seconds = float(cpu.user + cpu.system + cpu.children_user + cpu.children_system)
                 self._cpu_first.setdefault(proc.pid, (seconds, f"{role}:{kind}"))
                 self._cpu_last[proc.pid] = (seconds, f"{role}:{kind}")
+                cpu_total += seconds
             totals[role] = total
+            if role == "approach" and total:
+                self.approach_cpu.append((now_ms(), cpu_total))
             if role == "approach" and total > self._peak_approach:
                 self._peak_approach = total
                 self.peak_breakdown = dict(kinds)
@@ -204,6 +209,17 @@ class RssSampler(PeriodicSampler):
         for pid, (last, label) in self._cpu_last.items():
             used[label] = used.get(label, 0.0) + last - self._cpu_first[pid][0]
         return {label: round(seconds, 1) for label, seconds in sorted(used.items())}
+
+    def cpu_ms_per_record(self, start_ms: float, end_ms: float, records: float) -> float | None:
+        """CPU milliseconds the approach's process tree spent per record between two wall times
+        (the steady window, so JVM start-up and the final drain are left out)."""
+        series = [(t, cpu, 0) for t, cpu in self.approach_cpu]
+        if not series:
+            return None
+        first, last = _interpolate(series, start_ms), _interpolate(series, end_ms)
+        if first is None or last is None or records <= 0 or last < first:
+            return None
+        return (last - first) * 1000 / records
 
     def peak_mb(self, role: str) -> float | None:
         values = [totals[role] for _, totals in self.series if role in totals]
