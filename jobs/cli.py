@@ -12,8 +12,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from udfs.errors import ConfigError
+from udfs.errors import ConfigError, LLMStreamError
+
+if TYPE_CHECKING:
+    from jobs.pipeline import RunOptions
 
 # subcommand -> (module, help). Modules with `main(argv)` own their arguments.
 DELEGATED: dict[str, tuple[str, str]] = {
@@ -24,24 +28,30 @@ DELEGATED: dict[str, tuple[str, str]] = {
 }
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run_options(args: argparse.Namespace) -> RunOptions:
     from jobs.pipeline import RunOptions
+
+    return RunOptions(until_end=args.until_end, state_dir=args.state_dir, fresh=args.fresh,
+                      from_savepoint=args.from_savepoint)
+
+
+def _run(args: argparse.Namespace) -> int:
     from jobs.run import exit_code, run_job
     from udfs.config import load_config
 
     config = load_config(args.config)
-    return exit_code(run_job(config, RunOptions(until_end=args.until_end),
-                             progress_every_s=args.progress_every))
+    return exit_code(run_job(config, _run_options(args), progress_every_s=args.progress_every,
+                             stop_timeout_s=args.stop_timeout))
 
 
 def _plan(args: argparse.Namespace) -> int:
     from jobs import jars
-    from jobs.pipeline import RunOptions, build_pipeline, create_environment
+    from jobs.pipeline import build_pipeline, create_environment
     from udfs.config import load_config
 
     config = load_config(args.config)
     env = create_environment(config, jars.connector_jar_urls())
-    build_pipeline(env, config, RunOptions(until_end=args.until_end))
+    build_pipeline(env, config)
     print(env.get_execution_plan())
     return 0
 
@@ -55,7 +65,19 @@ def _demo(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from jobs.cluster import submit
 
-    return submit(args.config, jobmanager=args.jobmanager, until_end=args.until_end, savepoint=args.from_savepoint)
+    return submit(args.config, jobmanager=args.jobmanager, options=_run_options(args))
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from jobs.cluster import stop_job
+
+    return stop_job(args.config, jobmanager=args.jobmanager, state_dir=args.state_dir)
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    from jobs.cluster import upgrade
+
+    return upgrade(args.config, jobmanager=args.jobmanager, state_dir=args.state_dir)
 
 
 def _fetch_jars(args: argparse.Namespace) -> int:
@@ -75,17 +97,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the job in a local Flink mini cluster")
-    run.add_argument("--config", default=None, help="job config YAML (default: jobs/inference.yaml)")
-    run.add_argument("--until-end", action="store_true",
-                     help="stop once the records present at start are processed and committed (a backfill)")
+    def state_arguments(command: argparse.ArgumentParser, *, resume: bool = True) -> None:
+        command.add_argument("--config", default=None, help="job config YAML (default: jobs/inference.yaml)")
+        command.add_argument("--state-dir", default=None, metavar="DIR",
+                             help="the job's checkpoints and savepoints (default: checkpointing.directory, "
+                                  "else var/state/<job name>)")
+        if resume:
+            command.add_argument("--until-end", action="store_true",
+                                 help="a backfill: stop (with a savepoint) once the records present at start "
+                                      "are processed and committed")
+            command.add_argument("--fresh", action="store_true",
+                                 help="ignore the state directory and start from the consumer group's committed "
+                                      "offsets (records since the group's last commit may be written again)")
+            command.add_argument("--from-savepoint", default=None, metavar="PATH",
+                                 help="resume from this savepoint or retained checkpoint instead of the newest")
+
+    run = sub.add_parser("run", help="run the job in a local Flink mini cluster, resuming from its state")
+    state_arguments(run)
     run.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
                      help="progress line interval (0: none)")
+    run.add_argument("--stop-timeout", type=float, default=120.0, metavar="SECONDS",
+                     help="how long Ctrl-C waits for the savepoint before cancelling (default 120)")
     run.set_defaults(handler=_run)
 
     plan = sub.add_parser("plan", help="print the job's Flink execution plan (JSON) without running it")
     plan.add_argument("--config", default=None)
-    plan.add_argument("--until-end", action="store_true")
     plan.set_defaults(handler=_plan)
 
     demo = sub.add_parser("demo", help="broker + simulator + sample prompts + the job, end to end")
@@ -93,14 +129,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
     demo.set_defaults(handler=_demo)
 
-    submit = sub.add_parser("submit", help="submit the job to a Flink cluster")
-    submit.add_argument("--config", default=None)
-    submit.add_argument("--jobmanager", default=None, metavar="HOST:PORT",
-                        help="cluster REST address (default: the local cluster)")
-    submit.add_argument("--until-end", action="store_true")
-    submit.add_argument("--from-savepoint", default=None, metavar="PATH",
-                        help="resume from a savepoint or retained checkpoint (else: the group's committed offsets)")
+    jobmanager_help = "cluster REST address (default: the local cluster)"
+    submit = sub.add_parser("submit", help="submit the job to a Flink cluster, resuming from its state")
+    state_arguments(submit)
+    submit.add_argument("--jobmanager", default=None, metavar="HOST:PORT", help=jobmanager_help)
     submit.set_defaults(handler=_submit)
+
+    stop = sub.add_parser("stop", help="stop the job on a Flink cluster with a savepoint (prints its path)")
+    state_arguments(stop, resume=False)
+    stop.add_argument("--jobmanager", default=None, metavar="HOST:PORT", help=jobmanager_help)
+    stop.set_defaults(handler=_stop)
+
+    upgrade = sub.add_parser("upgrade", help="stop the job with a savepoint and resubmit it from there "
+                                             "with --config (e.g. new capacity, endpoint or parallelism)")
+    state_arguments(upgrade, resume=False)
+    upgrade.add_argument("--jobmanager", default=None, metavar="HOST:PORT", help=jobmanager_help)
+    upgrade.set_defaults(handler=_upgrade)
 
     fetch = sub.add_parser("fetch-jars", help="resolve the pom-free JVM jars into the local cache")
     fetch.add_argument("sets", nargs="*", default=["connector", "broker"])
@@ -162,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"llmstream: config error: {err}", file=sys.stderr)
         return 2
+    except LLMStreamError as err:
+        print(f"llmstream: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("llmstream: interrupted", file=sys.stderr)
         return 130

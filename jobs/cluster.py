@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -37,24 +36,28 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-import requests
 import yaml
 
 from jobs import jars
+from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.local_kafka import free_port
 from jobs.processes import cmdline, pid_alive
+from jobs.state import StateDir, check_identity, resume_point
+
+if TYPE_CHECKING:
+    from jobs.pipeline import RunOptions
+    from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.cluster")
 
 DEFAULT_REST_PORT = 8081
 DEFAULT_RPC_PORT = 6123
 IDENT = "llmstream"  # FLINK_IDENT_STRING: names pid and log files (instead of $USER, unset in containers)
-TERMINAL_STATES = frozenset({"FINISHED", "CANCELED", "FAILED"})
 JOB_SCRIPT = "jobs/inference_job.py"
 _JOB_ID = re.compile(r"JobID\s+([0-9a-f]{32})")
 
@@ -69,13 +72,11 @@ __all__ = [
     "python_jar",
     "render_config",
     "run_job_script",
+    "stop_job",
     "submit",
+    "upgrade",
     "write_lib_dir",
 ]
-
-
-class ClusterError(RuntimeError):
-    """The cluster could not be started, reached or told to do something; the message says why."""
 
 
 def flink_home() -> Path:
@@ -230,12 +231,16 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-class LocalCluster:
+class LocalCluster(FlinkRest):
     """One standalone cluster: a JobManager and TaskManagers started from ``config.work_dir``."""
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
+        super().__init__(f"http://localhost:{self.config.rest_port}")
         self._orphans: list[int] = []
+
+    def _diagnostics(self) -> str:
+        return f"; JobManager log: {self.jobmanager_log()}\n{self.log_tail()}"
 
     # ------------------------------------------------------------------ layout
     @property
@@ -258,10 +263,6 @@ class LocalCluster:
     @property
     def pid_dir(self) -> Path:
         return self.work_dir / "pid"
-
-    @property
-    def rest_url(self) -> str:
-        return f"http://localhost:{self.config.rest_port}"
 
     @property
     def address(self) -> str:
@@ -345,38 +346,8 @@ class LocalCluster:
             kept = [p for p in path.read_text().split() if p.strip() != str(pid)]
             path.write_text("".join(f"{p}\n" for p in kept))
 
-    # ------------------------------------------------------------------ REST
-    def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
-        """One call to the REST API; returns the decoded JSON (or None for an empty body)."""
-        try:
-            response = requests.request(method, self.rest_url + path, json=body, timeout=timeout)
-        except requests.RequestException as err:
-            raise ClusterError(f"Flink REST API at {self.rest_url} does not answer: {err}") from err
-        if response.status_code >= 400:
-            raise ClusterError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
-        return response.json() if response.content else None
-
-    def overview(self) -> dict[str, Any] | None:
-        """``/overview`` (TaskManagers, slots, job counts), or None if the REST API does not answer."""
-        try:
-            result: dict[str, Any] = self.rest("/overview", timeout=3.0)
-            return result
-        except ClusterError:
-            return None
-
     def is_running(self) -> bool:
         return self.jobmanager_pid() is not None and self.overview() is not None
-
-    def _wait(self, what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            result = check()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                raise ClusterError(f"timed out after {timeout:g} s waiting for {what}; "
-                                   f"JobManager log: {self.jobmanager_log()}\n{self.log_tail()}")
-            time.sleep(interval)
 
     def _wait_taskmanagers(self, count: int, timeout: float) -> None:
         def enough() -> bool:
@@ -498,114 +469,23 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ jobs
     def submit(self, config_path: str | os.PathLike[str], *, savepoint: str | None = None,
-               until_end: bool = False, timeout: float = 180.0) -> str:
-        """``flink run -d`` the llmstream job with ``config_path``; returns the job id (no preflight)."""
+               state_dir: str | None = None, timeout: float = 180.0) -> str:
+        """``flink run -d`` the llmstream job with ``config_path``; returns the job id (no preflight,
+        no automatic resume: ``savepoint`` is what it restores)."""
         return run_job_script(config_path, self.address, env=self.env(), savepoint=savepoint,
-                              until_end=until_end, timeout=timeout)
-
-    def jobs(self) -> list[dict[str, Any]]:
-        """``/jobs/overview``: id, name, state, start time, duration of every job the cluster knows."""
-        return list(self.rest("/jobs/overview").get("jobs", []))
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        """``/jobs/<id>``: state, vertices (name, parallelism, status), timestamps."""
-        result: dict[str, Any] = self.rest(f"/jobs/{job_id}")
-        return result
-
-    def job_status(self, job_id: str) -> str:
-        return str(self.job(job_id)["state"])
-
-    def vertex_parallelism(self, job_id: str) -> dict[str, int]:
-        """Operator chain name -> parallelism, as the cluster runs it."""
-        return {v["name"]: int(v["parallelism"]) for v in self.job(job_id)["vertices"]}
-
-    def num_restarts(self, job_id: str) -> int:
-        """The job's ``numRestarts`` metric (full and partial restarts since submission)."""
-        metrics = self.rest(f"/jobs/{job_id}/metrics?get=numRestarts")
-        for metric in metrics or []:
-            if metric.get("id") == "numRestarts":
-                return int(float(metric["value"]))
-        return 0
-
-    def checkpoint_stats(self, job_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self.rest(f"/jobs/{job_id}/checkpoints")
-        return result
-
-    def latest_checkpoint(self, job_id: str) -> str | None:
-        """The external path of the job's latest completed checkpoint (retained on cancel)."""
-        latest = (self.checkpoint_stats(job_id).get("latest") or {}).get("completed") or {}
-        path = latest.get("external_path")
-        return str(path) if path else None
-
-    def completed_checkpoints(self, job_id: str) -> int:
-        return int((self.checkpoint_stats(job_id).get("counts") or {}).get("completed", 0))
-
-    def is_fully_running(self, job_id: str) -> bool:
-        """RUNNING with every task deployed and running (the job state turns RUNNING before that)."""
-        job = self.job(job_id)
-        return job["state"] == "RUNNING" and all(v["status"] == "RUNNING" for v in job["vertices"])
-
-    def wait_for_job_state(self, job_id: str, states: str | Iterable[str], timeout: float = 120.0,
-                           *, all_tasks: bool = True) -> str:
-        """Wait until the job is in one of ``states``; RUNNING also waits for every task unless
-        ``all_tasks`` is false. Raises if it ends (FAILED/CANCELED/FINISHED) in another state."""
-        wanted = {states} if isinstance(states, str) else set(states)
-
-        def reached() -> str | None:
-            job = self.job(job_id)
-            state = str(job["state"])
-            if state in wanted:
-                if state == "RUNNING" and all_tasks and not all(v["status"] == "RUNNING" for v in job["vertices"]):
-                    return None
-                return state
-            if state in TERMINAL_STATES:
-                raise ClusterError(f"job {job_id} is {state}, expected {sorted(wanted)}: {self.failure(job_id)}")
-            return None
-
-        return str(self._wait(f"job {job_id} to be {sorted(wanted)}", reached, timeout))
-
-    def failure(self, job_id: str) -> str:
-        """The root exception of the job's latest failure, or '' if it has none."""
-        with contextlib.suppress(ClusterError):
-            exceptions = self.rest(f"/jobs/{job_id}/exceptions?maxExceptions=1")
-            history = (exceptions.get("exceptionHistory") or {}).get("entries") or []
-            if history:
-                return str(history[0].get("stacktrace", ""))[:3000]
-        return ""
-
-    def cancel(self, job_id: str, timeout: float = 60.0) -> None:
-        """Cancel the job and wait until it is CANCELED (its last checkpoint is retained)."""
-        self.rest(f"/jobs/{job_id}?mode=cancel", method="PATCH")
-        self._wait(f"job {job_id} to cancel", lambda: self.job_status(job_id) in TERMINAL_STATES, timeout)
-
-    def stop_with_savepoint(self, job_id: str, target_dir: str | None = None, *, drain: bool = False,
-                            timeout: float = 180.0) -> str:
-        """Stop the job with a final savepoint (its transactions committed); returns the savepoint path."""
-        body = {"targetDirectory": target_dir or self.config.savepoint_dir.as_uri(), "drain": drain}
-        trigger = self.rest(f"/jobs/{job_id}/stop", method="POST", body=body)["request-id"]
-
-        def done() -> dict[str, Any] | None:
-            result = self.rest(f"/jobs/{job_id}/savepoints/{trigger}")
-            return result if result["status"]["id"] == "COMPLETED" else None
-
-        result = self._wait(f"the savepoint of job {job_id}", done, timeout)
-        operation = result.get("operation") or {}
-        if "failure-cause" in operation:
-            raise ClusterError(f"stop-with-savepoint of {job_id} failed: "
-                               f"{json.dumps(operation['failure-cause'])[:2000]}")
-        self._wait(f"job {job_id} to stop", lambda: self.job_status(job_id) in TERMINAL_STATES, 60)
-        return str(operation["location"])
+                              state_dir=state_dir, timeout=timeout)
 
 
 def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Mapping[str, str],
-                   savepoint: str | None = None, until_end: bool = False, timeout: float = 180.0) -> str:
+                   savepoint: str | None = None, state_dir: str | None = None, timeout: float = 180.0) -> str:
     """Runs ``bin/flink run -d ... -py jobs/inference_job.py --config FILE``; returns the job id.
 
     ``-pyexec``/``-pyclientexec`` are this interpreter, so the client and the Python workers
     use the same venv; the job ships ``udfs/`` and the connector jar itself. The cluster must
     have flink-python on its classpath (`write_lib_dir`; the docker-compose image does too),
     because the job's own ``pipeline.jars`` replaces the list ``flink run -py`` would ship it in.
-    ``savepoint`` (``-s``) resumes from a savepoint or a retained checkpoint.
+    ``savepoint`` (``-s``) resumes from a savepoint or a retained checkpoint; ``state_dir`` is
+    where the job keeps its checkpoints and savepoints (default: from the job config).
     """
     config = Path(config_path).expanduser().resolve()
     cmd = [str(flink_home() / "bin" / "flink"), "run", "-d", "-m", address,
@@ -613,8 +493,8 @@ def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Ma
     if savepoint:
         cmd += ["-s", savepoint]
     cmd += ["-py", str(jars.repo_root() / JOB_SCRIPT), "--config", str(config)]
-    if until_end:
-        cmd.append("--until-end")
+    if state_dir:
+        cmd += ["--state-dir", state_dir]
     log.info("submitting: %s", " ".join(cmd))
     proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, cwd=str(jars.repo_root()), check=False)
@@ -625,43 +505,151 @@ def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Ma
     return match.group(1)
 
 
-def submit(config_path: str | None, jobmanager: str | None = None, until_end: bool = False,
-           savepoint: str | None = None) -> int:
-    """``llmstream submit``: preflight, then submit to ``jobmanager`` (HOST:PORT; default the local cluster).
+def _target(jobmanager: str | None) -> tuple[str, dict[str, str], FlinkRest]:
+    """(``flink run -m`` address, environment for Flink's CLI, REST client) of the cluster to use."""
+    local = LocalCluster(ClusterConfig.existing())
+    if not jobmanager:
+        if not local.is_running():
+            raise ClusterError(f"no local Flink cluster answers at {local.rest_url}; start one with "
+                               "`llmstream cluster start` or pass --jobmanager HOST:PORT")
+        return local.address, local.env(), local
+    env = dict(os.environ)
+    conf_dir = local.conf_dir if local.conf_dir.is_dir() else conf_source_dir()
+    log_dir = default_work_dir() / "log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env.update(FLINK_HOME=str(flink_home()), FLINK_CONF_DIR=str(conf_dir), FLINK_LOG_DIR=str(log_dir))
+    return jobmanager, env, FlinkRest(f"http://{jobmanager}")
 
-    Prints the job id and the web UI address; returns 0, or 1 if Flink refused the job.
-    A `ConfigError` from the config or the broker checks propagates (the CLI prints it, exit 2).
-    ``savepoint`` resumes from a savepoint or retained checkpoint path (not yet a CLI flag).
-    """
-    from jobs import preflight
+
+def _load(config_path: str | None) -> tuple[Path, JobConfig]:
     from udfs.config import DEFAULT_CONFIG, load_config
 
     path = Path(config_path) if config_path else DEFAULT_CONFIG
-    config = load_config(path)
+    return path, load_config(path)
+
+
+def _live_job(rest: FlinkRest, config: JobConfig) -> str:
+    live = rest.live_jobs(config.name)
+    if not live:
+        raise ClusterError(f"no running job called {config.name!r} at {rest.rest_url}")
+    return str(live[0]["jid"])
+
+
+def submit(config_path: str | None, jobmanager: str | None = None, options: RunOptions | None = None) -> int:
+    """``llmstream submit``: preflight, then submit to ``jobmanager`` (HOST:PORT; default the local
+    cluster), resuming from the newest snapshot in the job's state directory (`jobs/state.py`).
+
+    Refuses while a job of the same name is live: two jobs committing the same state and
+    transactional ids would duplicate output. With ``until_end`` it then waits until the group
+    has committed the records present at submission and stops the job with a draining
+    savepoint. Returns 0, or 1 if the cluster refused. A `ConfigError` propagates (exit 2).
+    """
+    from jobs import preflight
+    from jobs.pipeline import RunOptions
+
+    options = options or RunOptions()
+    path, config = _load(config_path)
     preflight.check(config)
     jars.ensure("connector")
-    if jobmanager:
-        address = jobmanager
-        env = dict(os.environ)
-        local = LocalCluster(ClusterConfig.existing())
-        conf_dir = local.conf_dir if local.conf_dir.is_dir() else conf_source_dir()
-        log_dir = default_work_dir() / "log"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        env.update(FLINK_HOME=str(flink_home()), FLINK_CONF_DIR=str(conf_dir), FLINK_LOG_DIR=str(log_dir))
-    else:
-        local = LocalCluster(ClusterConfig.existing())
-        if not local.is_running():
-            print(f"llmstream: no local Flink cluster answers at {local.rest_url}; "
-                  "start one with `llmstream cluster start` or pass --jobmanager HOST:PORT", file=sys.stderr)
-            return 1
-        address, env = local.address, local.env()
     try:
-        job_id = run_job_script(path, address, env=env, savepoint=savepoint, until_end=until_end)
+        address, env, rest = _target(jobmanager)
+        live = rest.live_jobs(config.name)
+        if live:
+            raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
+                               "use `llmstream upgrade` to change it or `llmstream stop` first")
+        state = StateDir.for_job(config, options.state_dir)
+        check_identity(state, config, fresh=options.fresh)
+        restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
+        print(f"llmstream: {how}")
+        targets = _end_offsets(config) if options.until_end else None
+        job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location)
+        print(f"llmstream: submitted job {config.name} as {job_id}")
+        print(f"llmstream: web UI {rest.rest_url}/#/job/running/{job_id}/overview")
+        if targets is not None:
+            return _finish_backfill(rest, job_id, config, state, targets)
+        return 0
     except ClusterError as err:
         print(f"llmstream: {err}", file=sys.stderr)
         return 1
-    print(f"llmstream: submitted job {config.name} as {job_id}")
-    print(f"llmstream: web UI http://{address}/#/job/running/{job_id}/overview")
+
+
+def _end_offsets(config: JobConfig) -> dict[int, int]:
+    from jobs.run import GroupProgress
+
+    with contextlib.closing(GroupProgress(config)) as progress:
+        return progress.end_offsets()
+
+
+def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: StateDir,
+                     targets: dict[int, int], poll_s: float = 1.0) -> int:
+    """Waits until the group has committed ``targets``, then stops the job with a draining savepoint."""
+    from jobs.run import GroupProgress
+
+    print(f"llmstream: backfill: waiting until the group has committed {sum(targets.values())} input records")
+    with contextlib.closing(GroupProgress(config)) as progress:
+        while not progress.reached(targets):
+            status = rest.job_status(job_id)
+            if status in TERMINAL_STATES:
+                raise ClusterError(f"job {job_id} ended {status} before the backfill was done: {rest.failure(job_id)}")
+            time.sleep(poll_s)
+    savepoint = _stop_when_running(rest, job_id, state, drain=True)
+    print(f"llmstream: backfill done; stopped with savepoint {savepoint}")
+    return 0
+
+
+def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: bool,
+                       timeout_s: float = 180.0) -> str:
+    """Stop-with-savepoint into the job's state directory, retried while Flink refuses it because
+    a task is still starting or restarting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return rest.stop_with_savepoint(job_id, state.savepoints_uri, drain=drain, timeout=timeout_s)
+        except ClusterError:
+            if time.monotonic() > deadline or rest.job_status(job_id) in TERMINAL_STATES:
+                raise
+            time.sleep(1.0)
+
+
+def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
+    """``llmstream stop``: stop the config's running job with a savepoint in its state directory."""
+    _, config = _load(config_path)
+    try:
+        _, _, rest = _target(jobmanager)
+        job_id = _live_job(rest, config)
+        state = StateDir.for_job(config, state_dir)
+        print(f"llmstream: stopping job {config.name} ({job_id}) with a savepoint ...")
+        savepoint = _stop_when_running(rest, job_id, state, drain=False)
+    except ClusterError as err:
+        print(f"llmstream: {err}", file=sys.stderr)
+        return 1
+    print(f"llmstream: stopped; savepoint {savepoint}")
+    print("llmstream: `llmstream submit` resumes from it")
+    return 0
+
+
+def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
+    """``llmstream upgrade``: stop the running job with a savepoint and resubmit it from there with
+    the (changed) config: capacity, retries, endpoint, parallelism. The config is checked first,
+    so a broken one never stops a healthy job."""
+    from jobs import preflight
+
+    path, config = _load(config_path)
+    preflight.check(config)
+    jars.ensure("connector")
+    try:
+        address, env, rest = _target(jobmanager)
+        job_id = _live_job(rest, config)
+        state = StateDir.for_job(config, state_dir)
+        check_identity(state, config, fresh=False)
+        print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")
+        savepoint = _stop_when_running(rest, job_id, state, drain=False)
+        print(f"llmstream: savepoint {savepoint}; resubmitting with {path}")
+        new_id = run_job_script(path, address, env=env, savepoint=savepoint, state_dir=state.location)
+    except ClusterError as err:
+        print(f"llmstream: {err}", file=sys.stderr)
+        return 1
+    print(f"llmstream: upgraded: job {config.name} runs as {new_id}, restored from {savepoint}")
     return 0
 
 

@@ -96,7 +96,7 @@ def run_demo(records: int | None = None, keep: bool = False) -> int:
             load_config(),
             kafka={"bootstrap_servers": broker.bootstrap_servers, "create_topics": True},
             model={"endpoint": simulator.url},
-            checkpointing={"interval_ms": 2000},
+            checkpointing={"interval_ms": 2000, "directory": str(workdir / "state")},
         )
         kafka = config.kafka
         local_kafka.create_topics(broker.bootstrap_servers,

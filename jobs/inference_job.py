@@ -1,7 +1,8 @@
 """Entry point for `flink run -py jobs/inference_job.py --config FILE` on a Flink cluster.
 
-`llmstream submit` builds that command; locally, `llmstream run` is the same job in a
-mini cluster. This file only loads the config and hands the graph to Flink.
+`llmstream submit` builds that command (with ``-s SNAPSHOT`` to resume and ``--state-dir``);
+locally, `llmstream run` is the same job in a mini cluster. This file only loads the config
+and hands the graph to Flink.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import argparse
 import sys
 
 from jobs import jars
-from jobs.pipeline import RunOptions, build_pipeline, create_environment
+from jobs.pipeline import build_pipeline, create_environment
+from jobs.state import StateDir
 from udfs.config import load_config
 from udfs.errors import ConfigError
 
@@ -18,7 +20,8 @@ from udfs.errors import ConfigError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="llmstream inference job (cluster entry point)")
     parser.add_argument("--config", default=None)
-    parser.add_argument("--until-end", action="store_true")
+    parser.add_argument("--state-dir", default=None,
+                        help="checkpoints and savepoints (default: checkpointing.directory, else var/state/<name>)")
     parser.add_argument("--jar", action="append", default=None,
                         help="connector jar URL (default: the pom-free cache)")
     args = parser.parse_args(argv)
@@ -27,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"llmstream: config error: {err}", file=sys.stderr)
         return 2
-    env = create_environment(config, args.jar if args.jar is not None else jars.connector_jar_urls())
-    build_pipeline(env, config, RunOptions(until_end=args.until_end))
+    state = StateDir.for_job(config, args.state_dir)
+    env = create_environment(config, args.jar if args.jar is not None else jars.connector_jar_urls(), state=state)
+    build_pipeline(env, config)
     env.execute(config.name)
     return 0
 

@@ -12,16 +12,19 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pyflink.common import Configuration, Types
 from pyflink.datastream import (
     CheckpointingMode,
+    DataStream,
     KeyedStream,
     StreamExecutionEnvironment,
 )
 from pyflink.java_gateway import get_gateway
-from pyflink.table import StreamTableEnvironment
+from pyflink.table import StreamTableEnvironment, Table
 
+from jobs.state import StateDir
 from udfs.config import JobConfig
 from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
 
@@ -32,12 +35,18 @@ UDFS_DIR = Path(__file__).resolve().parents[1] / "udfs"
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How this run differs from the config: `until_end` bounds the source (a backfill), at
-    `stop_offsets` (partition -> offset) when given, else at the latest offsets when the
-    source starts."""
+    """How this run differs from the config.
+
+    `until_end`: a backfill; the runner stops the job once the records present at start
+    are committed (the source stays unbounded, so its state resumes like any other run's).
+    `state_dir` overrides `checkpointing.directory`; `fresh` ignores the snapshots there;
+    `from_savepoint` restores that snapshot instead of the newest (`jobs/state.py`).
+    """
 
     until_end: bool = False
-    stop_offsets: dict[int, int] | None = None
+    state_dir: str | None = None
+    fresh: bool = False
+    from_savepoint: str | None = None
 
 
 def _quote(value: str) -> str:
@@ -48,9 +57,14 @@ def _with(options: dict[str, str]) -> str:
     return ",\n  ".join(f"{_quote(k)} = {_quote(v)}" for k, v in options.items())
 
 
-def source_options(config: JobConfig, options: RunOptions) -> dict[str, str]:
-    """Kafka source: the consumer group's committed offsets, earliest where there are none;
-    offsets are committed to the group when a checkpoint completes."""
+def source_options(config: JobConfig) -> dict[str, str]:
+    """Kafka source: the consumer group's committed offsets, earliest where there are none,
+    when no state is restored; offsets are committed to the group when a checkpoint completes.
+
+    Never bounded: a restored source keeps the stopping offsets its splits were created
+    with, so a bounded backfill resumed from an unbounded run's state would never end (and
+    the reverse would stop early). Backfills end by a draining stop-with-savepoint instead.
+    """
     kafka = config.kafka
     out = {
         "connector": "kafka",
@@ -66,12 +80,6 @@ def source_options(config: JobConfig, options: RunOptions) -> dict[str, str]:
         "value.fields-include": "EXCEPT_KEY",
         "scan.parallelism": str(config.parallelism.of("source")),
     }
-    if options.until_end and options.stop_offsets:
-        out["scan.bounded.mode"] = "specific-offsets"
-        out["scan.bounded.specific-offsets"] = ";".join(
-            f"partition:{p},offset:{o}" for p, o in sorted(options.stop_offsets.items()))
-    elif options.until_end:
-        out["scan.bounded.mode"] = "latest-offset"
     out.update({f"properties.{k}": v for k, v in kafka.properties.items()})
     return out
 
@@ -96,26 +104,45 @@ def sink_options(config: JobConfig) -> dict[str, str]:
     return out
 
 
-def flink_configuration(config: JobConfig, jar_urls: list[str]) -> Configuration:
-    """Settings that must be in place before the environment exists."""
+def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateDir | None = None,
+                        restore_from: str | None = None) -> Configuration:
+    """Settings that must be in place before the environment exists.
+
+    `state` is the job's state directory: checkpoints are retained there on cancellation
+    (and survive a killed process), savepoints go there, and the next run resumes from the
+    newest (`jobs/state.py`). `restore_from` is the snapshot this run restores.
+    """
     conf = Configuration()
     conf.set_string("python.executable", sys.executable)
     conf.set_string("python.client.executable", sys.executable)
     conf.set_string("python.fn-execution.bundle.size", str(config.python.bundle_size))
     conf.set_string("python.fn-execution.bundle.time", str(config.python.bundle_time_ms))
     conf.set_string("pipeline.name", config.name)
+    # Stable uids for the table source and sink too, so savepoints restore after a change of
+    # parallelism or config (the DataStream operators set theirs in `build_pipeline`).
+    conf.set_string("table.exec.uid.generation", "ALWAYS")
+    conf.set_string("execution.checkpointing.tolerable-failed-checkpoints",
+                    str(config.checkpointing.tolerable_failed_checkpoints))
     if jar_urls:
         conf.set_string("pipeline.jars", ";".join(jar_urls))
     for key, value in config.flink.items():
         conf.set_string(key, value)
-    if config.checkpointing.directory:
-        conf.set_string("execution.checkpointing.dir", config.checkpointing.directory)
+    if state is not None:
+        conf.set_string("execution.checkpointing.storage", "filesystem")
+        conf.set_string("execution.checkpointing.dir", state.checkpoints_uri)
+        conf.set_string("execution.checkpointing.savepoint-dir", state.savepoints_uri)
+        conf.set_string("execution.checkpointing.externalized-checkpoint-retention", "RETAIN_ON_CANCELLATION")
+        conf.set_string("execution.checkpointing.num-retained", "2")
+    if restore_from:
+        conf.set_string("execution.state-recovery.path", restore_from)
     return conf
 
 
-def create_environment(config: JobConfig, jar_urls: list[str]) -> StreamExecutionEnvironment:
+def create_environment(config: JobConfig, jar_urls: list[str], *, state: StateDir | None = None,
+                       restore_from: str | None = None) -> StreamExecutionEnvironment:
     """A stream environment configured for this job (mini cluster or cluster client)."""
-    env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config, jar_urls))
+    env = StreamExecutionEnvironment.get_execution_environment(
+        flink_configuration(config, jar_urls, state=state, restore_from=restore_from))
     env.set_parallelism(config.parallelism.default)
     checkpoints = config.checkpointing
     env.enable_checkpointing(checkpoints.interval_ms, CheckpointingMode.EXACTLY_ONCE)
@@ -148,35 +175,71 @@ def bucket_keys(parallelism: int, max_parallelism: int | None = None) -> list[in
     return sorted(key for keys in chosen.values() for key in keys)
 
 
+TICKS_TABLE = "inference_ticks"
+TICKS_PER_BUCKET_PER_S = 2
+"""Empty elements per bucket and second that wake the inference stage when no input comes:
+after a restore, the stage starts again what its state holds on the first element (or timer)
+of each bucket, and a restored job whose input is already consumed would otherwise get none
+(restored processing-time timers did not reach the Python function, measured)."""
+INPUT_ROW_SQL = ("ROW<k BYTES, v BYTES, `topic` STRING, `partition` INT, `offset` BIGINT, "
+                 "ts TIMESTAMP_LTZ(3)>")
+
+
+def _as_rows(t_env: StreamTableEnvironment, table: Table, row_type: Any) -> DataStream:
+    """`table` as a DataStream of `row_type`: the keyed Python operator accepts only a RowTypeInfo
+    input, and the table hands over the same Row objects under an ExternalTypeInfo."""
+    stream = t_env.to_data_stream(table)
+    stream._j_data_stream.getTransformation().setOutputType(row_type)
+    return stream
+
+
 def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int) -> KeyedStream:
     """The input rows keyed by bucket, with the bucket computed in SQL and the key taken on the
-    JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip) in front."""
+    JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip) in front.
+    A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a second."""
     keys = bucket_keys(parallelism, env.get_max_parallelism() if env.get_max_parallelism() > 0 else None)
     cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(keys))
-    table = t_env.sql_query(
+    t_env.execute_sql(
+        f"CREATE TEMPORARY TABLE {TICKS_TABLE} (n BIGINT) WITH (\n  " + _with({
+            "connector": "datagen",
+            "rows-per-second": str(TICKS_PER_BUCKET_PER_S * len(keys)),
+            "fields.n.kind": "sequence",
+            "fields.n.start": "0",
+            "fields.n.end": str(2**63 - 2),
+        }) + "\n)")
+    row_type = Types.ROW([Types.INT(), INPUT_ROW_TYPE]).get_java_type_info()
+    requests = _as_rows(t_env, t_env.sql_query(
         f"SELECT CASE MOD(`offset`, {len(keys)}) {cases} END AS bucket,\n"
-        f"  ROW(k, v, `topic`, `partition`, `offset`, ts) AS rec FROM {SOURCE_TABLE}")
-    rows = t_env.to_data_stream(table)
-    # The keyed Python operator accepts only a RowTypeInfo input; the table hands over the
-    # same Row objects under an ExternalTypeInfo, so declare the equivalent RowTypeInfo.
-    rows._j_data_stream.getTransformation().setOutputType(
-        Types.ROW([Types.INT(), INPUT_ROW_TYPE]).get_java_type_info())
+        f"  CAST(ROW(k, v, `topic`, `partition`, `offset`, ts) AS {INPUT_ROW_SQL}) AS rec FROM {SOURCE_TABLE}"),
+        row_type)
+    config = t_env.get_config()
+    uid_format = config.get("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
+    config.set("table.exec.uid.format", f"{TICKS_TABLE}_<transformation>")
+    ticks = _as_rows(t_env, t_env.sql_query(
+        f"SELECT CASE MOD(n, {len(keys)}) {cases} END AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
+        f"FROM {TICKS_TABLE}"), row_type)
+    ticks._j_data_stream.getTransformation().setName("ticks: TableToDataStream")
+    config.set("table.exec.uid.format", uid_format)
+    rows = requests.union(ticks)
     gateway = get_gateway()
     key_type = Types.ROW([Types.INT()]).get_java_type_info()
     j_keyed = rows._j_data_stream.keyBy(gateway.jvm.KeyByKeySelector(), key_type)
     return KeyedStream(j_keyed, INPUT_ROW_TYPE, rows)
 
 
-def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, options: RunOptions | None = None) -> None:
+def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it."""
-    options = options or RunOptions()
     t_env = StreamTableEnvironment.create(env)
+    # The planner names its operators' uids from a process-wide counter (`<id>_...`), so a job
+    # built twice, or after a change elsewhere in the graph, would not find its state again.
+    # Each Kafka end gets fixed uids instead; the DataStream operators set their own.
+    t_env.get_config().set("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n"
         "  k BYTES, v BYTES,\n"
         "  `topic` STRING METADATA VIRTUAL, `partition` INT METADATA VIRTUAL,\n"
         "  `offset` BIGINT METADATA VIRTUAL, ts TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL\n"
-        f") WITH (\n  {_with(source_options(config, options))}\n)"
+        f") WITH (\n  {_with(source_options(config))}\n)"
     )
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {SINK_TABLE} (k BYTES, v BYTES, `topic` STRING METADATA)\n"
@@ -190,6 +253,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, options: 
         keyed.process(InferenceStage(config), output_type=SINK_ROW_TYPE)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
     )
+    t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")
     statements = t_env.create_statement_set()
     statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
     statements.attach_as_datastream()

@@ -1,11 +1,19 @@
-"""`llmstream run`: the job in a local Flink mini cluster, with progress and a clean Ctrl-C.
+"""`llmstream run`: the job in a local Flink mini cluster that resumes from its own state.
 
-The job is started asynchronously so this process can report progress (the consumer
-group's committed offsets against the input's end offsets: exactly what has been
-processed and committed) and, on Ctrl-C or SIGTERM, cancel it instead of dying under it.
-Records not yet committed at cancellation are read again by the next run from the
-group's committed offsets, and their uncommitted outputs were never visible: nothing is
-lost, nothing is written twice.
+Every run keeps its checkpoints and savepoints in the job's state directory
+(`jobs/state.py`) and resumes from the newest one there, so output and input positions
+restart together and nothing is written twice or skipped, whatever ended the last run:
+
+- Ctrl-C or SIGTERM stops the job with a savepoint (its transactions committed), falling
+  back to a cancel after `stop_timeout_s`; a second Ctrl-C cancels at once. A cancelled
+  job's last checkpoint is retained.
+- A run killed outright (SIGKILL, power loss) leaves its last completed checkpoint behind.
+- `--until-end` (a backfill) runs until the consumer group's committed offsets reach the
+  input's end offsets taken at start, then stops with a draining savepoint, which flushes
+  every call still in flight into that final, committed output.
+- `--fresh` ignores the state directory and starts from the group's committed offsets.
+
+Progress lines report the group's committed offsets against the input's end offsets.
 """
 
 from __future__ import annotations
@@ -17,14 +25,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
-from kafka.structs import OffsetAndMetadata
 
 from jobs import jars, preflight
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
+from jobs.state import StateDir, check_identity, resume_point
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.run")
@@ -50,6 +59,10 @@ class GroupProgress:
         tps = self._partitions()
         return {tp.partition: offset for tp, offset in (self._consumer.end_offsets(tps) if tps else {}).items()}
 
+    def committed(self) -> dict[int, int]:
+        """The group's committed offset per partition of the input (0 where none)."""
+        return {tp.partition: self._consumer.committed(tp) or 0 for tp in self._partitions()}
+
     def snapshot(self) -> tuple[int, int]:
         """(committed, end) summed over the input's partitions."""
         tps = self._partitions()
@@ -57,23 +70,10 @@ class GroupProgress:
         committed = sum((self._consumer.committed(tp) or 0) for tp in tps)
         return committed, sum(end.values())
 
-    def commit_at_least(self, offsets: dict[int, int]) -> None:
-        """Moves the group's committed offsets forward to `offsets` (never back).
-
-        Flink's Kafka source commits its final offsets asynchronously and can close before the
-        commit is sent, so after a backfill FINISHED (every record up to `offsets` processed and
-        its output committed by the final checkpoint) the runner makes the group say so too;
-        otherwise the next run would read the tail again and write it twice.
-        """
-        forward = {}
-        for partition, offset in offsets.items():
-            tp = TopicPartition(self._topic, partition)
-            if (self._consumer.committed(tp) or 0) < offset:
-                forward[tp] = OffsetAndMetadata(offset, "llmstream backfill end", -1)
-        if forward:
-            log.info("committing backfill end offsets for the group: %s",
-                     {tp.partition: om.offset for tp, om in forward.items()})
-            self._consumer.commit(forward)
+    def reached(self, targets: dict[int, int]) -> bool:
+        """Whether the group has committed at least `targets` on every partition."""
+        committed = self.committed()
+        return all(committed.get(partition, 0) >= offset for partition, offset in targets.items())
 
     def close(self) -> None:
         self._consumer.close()
@@ -87,14 +87,48 @@ def _status(job_client: Any) -> str:
         return "ENDED"
 
 
+@dataclass
+class StopRequest:
+    """What the user (or a finished backfill) asked for: a savepoint first, a cancel if pressed."""
+
+    savepoint: threading.Event
+    cancel: threading.Event
+
+    @classmethod
+    def new(cls) -> StopRequest:
+        return cls(threading.Event(), threading.Event())
+
+
 @contextlib.contextmanager
-def _cancel_on_signals(stop: threading.Event, report: Callable[[str], None]) -> Iterator[None]:
-    """Turns SIGINT/SIGTERM into `stop` (a cancel request) instead of killing this process
-    under a running job; handlers are restored afterwards."""
+def _quiet_worker_shutdown() -> Iterator[None]:
+    """A stopping mini cluster cancels the gRPC streams of PyFlink's in-process Python workers,
+    whose reader thread then dies with a CANCELLED traceback: expected, so logged at debug."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if "grpc" in type(args.exc_value).__module__ and "CANCELLED" in str(args.exc_value):
+            log.debug("python worker stream closed at shutdown: %s", args.exc_value)
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: StopRequest, report: Callable[[str], None]) -> Iterator[None]:
+    """First SIGINT/SIGTERM: stop with a savepoint. Second: cancel now. Handlers restored after."""
     def request_stop(signum: int, _frame: FrameType | None) -> None:
-        report(f"llmstream: {signal.Signals(signum).name} received, cancelling the job "
-               "(uncommitted work is redone by the next run)")
-        stop.set()
+        name = signal.Signals(signum).name
+        if stop.savepoint.is_set():
+            report(f"llmstream: {name} again: cancelling now (the next run resumes from the last checkpoint)")
+            stop.cancel.set()
+        else:
+            report(f"llmstream: {name} received: stopping with a savepoint (again to cancel at once)")
+            stop.savepoint.set()
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -106,57 +140,140 @@ def _cancel_on_signals(stop: threading.Event, report: Callable[[str], None]) -> 
             signal.signal(sig, handler)
 
 
+class _Stopper:
+    """Drives one stop-with-savepoint of a mini-cluster job: retried while the job is still
+    starting (Flink refuses a savepoint before every task runs), then a cancel at the deadline."""
+
+    def __init__(self, job_client: Any, savepoints_uri: str) -> None:
+        self._job_client = job_client
+        self._savepoints_uri = savepoints_uri
+        self._future: Any = None
+        self._deadline = 0.0
+        self._drain = False
+        self.cancelled = False
+        self.savepoint: str | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._deadline > 0
+
+    def start(self, *, drain: bool, timeout_s: float) -> None:
+        self._drain = drain
+        self._deadline = time.monotonic() + timeout_s
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            with contextlib.suppress(Exception):
+                self._job_client.cancel()
+
+    def poll(self, report: Callable[[str], None]) -> None:
+        if not self.started or self.cancelled:
+            return
+        if self._future is not None and self._future.done():
+            try:
+                self.savepoint = str(self._future.result())
+                return
+            except Exception as err:  # noqa: BLE001 - e.g. "not all tasks running": try again
+                log.debug("stop-with-savepoint refused, retrying: %s", _root_cause(err))
+                self._future = None
+        if time.monotonic() > self._deadline:
+            report("llmstream: no savepoint in time; cancelling (the next run resumes from the last checkpoint)")
+            self.cancel()
+        elif self._future is None:
+            self._future = _stop_with_savepoint(self._job_client, self._drain, self._savepoints_uri)
+            time.sleep(0.3)
+
+
+def _stop_with_savepoint(job_client: Any, drain: bool, directory: str) -> Any:
+    """`JobClient.stop_with_savepoint`, in the Flink 2 signature (which wants a format type)."""
+    from pyflink.common.completable_future import CompletableFuture
+    from pyflink.java_gateway import get_gateway
+
+    canonical = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
+    # PyFlink's wrapper calls the 2-argument form, which Flink 2 no longer has.
+    j_client = job_client._j_job_client
+    return CompletableFuture(j_client.stopWithSavepoint(drain, directory, canonical), str)
+
+
 def run_job(
     config: JobConfig,
     options: RunOptions | None = None,
     *,
     progress_every_s: float = 5.0,
     report: Callable[[str], None] = print,
-    stop: threading.Event | None = None,
+    stop: StopRequest | None = None,
+    stop_timeout_s: float = 120.0,
 ) -> str:
-    """Runs the job until it finishes, fails, or `stop` is set / Ctrl-C; returns the final state:
-    FINISHED, CANCELED or FAILED."""
+    """Runs the job until it ends; returns FINISHED (a backfill done, or stopped with a
+    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume."""
     options = options or RunOptions()
-    stop = stop or threading.Event()
+    stop = stop or StopRequest.new()
+    state = StateDir.for_job(config, options.state_dir)
     preflight.check(config)
     jars.ensure("connector")
-    with contextlib.closing(GroupProgress(config)) as progress, _cancel_on_signals(stop, report):
-        if options.until_end and options.stop_offsets is None:
-            options = RunOptions(until_end=True, stop_offsets=progress.end_offsets())
-        env = create_environment(config, jars.connector_jar_urls())
-        build_pipeline(env, config, options)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(state.exclusive())
+        check_identity(state, config, fresh=options.fresh)
+        restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
+        progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
+        stack.enter_context(_stop_on_signals(stop, report))
+        stack.enter_context(_quiet_worker_shutdown())
+        targets = progress.end_offsets() if options.until_end else None
+        env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore)
+        build_pipeline(env, config)
         job_client = env.execute_async(config.name)
         report(f"llmstream: job {config.name} ({job_client.get_job_id()}) started in a local mini cluster; "
                f"{config.kafka.input_topic} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
-        result = job_client.get_job_execution_result()
-        started, last_report, cancelled = time.monotonic(), 0.0, False
-        while not result.done():
-            if stop.is_set() and not cancelled:
-                cancelled = True
-                job_client.cancel()
-            now = time.monotonic()
-            if progress_every_s and now - last_report >= progress_every_s:
-                last_report = now
-                try:
-                    committed, end = progress.snapshot()
-                    report(f"llmstream: {now - started:6.0f}s  {_status(job_client):<9} committed "
-                           f"{committed}/{end} input records (lag {max(end - committed, 0)})")
-                except Exception as err:  # noqa: BLE001 - progress is best effort, the job is not
-                    log.debug("progress unavailable: %s", err)
-            time.sleep(0.2)
-        try:
-            result.result()
-        except Exception as err:  # noqa: BLE001 - reported, then returned as the state
-            if cancelled:
-                report("llmstream: job cancelled")
-                return "CANCELED"
-            report(f"llmstream: job failed: {_root_cause(err)}")
-            return "FAILED"
-        if options.stop_offsets:
-            progress.commit_at_least(options.stop_offsets)
-        committed, end = progress.snapshot()
-        report(f"llmstream: job finished; committed {committed}/{end} input records")
-        return "FINISHED"
+        report(f"llmstream: {how}")
+        if targets is not None:
+            report(f"llmstream: backfill: will stop once the group has committed {sum(targets.values())} "
+                   f"input records (end offsets {targets})")
+        state_name = _watch(job_client, progress, stop, targets, state, progress_every_s, stop_timeout_s, report)
+        state.prune()
+        return state_name
+
+
+def _watch(job_client: Any, progress: GroupProgress, stop: StopRequest, targets: dict[int, int] | None,
+           state: StateDir, progress_every_s: float, stop_timeout_s: float, report: Callable[[str], None]) -> str:
+    result = job_client.get_job_execution_result()
+    stopper = _Stopper(job_client, state.savepoints_uri)
+    started, last_report, last_check = time.monotonic(), 0.0, 0.0
+    while not result.done():
+        now = time.monotonic()
+        if stop.cancel.is_set():
+            stopper.cancel()
+        elif stop.savepoint.is_set() and not stopper.started:
+            stopper.start(drain=False, timeout_s=stop_timeout_s)
+        elif targets is not None and not stopper.started and now - last_check >= 0.5:
+            last_check = now
+            with contextlib.suppress(Exception):
+                if progress.reached(targets):
+                    report("llmstream: backfill input committed; stopping with a draining savepoint")
+                    stopper.start(drain=True, timeout_s=stop_timeout_s)
+        stopper.poll(report)
+        if progress_every_s and now - last_report >= progress_every_s:
+            last_report = now
+            try:
+                committed, end = progress.snapshot()
+                report(f"llmstream: {now - started:6.0f}s  {_status(job_client):<9} committed "
+                       f"{committed}/{end} input records (lag {max(end - committed, 0)})")
+            except Exception as err:  # noqa: BLE001 - progress is best effort, the job is not
+                log.debug("progress unavailable: %s", err)
+        time.sleep(0.2)
+    try:
+        result.result()
+    except Exception as err:  # noqa: BLE001 - reported, then returned as the state
+        if stopper.cancelled:
+            report(f"llmstream: job cancelled; the next run resumes from the last checkpoint in {state.location}")
+            return "CANCELED"
+        report(f"llmstream: job failed: {_root_cause(err)}")
+        return "FAILED"
+    stopper.poll(report)
+    committed, end = progress.snapshot()
+    where = f"savepoint {stopper.savepoint}" if stopper.savepoint else f"the state in {state.location}"
+    report(f"llmstream: job finished; committed {committed}/{end} input records; the next run resumes from {where}")
+    return "FINISHED"
 
 
 def _root_cause(err: BaseException) -> str:
@@ -165,7 +282,7 @@ def _root_cause(err: BaseException) -> str:
 
 
 def exit_code(state: str) -> int:
-    """0 for a finished or deliberately cancelled job, 1 for a failed one."""
+    """0 for a finished, stopped or deliberately cancelled job, 1 for a failed one."""
     return 1 if state == "FAILED" else 0
 
 

@@ -161,7 +161,7 @@ class Topics:
 
 
 def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: LlmstreamSettings,
-                     scenario: Scenario) -> dict[str, Any]:
+                     scenario: Scenario, state_root: Path) -> dict[str, Any]:
     """The job config for one run: the repo's defaults, these topics and the tuned settings."""
     config = with_overrides(
         load_config(),
@@ -176,6 +176,8 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
     )
     data = to_dict(config)
     data["name"] = f"llmstream-bench-{scenario.key}"
+    # One state directory per run: every run reads fresh topics, so no state carries over.
+    data["checkpointing"]["directory"] = str(state_root / topics.group)
     config_from_dict(data)  # validate the final form, name included
     return data
 
@@ -191,7 +193,8 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
     if approach == "llmstream":
         config_file = config_dir / f"{topics.group}.yaml"
         config_file.write_text(yaml.safe_dump(
-            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario), scenario), sort_keys=False))
+            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario), scenario, config_dir / "state"),
+            sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]
     return [sys.executable, "-m", "jobs.bench.baselines", approach, "--bootstrap", bootstrap,

@@ -150,6 +150,7 @@ def make_job(directory: Path, bootstrap: str, endpoint: str, *, name: str, parti
     data["model"]["endpoint"] = endpoint
     data["async"]["capacity"] = FAULT_CAPACITY
     data["checkpointing"]["interval_ms"] = CHECKPOINT_INTERVAL_MS
+    data["checkpointing"]["directory"] = str(directory / f"{tag}-state")
     for section, values in sections.items():
         key = "async" if section == "async_" else section
         data[key] = {**(data.get(key) or {}), **values}

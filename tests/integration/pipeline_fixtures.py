@@ -32,8 +32,9 @@ def simulator() -> Iterator[model_server.SpawnedSimulator]:
 
 
 @pytest.fixture
-def job_config(kafka_broker: LocalBroker, simulator: model_server.SpawnedSimulator) -> JobConfigFactory:
-    """Factory of job configs on fresh uuid topics, group and transactional prefix."""
+def job_config(kafka_broker: LocalBroker, simulator: model_server.SpawnedSimulator,
+               tmp_path_factory: pytest.TempPathFactory) -> JobConfigFactory:
+    """Factory of job configs on fresh uuid topics, group, transactional prefix and state directory."""
     simulator.admin({})
 
     def make(**sections: dict[str, Any]) -> JobConfig:
@@ -51,7 +52,7 @@ def job_config(kafka_broker: LocalBroker, simulator: model_server.SpawnedSimulat
                 "topic_partitions": 2,
             },
             model={"endpoint": simulator.url},
-            checkpointing={"interval_ms": 1000},
+            checkpointing={"interval_ms": 1000, "directory": str(tmp_path_factory.mktemp(f"state-{run}"))},
             retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.5},
         )
         config = with_overrides(base, **sections) if sections else base

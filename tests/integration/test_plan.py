@@ -15,14 +15,13 @@ from pyflink.java_gateway import get_gateway
 from jobs import jars
 from jobs.pipeline import (
     BUCKETS_PER_SUBTASK,
-    RunOptions,
     bucket_keys,
     build_pipeline,
     create_environment,
     sink_options,
     source_options,
 )
-from udfs.config import load_config, with_overrides
+from udfs.config import JobConfig, load_config, with_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +29,7 @@ pytestmark = pytest.mark.integration
 def _plan(**overrides: dict[str, Any]) -> list[dict[str, Any]]:
     config = with_overrides(load_config(), **overrides)
     env = create_environment(config, jars.connector_jar_urls())
-    build_pipeline(env, config, RunOptions())
+    build_pipeline(env, config)
     return json.loads(env.get_execution_plan())["nodes"]
 
 
@@ -77,7 +76,7 @@ def test_unaligned_checkpoints_follow_the_config() -> None:
     for enabled in (True, False):
         config = with_overrides(load_config(), python={"unaligned_checkpoints": enabled})
         env = create_environment(config, jars.connector_jar_urls())
-        build_pipeline(env, config, RunOptions())
+        build_pipeline(env, config)
         assert env.get_checkpoint_config().is_unaligned_checkpoints_enabled() is enabled
 
 
@@ -98,14 +97,31 @@ def test_sink_is_exactly_once_with_the_configured_transactions() -> None:
     assert any(t.startswith("kafka_results") and t.endswith(": Committer") for t in types)
 
 
-def test_source_uses_group_offsets_and_bounds_only_for_backfills() -> None:
+def test_source_uses_group_offsets_and_is_never_bounded() -> None:
+    """Backfills end by a draining stop-with-savepoint: a bounded source restored from an
+    unbounded run's state would never end (its splits keep their stopping offsets)."""
     config = load_config()
-    unbounded = source_options(config, RunOptions())
-    assert unbounded["properties.group.id"] == config.kafka.group_id
-    assert unbounded["scan.startup.mode"] == "group-offsets"
-    assert unbounded["properties.auto.offset.reset"] == "earliest"
-    assert "scan.bounded.mode" not in unbounded
-    assert source_options(config, RunOptions(until_end=True))["scan.bounded.mode"] == "latest-offset"
-    pinned = source_options(config, RunOptions(until_end=True, stop_offsets={1: 7, 0: 3}))
-    assert pinned["scan.bounded.mode"] == "specific-offsets"
-    assert pinned["scan.bounded.specific-offsets"] == "partition:0,offset:3;partition:1,offset:7"
+    options = source_options(config)
+    assert options["properties.group.id"] == config.kafka.group_id
+    assert options["scan.startup.mode"] == "group-offsets"
+    assert options["properties.auto.offset.reset"] == "earliest"
+    assert not any(key.startswith("scan.bounded") for key in options)
+
+
+def _uids(config: JobConfig) -> dict[str, str]:
+    env = create_environment(config, jars.connector_jar_urls())
+    build_pipeline(env, config)
+    graph = env._j_stream_execution_environment.getStreamGraph(False)
+    return {str(n.getOperatorName()): str(n.getTransformationUID()) for n in graph.getStreamNodes().toArray()}
+
+
+def test_stateful_operators_keep_their_uids_across_builds_and_parallelism() -> None:
+    """Savepoints map state to operators by uid: the Kafka source, the inference stage and the
+    sink must keep theirs when the job is built again (a new run, an upgrade) or rescaled."""
+    config = load_config()
+    first, second = _uids(config), _uids(config)
+    wider = _uids(with_overrides(config, parallelism={"inference": 2, "sink": 2}))
+    stateful = {uid for uid in first.values() if uid.endswith(("_source", "_sink")) or uid == "inference"}
+    assert {"kafka_requests_source", "kafka_results_sink", "inference"} <= stateful
+    assert sorted(first.values()) == sorted(second.values()) == sorted(wider.values())
+    assert len(set(first.values())) == len(first), f"duplicate uids: {first}"

@@ -1,0 +1,175 @@
+"""A small client of Flink's REST API: the job operations llmstream needs on any cluster.
+
+`LocalCluster` (jobs/cluster.py) adds process control for the clusters llmstream starts
+itself; `llmstream submit | stop | upgrade --jobmanager HOST:PORT` use this class alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import requests
+
+from udfs.errors import LLMStreamError
+
+TERMINAL_STATES = frozenset({"FINISHED", "CANCELED", "FAILED"})
+# A job in one of these holds (or is about to hold) the job's state and transactions.
+LIVE_STATES = frozenset({"INITIALIZING", "CREATED", "RUNNING", "FAILING", "CANCELLING", "RESTARTING",
+                         "RECONCILING", "SUSPENDED"})
+
+
+class ClusterError(LLMStreamError, RuntimeError):
+    """The cluster could not be started, reached or told to do something; the message says why."""
+
+
+class FlinkRest:
+    """Job operations through the REST API at ``rest_url`` (``http://host:port``)."""
+
+    def __init__(self, rest_url: str) -> None:
+        self._rest_url = rest_url.rstrip("/")
+
+    @property
+    def rest_url(self) -> str:
+        return self._rest_url
+
+    def _diagnostics(self) -> str:
+        """Extra context for a timeout message (LocalCluster adds its log tail)."""
+        return ""
+
+    def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
+        """One call to the REST API; returns the decoded JSON (or None for an empty body)."""
+        try:
+            response = requests.request(method, self.rest_url + path, json=body, timeout=timeout)
+        except requests.RequestException as err:
+            raise ClusterError(f"Flink REST API at {self.rest_url} does not answer: {err}") from err
+        if response.status_code >= 400:
+            raise ClusterError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json() if response.content else None
+
+    def overview(self) -> dict[str, Any] | None:
+        """``/overview`` (TaskManagers, slots, job counts), or None if the REST API does not answer."""
+        try:
+            result: dict[str, Any] = self.rest("/overview", timeout=3.0)
+            return result
+        except ClusterError:
+            return None
+
+
+    def _wait(self, what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            result = check()
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out after {timeout:g} s waiting for {what}{self._diagnostics()}")
+            time.sleep(interval)
+
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """``/jobs/overview``: id, name, state, start time, duration of every job the cluster knows."""
+        return list(self.rest("/jobs/overview").get("jobs", []))
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """``/jobs/<id>``: state, vertices (name, parallelism, status), timestamps."""
+        result: dict[str, Any] = self.rest(f"/jobs/{job_id}")
+        return result
+
+    def job_status(self, job_id: str) -> str:
+        return str(self.job(job_id)["state"])
+
+    def vertex_parallelism(self, job_id: str) -> dict[str, int]:
+        """Operator chain name -> parallelism, as the cluster runs it."""
+        return {v["name"]: int(v["parallelism"]) for v in self.job(job_id)["vertices"]}
+
+    def num_restarts(self, job_id: str) -> int:
+        """The job's ``numRestarts`` metric (full and partial restarts since submission)."""
+        metrics = self.rest(f"/jobs/{job_id}/metrics?get=numRestarts")
+        for metric in metrics or []:
+            if metric.get("id") == "numRestarts":
+                return int(float(metric["value"]))
+        return 0
+
+    def checkpoint_stats(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.rest(f"/jobs/{job_id}/checkpoints")
+        return result
+
+    def latest_checkpoint(self, job_id: str) -> str | None:
+        """The external path of the job's latest completed checkpoint (retained on cancel)."""
+        latest = (self.checkpoint_stats(job_id).get("latest") or {}).get("completed") or {}
+        path = latest.get("external_path")
+        return str(path) if path else None
+
+    def completed_checkpoints(self, job_id: str) -> int:
+        return int((self.checkpoint_stats(job_id).get("counts") or {}).get("completed", 0))
+
+    def is_fully_running(self, job_id: str) -> bool:
+        """RUNNING with every task deployed and running (the job state turns RUNNING before that)."""
+        job = self.job(job_id)
+        return job["state"] == "RUNNING" and all(v["status"] == "RUNNING" for v in job["vertices"])
+
+    def wait_for_job_state(self, job_id: str, states: str | Iterable[str], timeout: float = 120.0,
+                           *, all_tasks: bool = True) -> str:
+        """Wait until the job is in one of ``states``; RUNNING also waits for every task unless
+        ``all_tasks`` is false. Raises if it ends (FAILED/CANCELED/FINISHED) in another state."""
+        wanted = {states} if isinstance(states, str) else set(states)
+
+        def reached() -> str | None:
+            job = self.job(job_id)
+            state = str(job["state"])
+            if state in wanted:
+                if state == "RUNNING" and all_tasks and not all(v["status"] == "RUNNING" for v in job["vertices"]):
+                    return None
+                return state
+            if state in TERMINAL_STATES:
+                raise ClusterError(f"job {job_id} is {state}, expected {sorted(wanted)}: {self.failure(job_id)}")
+            return None
+
+        return str(self._wait(f"job {job_id} to be {sorted(wanted)}", reached, timeout))
+
+    def failure(self, job_id: str) -> str:
+        """The root exception of the job's latest failure, or '' if it has none."""
+        with contextlib.suppress(ClusterError):
+            exceptions = self.rest(f"/jobs/{job_id}/exceptions?maxExceptions=1")
+            history = (exceptions.get("exceptionHistory") or {}).get("entries") or []
+            if history:
+                return str(history[0].get("stacktrace", ""))[:3000]
+        return ""
+
+    def cancel(self, job_id: str, timeout: float = 60.0) -> None:
+        """Cancel the job and wait until it is CANCELED (its last checkpoint is retained)."""
+        self.rest(f"/jobs/{job_id}?mode=cancel", method="PATCH")
+        self._wait(f"job {job_id} to cancel", lambda: self.job_status(job_id) in TERMINAL_STATES, timeout)
+
+    def stop_with_savepoint(self, job_id: str, target_dir: str | None = None, *, drain: bool = False,
+                            timeout: float = 180.0) -> str:
+        """Stop the job with a final savepoint (its transactions committed); returns the savepoint path.
+
+        ``drain`` first flushes everything in flight (end of event time), as a finished backfill wants.
+        ``target_dir`` None means the cluster's ``execution.checkpointing.savepoint-dir``.
+        """
+        body: dict[str, Any] = {"drain": drain}
+        if target_dir:
+            body["targetDirectory"] = target_dir
+        trigger = self.rest(f"/jobs/{job_id}/stop", method="POST", body=body)["request-id"]
+
+        def done() -> dict[str, Any] | None:
+            result = self.rest(f"/jobs/{job_id}/savepoints/{trigger}")
+            return result if result["status"]["id"] == "COMPLETED" else None
+
+        result = self._wait(f"the savepoint of job {job_id}", done, timeout)
+        operation = result.get("operation") or {}
+        if "failure-cause" in operation:
+            raise ClusterError(f"stop-with-savepoint of {job_id} failed: "
+                               f"{json.dumps(operation['failure-cause'])[:2000]}")
+        self._wait(f"job {job_id} to stop", lambda: self.job_status(job_id) in TERMINAL_STATES, 60)
+        return str(operation["location"])
+
+
+    def live_jobs(self, name: str) -> list[dict[str, Any]]:
+        """Jobs called ``name`` that are not finished, cancelled or failed for good."""
+        return [j for j in self.jobs() if j.get("name") == name and j.get("state") in LIVE_STATES]

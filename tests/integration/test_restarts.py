@@ -1,0 +1,292 @@
+"""Every restart resumes from Flink state: a user's Ctrl-C, kill -9, resubmit, stop and upgrade.
+
+Each test sends records with unique ids, restarts the job the way a user would, lets it
+finish, and then counts what a read_committed consumer sees: every id exactly once in
+output ∪ dead letters. Model calls per record come from the simulator's own count. The
+numbers go to ``var/fault-report.md`` beside the other fault tests'.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import cluster as cluster_mod
+from jobs import local_kafka, model_server
+from jobs.cluster import LocalCluster
+from jobs.local_kafka import LocalBroker
+from jobs.pipeline import RunOptions
+from tests.conftest import SHELL_ENV
+
+pytest.register_assert_rewrite("tests.integration.cluster_fixtures")
+from tests.integration.cluster_fixtures import (
+    FaultReport,
+    FaultResult,
+    JobSetup,
+    Tally,
+    final_tally,
+    heal,
+    make_job,
+    unique_records,
+)
+
+pytest_plugins = ["tests.integration.cluster_fixtures"]
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+STARTED = "started in a local mini cluster"
+
+
+def _check_exactly_once(result: Tally) -> None:
+    assert result.lost == 0, f"lost {result.lost}: {result.lost_sample}"
+    assert result.duplicates == 0, f"duplicates {result.duplicates}: {result.duplicate_sample}"
+    assert result.unexpected == 0
+    assert result.out + result.dead == result.records_in
+
+
+def _wait_for(what: str, check, timeout: float, interval: float = 0.5):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(interval)
+
+
+def _record(fault_report: FaultReport, name: str, result: Tally, *, started: float, restarts: int, notes: str,
+            **extra: object) -> None:
+    fault_report.add(FaultResult(
+        scenario=name, records_in=result.records_in, out=result.out, dead=result.dead,
+        duplicates=result.duplicates, lost=result.lost, restarts=restarts, recovery_s=None,
+        duration_s=round(time.monotonic() - started, 1), notes=notes,
+        extra={"dead_reasons": result.dead_reasons, **extra}))
+
+
+# ---------------------------------------------------------------------- llmstream run (mini cluster)
+
+
+class LocalRun:
+    """``llmstream run`` as a user starts it, in its own process group (the JVM included)."""
+
+    def __init__(self, config_path: Path, log_path: Path, *extra: str) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jobs.cli", "run", "--config", str(config_path), "--progress-every", "2", *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=SHELL_ENV,
+            start_new_session=True, text=True)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal_group(self, sig: int) -> None:
+        """What Ctrl-C in a terminal does (SIGINT to the foreground group) or kill -9 of the group."""
+        os.killpg(self.process.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+
+def test_run_interrupted_15_times_loses_and_duplicates_nothing(
+        kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport) -> None:
+    """5,000 ids, a model at 100-500 ms, `llmstream run` interrupted 15 times (SIGINT at 10 random
+    moments, SIGKILL of the whole process group at 5) and restarted with the same command each
+    time, then finished with `--until-end`: every id exactly once."""
+    sim = model_server.spawn(["--latency", "lognormal:200:500", "--seed", "11"])
+    try:
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="interrupted",
+                         async_={"capacity": 16}, checkpointing={"interval_ms": 1000})
+        records = unique_records(5000, "int")
+        local_kafka.produce(setup.bootstrap, setup.input_topic, records)
+        rng = random.Random(20261130)
+        kinds = ["SIGINT"] * 10 + ["SIGKILL"] * 5
+        rng.shuffle(kinds)
+        started = time.monotonic()
+        outcomes = []
+        for i, kind in enumerate(kinds):
+            run = LocalRun(setup.path, tmp_path / f"run-{i:02d}.log")
+            _wait_for(f"run {i} to start its job", lambda r=run: STARTED in r.output() or r.process.poll() is not None,
+                      timeout=180)
+            assert run.process.poll() is None, f"run {i} exited early:\n{run.output()[-3000:]}"
+            time.sleep(rng.uniform(0.5, 8.0))  # a random moment: the point is where it lands, not how long
+            if kind == "SIGINT":
+                run.signal_group(signal.SIGINT)
+                code = run.wait(timeout=300)
+                assert code == 0, f"run {i} (SIGINT) exited {code}:\n{run.output()[-3000:]}"
+            else:
+                run.signal_group(signal.SIGKILL)
+                run.wait(timeout=60)
+            text = run.output()
+            outcomes.append((kind, "resuming from" in text, "savepoint" in text.split("received")[-1]))
+            if i > 0:
+                assert "resuming from" in text or "no snapshot" in text, text[-2000:]
+        final = LocalRun(setup.path, tmp_path / "run-final.log", "--until-end")
+        code = final.wait(timeout=600)
+        assert code == 0, final.output()[-3000:]
+        result = final_tally(setup, [k.decode() for k, _ in records])
+        served = int(sim.stats()["served"])
+    finally:
+        sim.stop()
+    resumed = sum(1 for _, r, _ in outcomes if r)
+    stopped_with_savepoint = sum(1 for k, _, s in outcomes if k == "SIGINT" and s)
+    _record(fault_report, "r1. llmstream run: SIGINT x10 + SIGKILL x5, restarted each time", result,
+            started=started, restarts=len(kinds),
+            notes=f"model calls per record {served / len(records):.2f}; resumed from state {resumed + 1}/16 runs",
+            calls_per_record=round(served / len(records), 3), runs_resumed=resumed,
+            sigint_with_savepoint=stopped_with_savepoint)
+    _check_exactly_once(result)
+    assert resumed >= 10, f"only {resumed} of 15 runs resumed from a snapshot: {outcomes}"
+
+
+# ---------------------------------------------------------------------- the cluster path
+
+
+class ClusterRun:
+    """One job config on the shared standalone cluster, with the ids sent and the jobs it ran."""
+
+    def __init__(self, cluster: LocalCluster, setup: JobSetup, n: int, prefix: str) -> None:
+        self.cluster = cluster
+        self.setup = setup
+        self.records = unique_records(n, prefix)
+        self.ids = [k.decode() for k, _ in self.records]
+        self.started = time.monotonic()
+        self.jobs: list[str] = []
+
+    def produce(self, part: slice) -> None:
+        local_kafka.produce(self.setup.bootstrap, self.setup.input_topic, self.records[part])
+
+    def live_job(self) -> str:
+        jobs = self.cluster.live_jobs(self.setup.config.name)
+        assert len(jobs) == 1, f"expected one live job, got {jobs}"
+        job_id = str(jobs[0]["jid"])
+        if job_id not in self.jobs:
+            self.jobs.append(job_id)
+        return job_id
+
+    def submit(self, capsys: pytest.CaptureFixture[str], **kwargs: object) -> str:
+        code = cluster_mod.submit(str(self.setup.path), jobmanager=self.cluster.address,
+                                  options=RunOptions(**kwargs))  # type: ignore[arg-type]
+        out, err = capsys.readouterr()
+        assert code == 0, out + err
+        job_id = self.live_job()
+        self.cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
+        return out
+
+    def backfill(self, capsys: pytest.CaptureFixture[str], config_path: Path | None = None) -> str:
+        """``llmstream submit --until-end``: resumes, waits for the input present now, stops with a savepoint."""
+        code = cluster_mod.submit(str(config_path or self.setup.path), jobmanager=self.cluster.address,
+                                  options=RunOptions(until_end=True))
+        out, err = capsys.readouterr()
+        assert code == 0 and "backfill done" in out, out + err
+        return out
+
+    def committed_output(self) -> int:
+        ends = local_kafka.end_offsets(self.setup.bootstrap, self.setup.output_topic, committed_only=True)
+        return sum(ends.values())
+
+    def wait_output(self, at_least: int, timeout: float = 240) -> None:
+        def enough() -> bool:
+            for job in self.jobs:
+                state = self.cluster.job_status(job)
+                assert state != "FAILED", self.cluster.failure(job)
+            return self.committed_output() >= at_least
+        _wait_for(f"{at_least} committed outputs", enough, timeout)
+
+    def restarts(self) -> int:
+        return sum(self.cluster.num_restarts(j) for j in self.jobs)
+
+
+@pytest.fixture
+def sim() -> model_server.SpawnedSimulator:
+    handle = model_server.spawn(["--latency", "fixed:100", "--seed", "3"])
+    yield handle  # type: ignore[misc]
+    handle.stop()
+
+
+def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
+        cluster: LocalCluster, kafka_broker: LocalBroker, sim: model_server.SpawnedSimulator, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
+    """cancel -> submit (auto-resume from the retained checkpoint); `llmstream stop` -> submit;
+    `llmstream upgrade` with a changed capacity, then with a changed parallelism; then a backfill
+    `submit --until-end`. Every id exactly once."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle", partitions=2,
+                     async_={"capacity": 8}, parallelism={"default": 1})
+    run = ClusterRun(cluster, setup, 4000, "life")
+    run.produce(slice(0, 4000))
+    out = run.submit(capsys)
+    assert "no snapshot" in out
+    run.wait_output(400)
+
+    cluster.cancel(run.live_job())
+    out = run.submit(capsys)
+    assert "resuming from checkpoint" in out, out
+    run.wait_output(1200)
+
+    assert cluster_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
+    stopped = capsys.readouterr().out
+    assert "savepoint" in stopped
+    out = run.submit(capsys)
+    assert "resuming from savepoint" in out, out
+    run.wait_output(2000)
+
+    faster = setup.path.with_name("lifecycle-capacity.yaml")
+    faster.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
+    assert cluster_mod.upgrade(str(faster), jobmanager=cluster.address) == 0, capsys.readouterr()
+    capsys.readouterr()
+    job = run.live_job()
+    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    run.wait_output(2600)
+
+    wider = setup.path.with_name("lifecycle-parallelism.yaml")
+    wider.write_text(faster.read_text().replace("inference: 1", "inference: 2").replace("sink: 1", "sink: 2"))
+    assert cluster_mod.upgrade(str(wider), jobmanager=cluster.address) == 0, capsys.readouterr()
+    capsys.readouterr()
+    job = run.live_job()
+    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    assert max(cluster.vertex_parallelism(job).values()) == 2
+
+    assert cluster_mod.stop_job(str(wider), jobmanager=cluster.address) == 0
+    capsys.readouterr()
+    out = run.backfill(capsys, wider)
+    assert "resuming from savepoint" in out, out
+    result = final_tally(setup, run.ids)
+    _record(fault_report, "r2. cluster: cancel/stop -> submit resumes; upgrade capacity and parallelism", result,
+            started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
+            calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
+    _check_exactly_once(result)
+
+
+def test_cluster_jobmanager_sigkill_then_a_new_cluster_resumes(
+        cluster: LocalCluster, kafka_broker: LocalBroker, sim: model_server.SpawnedSimulator, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
+    """The JobManager is SIGKILLed mid-stream (no HA); the cluster is replaced by a new one on
+    the same state directory; `submit` resumes from the last retained checkpoint."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="jmkill", async_={"capacity": 8})
+    run = ClusterRun(cluster, setup, 3000, "jm")
+    run.produce(slice(0, 3000))
+    run.submit(capsys)
+    run.wait_output(500)
+    jobmanager = cluster.jobmanager_pid()
+    assert jobmanager is not None
+    os.kill(jobmanager, signal.SIGKILL)
+    cluster.stop()  # the TaskManagers and their Python workers go too: a new cluster replaces it
+    run.jobs.clear()
+    cluster.start(taskmanagers=1, timeout=180)
+    heal(cluster)
+    out = run.backfill(capsys)
+    assert "resuming from checkpoint" in out, out
+    result = final_tally(setup, run.ids)
+    _record(fault_report, "r3. cluster: JobManager SIGKILL, new cluster, submit resumes", result,
+            started=run.started, restarts=0, notes="resumed from the dead cluster's last retained checkpoint",
+            calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
+    _check_exactly_once(result)

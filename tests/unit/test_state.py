@@ -1,0 +1,107 @@
+"""The job's state directory: which snapshot a run resumes from, and what it refuses."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.state import (
+    StateDir,
+    StateDirError,
+    check_identity,
+    default_state_dir,
+    resume_point,
+)
+from udfs.config import load_config, with_overrides
+from udfs.errors import ConfigError
+
+
+def _snapshot(root: Path, relative: str, age_s: float, *, complete: bool = True) -> Path:
+    directory = root / relative
+    directory.mkdir(parents=True)
+    if complete:
+        metadata = directory / "_metadata"
+        metadata.write_bytes(b"flink")
+        when = time.time() - age_s
+        os.utime(metadata, (when, when))
+    return directory
+
+
+def test_the_newest_complete_snapshot_wins_whatever_its_kind(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    _snapshot(tmp_path, "checkpoints/job-a/chk-7", 300)
+    savepoint = _snapshot(tmp_path, "savepoints/savepoint-a-1", 120)
+    newest = _snapshot(tmp_path, "checkpoints/job-b/chk-3", 10)
+    _snapshot(tmp_path, "checkpoints/job-b/chk-4", 1, complete=False)  # being written: no _metadata yet
+    assert [s.path for s in state.snapshots()][:2] == [newest, savepoint]
+    restore, how = resume_point(state, fresh=False)
+    assert restore == newest.as_uri()
+    assert "resuming from checkpoint job-b/chk-3" in how
+
+
+def test_first_run_fresh_and_explicit_snapshots_say_what_they_do(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "empty")
+    assert resume_point(state, fresh=False) == (None, resume_point(state, fresh=False)[1])
+    assert "first run" in resume_point(state, fresh=False)[1]
+    _snapshot(state.path or tmp_path, "savepoints/savepoint-1", 5)
+    restore, how = resume_point(state, fresh=True)
+    assert restore is None
+    assert "FRESH" in how and "1 snapshot(s)" in how and "written again" in how
+    assert resume_point(state, fresh=False, explicit="file:///sp/x") == ("file:///sp/x", "resuming from file:///sp/x (given)")
+
+
+def test_remote_state_directories_are_used_but_not_searched(tmp_path: Path) -> None:
+    state = StateDir("s3://bucket/llmstream/job")
+    assert state.checkpoints_uri == "s3://bucket/llmstream/job/checkpoints"
+    assert not state.searchable
+    restore, how = resume_point(state, fresh=False)
+    assert restore is None and "--from-savepoint" in how
+    local = StateDir(f"file://{tmp_path}/x")
+    assert local.path == tmp_path / "x" and local.savepoints_uri == (tmp_path / "x").as_uri() + "/savepoints"
+
+
+def test_default_directory_is_named_from_the_job(tmp_path: Path) -> None:
+    config = load_config()
+    assert StateDir.for_job(config).path == default_state_dir("llmstream-inference")
+    assert default_state_dir("my job/v2").name == "my_job_v2"
+    configured = with_overrides(config, checkpointing={"directory": str(tmp_path / "s")})
+    assert StateDir.for_job(configured).path == tmp_path / "s"
+    assert StateDir.for_job(configured, tmp_path / "flag").path == tmp_path / "flag"
+
+
+def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    old = _snapshot(tmp_path, "checkpoints/job-a/chk-1", 300)
+    middle = _snapshot(tmp_path, "savepoints/savepoint-1", 200)
+    new = _snapshot(tmp_path, "checkpoints/job-b/chk-9", 100)
+    assert state.prune(keep=2) == [old]
+    assert not (tmp_path / "checkpoints" / "job-a").exists()
+    assert middle.exists() and new.exists()
+
+
+def test_one_run_at_a_time_per_state_directory(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    with state.exclusive(), pytest.raises(StateDirError, match="another llmstream run"), \
+            StateDir(tmp_path).exclusive():
+        pass
+    with StateDir(tmp_path).exclusive():
+        pass
+
+
+def test_state_of_another_input_is_refused_unless_fresh(tmp_path: Path) -> None:
+    config = with_overrides(load_config(), checkpointing={"directory": str(tmp_path)})
+    state = StateDir.for_job(config)
+    check_identity(state, config, fresh=False)  # records what the directory belongs to
+    other = with_overrides(config, kafka={"group_id": "another-group"})
+    check_identity(state, other, fresh=False)  # no snapshot yet: nothing to protect
+    check_identity(state, config, fresh=False)
+    _snapshot(tmp_path, "savepoints/savepoint-1", 1)
+    with pytest.raises(ConfigError) as err:
+        check_identity(state, other, fresh=False)
+    assert err.value.key == "kafka.group_id"
+    assert "another-group" in str(err.value) and "--fresh" in str(err.value)
+    check_identity(state, other, fresh=True)
+    check_identity(state, other, fresh=False)
