@@ -176,8 +176,9 @@ def bucket_keys(parallelism: int, max_parallelism: int | None = None) -> list[in
 
 
 TICKS_TABLE = "inference_ticks"
-TICKS_PER_BUCKET_PER_S = 2
-"""Empty elements per bucket and second that wake the inference stage when no input comes:
+TICKS_PER_BUCKET_PER_S = 8
+"""Empty elements per bucket and second (random buckets: each bucket gets one within a second but
+for e^-8 of the seconds) that wake the inference stage when no input comes:
 after a restore, the stage starts again what its state holds on the first element (or timer)
 of each bucket, and a restored job whose input is already consumed would otherwise get none
 (restored processing-time timers did not reach the Python function, measured)."""
@@ -203,9 +204,10 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
         f"CREATE TEMPORARY TABLE {TICKS_TABLE} (n BIGINT) WITH (\n  " + _with({
             "connector": "datagen",
             "rows-per-second": str(TICKS_PER_BUCKET_PER_S * len(keys)),
-            "fields.n.kind": "sequence",
-            "fields.n.start": "0",
-            "fields.n.end": str(2**63 - 2),
+            # random, not sequence: a sequence generator keeps its whole remaining range in state
+            "fields.n.kind": "random",
+            "fields.n.min": "0",
+            "fields.n.max": "1000000",
         }) + "\n)")
     row_type = Types.ROW([Types.INT(), INPUT_ROW_TYPE]).get_java_type_info()
     requests = _as_rows(t_env, t_env.sql_query(

@@ -19,7 +19,10 @@ only so that keyed state and timers exist; they have no meaning. Per bucket:
   input, stop-with-savepoint --drain): it waits for every call of the bucket and emits it.
   Processing-time timers do not fire at the end of input.
 - the first element or timer of a bucket in a new function instance (after a restore)
-  starts again every request in its state: nothing is live in a fresh instance.
+  starts again every request in its state: nothing is live in a fresh instance. Ticks
+  (`None` elements from a slow generator source, see `jobs/pipeline.py`) reach every bucket
+  about every 1/8 s, so this happens even when no input comes: restored
+  processing-time timers did not reach the Python function (measured).
 
 A result leaves state in the same call that emits it, so a snapshot never holds a request
 whose answer is already downstream. Nothing raises out of the function: an unexpected
@@ -85,7 +88,7 @@ def _internal(err: Exception) -> BadInput:
 
 
 class InferenceStage(KeyedProcessFunction):
-    """Input: rows (key, value, topic, partition, offset, timestamp) keyed by bucket.
+    """Input: rows (key, value, topic, partition, offset, timestamp) keyed by bucket, or `None` (a tick).
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
 
     `capacity` bounds the calls in flight per subtask (`async.capacity`).
@@ -123,6 +126,10 @@ class InferenceStage(KeyedProcessFunction):
         try:
             if bucket not in self._outstanding:
                 yield from self._adopt(bucket, ctx)
+            if value is None:  # a tick: only wakes the bucket
+                yield from self._emit(bucket)
+                self._ensure_timer(bucket, ctx)
+                return
             self._metrics.records_in.inc()
             stored: Stored = (value[0], value[1], value[2], value[3], value[4], epoch_ms(value[5]))
         except Exception as err:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -309,6 +310,100 @@ def test_cancel_then_resubmit_from_retained_checkpoint_and_stop_with_savepoint(
            jobs=len(run.job_ids), committed_at_cancel=at_cancel, committed_at_stop=at_stop,
            savepoint_resume_s=round((first_after_stop or stopping_at) - stopping_at, 1),
            checkpoint=Path(checkpoint).name)
+
+
+# ---------------------------------------------------------------------- f, g. calls in flight at a fault
+
+SLOW_CALL_ARGS = ["--latency", "fixed:2000", "--seed", "7"]
+SLOW_CAPACITY = 24
+SLOW_RECORDS = 480  # 24 calls / 2 s = 12 records/s: ~40 s of work
+
+
+@pytest.fixture
+def slow_simulator() -> Iterator[SpawnedSimulator]:
+    """The simulator at 2 s per call, unlimited concurrency, stopped after the test."""
+    sim = model_server.spawn(SLOW_CALL_ARGS)
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def _wait_for_full_capacity(run: Run, sim: SpawnedSimulator, capacity: int, committed: int,
+                            timeout: float = 180) -> int:
+    """Until `committed` ids are visible (a checkpoint with calls in flight has completed) and
+    the server holds at least `capacity` calls; returns the calls in flight."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run.not_failed()
+        in_flight = int(sim.stats().get("in_flight") or 0)
+        if in_flight >= capacity and run.reader.unique_ids() >= committed:
+            return in_flight
+        time.sleep(0.2)
+    raise AssertionError(f"never {capacity} calls in flight with {committed} committed: {sim.stats()}, "
+                         f"{run.reader.unique_ids()} committed")
+
+
+def test_taskmanager_sigkill_with_calls_in_flight_reissues_them(
+        cluster: LocalCluster, slow_simulator: SpawnedSimulator, tmp_path: Path,
+        kafka_broker: local_kafka.LocalBroker, fault_report: FaultReport) -> None:
+    """SIGKILL the TaskManager while `capacity` 2-second calls are in flight: the restored
+    inference stage starts the calls in its checkpointed state again, the source replays what
+    came after the checkpoint, and every id comes out exactly once."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, slow_simulator.url, name="tm-kill-inflight",
+                     async_={"capacity": SLOW_CAPACITY})
+    run = start_run(cluster, setup, "tmkillfl", n=SLOW_RECORDS)
+    in_flight = _wait_for_full_capacity(run, slow_simulator, SLOW_CAPACITY, committed=SLOW_CAPACITY)
+    calls_before = int(slow_simulator.stats()["requests_total"])
+    committed_at_kill = run.reader.unique_ids()
+    killed_at = time.monotonic()
+    cluster.kill_taskmanager()
+    cluster.add_taskmanager(timeout=120)
+    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+    result = run.finish()
+    cluster.reap_orphans(grace_s=2)
+    check_exactly_once(result)
+    assert run.restarts() >= 1
+    calls = int(slow_simulator.stats()["requests_total"])
+    # The calls in flight at the kill never answered the job, so each was made again.
+    assert calls >= SLOW_RECORDS + SLOW_CAPACITY, (calls, SLOW_RECORDS)
+    report(fault_report, "f. TaskManager SIGKILL with capacity 2 s calls in flight", run, result,
+           recovery_s=_since(run.reader.first_arrival_after(killed_at), killed_at),
+           notes=f"capacity {SLOW_CAPACITY}, 2 s per call; calls/record = model calls ÷ input records",
+           calls_in_flight_at_kill=in_flight, calls_before_kill=calls_before, model_calls=calls,
+           calls_per_record=round(calls / SLOW_RECORDS, 3),
+           issue_bound=round(1 + in_flight / SLOW_RECORDS, 3), committed_before_kill=committed_at_kill)
+
+
+def test_savepoint_taken_with_calls_in_flight_restores_them(
+        cluster: LocalCluster, slow_simulator: SpawnedSimulator, tmp_path: Path,
+        kafka_broker: local_kafka.LocalBroker, fault_report: FaultReport) -> None:
+    """Stop with a savepoint (no drain) while `capacity` 2-second calls are in flight, resubmit
+    from it: the pending requests in the savepoint are issued again, nothing is lost or doubled."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, slow_simulator.url, name="savepoint-inflight",
+                     async_={"capacity": SLOW_CAPACITY})
+    run = start_run(cluster, setup, "spfl", n=SLOW_RECORDS)
+    in_flight = _wait_for_full_capacity(run, slow_simulator, SLOW_CAPACITY, committed=SLOW_CAPACITY)
+    stopping_at = time.monotonic()
+    savepoint = cluster.stop_with_savepoint(run.job_id, drain=False)
+    stopped_in = time.monotonic() - stopping_at
+    at_stop = run.reader.unique_ids()
+    assert at_stop < SLOW_RECORDS, "the stream finished before the savepoint"
+    calls_at_stop = int(slow_simulator.stats()["requests_total"])
+    run.submit(savepoint=savepoint)
+    result = run.finish()
+    check_exactly_once(result)
+    assert run.restarts() == 0
+    calls = int(slow_simulator.stats()["requests_total"])
+    # The savepoint held the calls in flight at its barrier; their answers after it were never
+    # committed, so the restored job made each of them again.
+    assert calls >= SLOW_RECORDS + SLOW_CAPACITY, (calls, SLOW_RECORDS)
+    report(fault_report, "g. stop-with-savepoint with capacity 2 s calls in flight, resubmit", run, result,
+           recovery_s=_since(run.reader.first_arrival_after(stopping_at + stopped_in), stopping_at),
+           notes=f"capacity {SLOW_CAPACITY}, 2 s per call; savepoint without drain",
+           calls_in_flight_at_stop=in_flight, stop_with_savepoint_s=round(stopped_in, 1),
+           committed_at_stop=at_stop, calls_at_stop=calls_at_stop, model_calls=calls,
+           calls_per_record=round(calls / SLOW_RECORDS, 3))
 
 
 # ---------------------------------------------------------------------- bounded memory

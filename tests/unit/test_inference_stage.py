@@ -154,6 +154,10 @@ class Harness:
         row = Row(key, value, "in", 0, offset, 1_700_000_000_000)
         self.out.extend(self.function.process_element(row, self.ctx))  # type: ignore[arg-type]
 
+    def tick(self, bucket: int) -> None:
+        self._at(bucket)
+        self.out.extend(self.function.process_element(None, self.ctx))  # type: ignore[arg-type]
+
     def fire(self, bucket: int, timestamp: int) -> None:
         self._at(bucket)
         self.out.extend(self.function.on_timer(timestamp, self.ctx))  # type: ignore[arg-type]
@@ -342,3 +346,28 @@ def test_after_a_drain_a_restored_job_arms_the_flush_timer_again(sim: ThreadedSi
     assert {at for _, at in second.timers.event} == {FLUSH_AT}
     second.end_of_input()
     assert Counter(b["id"] for b in second.bodies("out")) == Counter({f"id-{i}": 1 for i in range(8, 16)})
+
+
+def test_ticks_alone_restart_a_restored_state_when_no_input_comes(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    """A restored job whose input is consumed gets no elements and (measured) no restored
+    processing-time timers: the ticks must be enough to issue the pending requests again."""
+    sim = make_sim(latency="fixed:300")
+    config = job_config(sim.url, capacity=8)
+    first = Harness(config)
+    harnesses.append(first)
+    feed(first, range(8))
+    checkpoint = first.state.snapshot()
+    first.close()
+    stored = {json.loads(v[1])["id"] for bucket in checkpoint.values() for v in bucket.values()}
+    assert stored
+
+    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
+    harnesses.append(second)
+    deadline = time.monotonic() + 30
+    while second.state.snapshot() and time.monotonic() < deadline:
+        for bucket in range(4):
+            second.tick(bucket)
+        time.sleep(0.05)
+    assert Counter(b["id"] for b in second.bodies("out")) == Counter({i: 1 for i in stored})
+    assert second.metric("records_in") == 0 and second.metric("reissued") == len(stored)
