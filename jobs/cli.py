@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     state_arguments(run)
     run.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
                      help="progress line interval (0: none)")
-    run.add_argument("--stop-timeout", type=float, default=120.0, metavar="SECONDS",
-                     help="how long Ctrl-C waits for the savepoint before cancelling (default 120)")
+    run.add_argument("--stop-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="how long Ctrl-C waits for the savepoint before cancelling, which is safe too: "
+                          "the next run resumes from the last checkpoint (default 60)")
     run.set_defaults(handler=_run)
 
     plan = sub.add_parser("plan", help="print the job's Flink execution plan (JSON) without running it")

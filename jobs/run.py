@@ -203,7 +203,7 @@ def run_job(
     progress_every_s: float = 5.0,
     report: Callable[[str], None] = print,
     stop: StopRequest | None = None,
-    stop_timeout_s: float = 120.0,
+    stop_timeout_s: float = 60.0,
 ) -> str:
     """Runs the job until it ends; returns FINISHED (a backfill done, or stopped with a
     savepoint), CANCELED or FAILED. `options` names the state directory and how to resume."""
