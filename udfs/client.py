@@ -33,6 +33,7 @@ from udfs.errors import (
     PermanentError,
     RateLimited,
     RetryableError,
+    UnsupportedResponse,
 )
 from udfs.metrics import InferenceMetrics
 from udfs.prompts import build_payload, estimate_tokens, input_tokens
@@ -261,6 +262,11 @@ class InferenceClient:
             if api == "embeddings":
                 output: Any = body["data"][0]["embedding"]
                 finish_reason = None
+                if output and isinstance(output[0], list):
+                    raise UnsupportedResponse(
+                        f"the server returned {len(output)} vectors (one per token) for one input, not one "
+                        "pooled embedding; use an embedding model or server that pools (e.g. mean pooling)",
+                        status=200, attempts=attempts)
             else:
                 choice = body["choices"][0]
                 output = choice["message"]["content"] if api == "chat" else choice["text"]

@@ -73,6 +73,14 @@ class DeadlineExceeded(InferenceError):
     reason = "inference_deadline_exceeded"
 
 
+class UnsupportedResponse(PermanentError):
+    """The server answered 200 with something llmstream cannot use as this api's output, e.g.
+    one vector per token where `api: embeddings` needs one vector per input (llama.cpp's
+    server with a model that has no pooling)."""
+
+    reason = "unsupported_response"
+
+
 class ResultTooLarge(PermanentError):
     """The model's answer makes an output record larger than `limits.max_result_bytes`; written
     to the sink it would exceed the producer's max.request.size and fail the job instead."""

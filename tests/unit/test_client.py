@@ -27,6 +27,7 @@ from udfs.errors import (
     PermanentError,
     RateLimited,
     RetryableError,
+    UnsupportedResponse,
 )
 from udfs.metrics import InferenceMetrics
 from udfs.records import Completion, Request, SourceRef
@@ -391,6 +392,29 @@ def test_a_malformed_answer_is_a_permanent_error(body: str, problem: str) -> Non
 
     err = run(scenario)
     assert type(err) is PermanentError and problem in err.detail
+
+
+def test_per_token_embeddings_are_refused_once_with_a_clear_reason() -> None:
+    """llama.cpp's server answers /v1/embeddings with one vector per token for a model without
+    pooling: not an embedding of the input, so a dead letter that says so, not a retry loop."""
+    calls = []
+
+    async def per_token(req: web.Request) -> web.Response:
+        calls.append(await req.json())
+        return web.json_response({"object": "list", "model": "m", "data": [
+            {"object": "embedding", "index": 0, "embedding": [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]]}]})
+
+    async def scenario() -> Exception:
+        runner, url = await serve_app([web.post("/v1/embeddings", per_token)])
+        try:
+            return (await failure(job_config(url, model={"api": "embeddings"})))[0]
+        finally:
+            await runner.cleanup()
+
+    err = run(scenario)
+    assert type(err) is UnsupportedResponse and err.reason == "unsupported_response"
+    assert "3 vectors (one per token)" in err.detail
+    assert len(calls) == 1
 
 
 def test_unexpected_exceptions_become_permanent_errors(sim: ThreadedSimulator, monkeypatch: pytest.MonkeyPatch) -> None:

