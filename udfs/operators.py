@@ -208,7 +208,8 @@ class InferenceStage(KeyedProcessFunction):
         failure: InferenceError | BadInput
         try:
             completion = await self._client.complete(request)
-            return result_row(request, completion, self._config.kafka.output_topic)
+            return result_row(request, completion, self._config.kafka.output_topic,
+                              self._config.limits.max_result_bytes)
         except (InferenceError, BadInput) as err:
             failure = err
         except Exception as err:

@@ -244,6 +244,20 @@ def test_results_are_emitted_by_the_processing_time_timer_when_no_input_comes(
     assert h.state.snapshot() == {}
 
 
+def test_an_oversized_result_is_a_dead_letter_not_a_sink_failure(sim: ThreadedSimulator,
+                                                                 harnesses: list[Harness]) -> None:
+    """A result over limits.max_result_bytes would fail the Kafka sink and restart the job."""
+    h = Harness(job_config(sim.url, limits={"max_result_bytes": 300}))
+    harnesses.append(h)
+    h.element(0, record(1), offset=1)
+    h.end_of_input()
+    assert h.bodies("out") == []
+    (body,) = h.bodies("dlq")
+    assert body["reason"] == "result_too_large" and body["id"] == "id-1"
+    assert "limits.max_result_bytes (300)" in body["error"]
+    assert h.state.snapshot() == {}
+
+
 def test_bad_input_is_dead_lettered_at_once_and_never_stored(sim: ThreadedSimulator,
                                                               harnesses: list[Harness]) -> None:
     h = Harness(job_config(sim.url))
