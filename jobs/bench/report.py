@@ -77,7 +77,7 @@ def targets(results: Sequence[RunResult]) -> list[Target]:
         drift = run.rss_drift_mb
         flat = drift is not None and drift < RSS_FLAT_MB
         out.append(Target("c", f"flat RSS (drift < {RSS_FLAT_MB:g} MB) and nothing lost",
-                          flat and run.outcome.lost == 0 and run.outcome.duplicates == 0,
+                          flat and run.outcome.seen > 0 and run.outcome.lost == 0 and run.outcome.duplicates == 0,
                           f"drift {_num(drift, 1)} MB, peak {_num(run.rss_peak_mb.get('approach'))} MB, "
                           f"lost {run.outcome.lost}, duplicates {run.outcome.duplicates}"))
     else:
