@@ -313,6 +313,14 @@ def tally(expected_ids: Iterable[str], out_ids: Iterable[str | None], dead: Iter
     )
 
 
+def check_exactly_once(result: Tally) -> None:
+    """Every expected id exactly once in output ∪ dead letters, nothing else."""
+    assert result.lost == 0, f"lost {result.lost}: {result.lost_sample}"
+    assert result.duplicates == 0, f"duplicates {result.duplicates}: {result.duplicate_sample}"
+    assert result.unexpected == 0
+    assert result.out + result.dead == result.records_in
+
+
 def final_tally(setup: JobSetup, expected_ids: Iterable[str], *, timeout_s: float = 60) -> Tally:
     """An independent read_committed pass over both topics, to the last stable offset."""
     out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=timeout_s)

@@ -32,6 +32,7 @@ from tests.integration.cluster_fixtures import (
     FaultResult,
     JobSetup,
     Tally,
+    check_exactly_once,
     final_tally,
     make_job,
     unique_records,
@@ -98,13 +99,6 @@ def start_run(cluster: LocalCluster, setup: JobSetup, prefix: str, n: int = RECO
     run = Run(cluster, setup, [k.decode() for k, _ in records], reader)
     run.submit()
     return run
-
-
-def check_exactly_once(result: Tally) -> None:
-    assert result.lost == 0, f"lost {result.lost}: {result.lost_sample}"
-    assert result.duplicates == 0, f"duplicates {result.duplicates}: {result.duplicate_sample}"
-    assert result.unexpected == 0
-    assert result.out + result.dead == result.records_in
 
 
 def report(fault_report: FaultReport, name: str, run: Run, result: Tally, *, recovery_s: float | None,

@@ -31,6 +31,7 @@ from tests.integration.cluster_fixtures import (
     FaultResult,
     JobSetup,
     Tally,
+    check_exactly_once,
     final_tally,
     heal,
     make_job,
@@ -41,13 +42,6 @@ pytest_plugins = ["tests.integration.cluster_fixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 STARTED = "started in a local mini cluster"
-
-
-def _check_exactly_once(result: Tally) -> None:
-    assert result.lost == 0, f"lost {result.lost}: {result.lost_sample}"
-    assert result.duplicates == 0, f"duplicates {result.duplicates}: {result.duplicate_sample}"
-    assert result.unexpected == 0
-    assert result.out + result.dead == result.records_in
 
 
 def _wait_for(what: str, check, timeout: float, interval: float = 0.5):  # type: ignore[no-untyped-def]
@@ -144,7 +138,7 @@ def test_run_interrupted_15_times_loses_and_duplicates_nothing(
             notes=f"model calls per record {served / len(records):.2f}; resumed from state {resumed + 1}/16 runs",
             calls_per_record=round(served / len(records), 3), runs_resumed=resumed,
             sigint_with_savepoint=stopped_with_savepoint)
-    _check_exactly_once(result)
+    check_exactly_once(result)
     assert resumed >= 10, f"only {resumed} of 15 runs resumed from a snapshot: {outcomes}"
 
 
@@ -263,7 +257,7 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     _record(fault_report, "r2. cluster: cancel/stop -> submit resumes; upgrade capacity and parallelism", result,
             started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
-    _check_exactly_once(result)
+    check_exactly_once(result)
 
 
 def test_cluster_jobmanager_sigkill_then_a_new_cluster_resumes(
@@ -289,4 +283,4 @@ def test_cluster_jobmanager_sigkill_then_a_new_cluster_resumes(
     _record(fault_report, "r3. cluster: JobManager SIGKILL, new cluster, submit resumes", result,
             started=run.started, restarts=0, notes="resumed from the dead cluster's last retained checkpoint",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
-    _check_exactly_once(result)
+    check_exactly_once(result)
