@@ -39,6 +39,7 @@ class CallRunner:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self._wake_batch = max(1, capacity // 8)
         self._lock = threading.Condition(threading.Lock())
         self._in_flight = 0
         self._done: dict[Hashable, deque[Result]] = {}
@@ -114,7 +115,10 @@ class CallRunner:
                 self._in_flight -= 1
                 if not self._closed:
                     self._done.setdefault(bucket, deque()).append((handle, value))
-                self._lock.notify_all()
+                # Wake the submitting thread once a batch of slots is free, not per call: one
+                # thread switch (and GIL hand-off) per batch instead of per record.
+                if self.capacity - self._in_flight >= self._wake_batch or self._in_flight == 0:
+                    self._lock.notify_all()
 
     def take(self, bucket: Hashable) -> list[Result]:
         """The finished calls of `bucket`, removed from the runner."""

@@ -176,7 +176,7 @@ class Harness:
         self.timers.event.clear()
 
     def metric(self, name: str) -> int:
-        return self.runtime.group.metrics[name].total
+        return int(getattr(self.function._metrics, name).value)
 
     def close(self) -> None:
         self.function.close()
