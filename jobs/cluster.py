@@ -118,7 +118,9 @@ def write_lib_dir(target: Path) -> Path:
     home = flink_home()
     target.mkdir(parents=True, exist_ok=True)
     jars.ensure("connector")
-    sources = [*sorted((home / "lib").glob("*.jar")), python_jar(), *jars.jars("connector")]
+    jars.ensure("metrics")
+    # The Prometheus reporter (flink-conf/config.yaml) is loaded by the daemons at start, so from lib/.
+    sources = [*sorted((home / "lib").glob("*.jar")), python_jar(), *jars.jars("connector"), *jars.jars("metrics")]
     wanted = {p.name: p for p in sources}
     for existing in target.iterdir():
         if existing.name not in wanted or not existing.exists() or existing.resolve() != wanted[existing.name]:

@@ -24,6 +24,7 @@ from pyflink.datastream import (
 from pyflink.java_gateway import get_gateway
 from pyflink.table import StreamTableEnvironment, Table
 
+from jobs import jars
 from jobs.state import StateDir
 from udfs.config import JobConfig
 from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
@@ -116,15 +117,45 @@ SMALL_NETWORK_BUFFERS = {
 }
 
 
+PROMETHEUS_REPORTER_FACTORY = "org.apache.flink.metrics.prometheus.PrometheusReporterFactory"
+
+
+def local_cluster_options(config: JobConfig, rest_port: int) -> tuple[dict[str, str], list[str]]:
+    """Flink options and extra jar URLs of a local mini cluster: its REST API on `rest_port`
+    (loopback only) and, with `metrics.prometheus_port`, Flink's Prometheus reporter.
+
+    A mini cluster builds its metric reporters from the job's configuration and finds the
+    reporter factory through the jars in `pipeline.jars` (measured: the endpoint serves
+    JobManager, TaskManager and operator metrics, llmstream's included). A standalone
+    cluster's REST port and reporters are its own (flink-conf/config.yaml), never the job's.
+    """
+    options = {"rest.bind-address": "127.0.0.1", "rest.address": "127.0.0.1",
+               "rest.bind-port": str(rest_port), "rest.port": str(rest_port),
+               # The REST API's metric values are at most this old (default 10 s): `llmstream status`.
+               "metrics.fetcher.update-interval": "1000"}
+    urls: list[str] = []
+    if config.metrics.prometheus_port is not None:
+        options["metrics.reporter.prom.factory.class"] = PROMETHEUS_REPORTER_FACTORY
+        options["metrics.reporter.prom.port"] = str(config.metrics.prometheus_port)
+        urls = [p.as_uri() for p in jars.jars("metrics")]
+    return options, urls
+
+
 def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateDir | None = None,
-                        restore_from: str | None = None) -> Configuration:
+                        restore_from: str | None = None, local_rest_port: int | None = None) -> Configuration:
     """Settings that must be in place before the environment exists.
 
     `state` is the job's state directory: checkpoints are retained there on cancellation
     (and survive a killed process), savepoints go there, and the next run resumes from the
     newest (`jobs/state.py`). `restore_from` is the snapshot this run restores.
+    `local_rest_port` is given for a local mini cluster only (`local_cluster_options`).
     """
     conf = Configuration()
+    if local_rest_port is not None:
+        options, extra_urls = local_cluster_options(config, local_rest_port)
+        jar_urls = [*jar_urls, *extra_urls]
+        for key, value in options.items():
+            conf.set_string(key, value)
     conf.set_string("python.executable", sys.executable)
     conf.set_string("python.client.executable", sys.executable)
     conf.set_string("python.fn-execution.bundle.size", str(config.python.bundle_size))
@@ -153,10 +184,12 @@ def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateD
 
 
 def create_environment(config: JobConfig, jar_urls: list[str], *, state: StateDir | None = None,
-                       restore_from: str | None = None) -> StreamExecutionEnvironment:
+                       restore_from: str | None = None, local_rest_port: int | None = None
+                       ) -> StreamExecutionEnvironment:
     """A stream environment configured for this job (mini cluster or cluster client)."""
     env = StreamExecutionEnvironment.get_execution_environment(
-        flink_configuration(config, jar_urls, state=state, restore_from=restore_from))
+        flink_configuration(config, jar_urls, state=state, restore_from=restore_from,
+                            local_rest_port=local_rest_port))
     env.set_parallelism(config.parallelism.default)
     checkpoints = config.checkpointing
     env.enable_checkpointing(checkpoints.interval_ms, CheckpointingMode.EXACTLY_ONCE)

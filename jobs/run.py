@@ -32,8 +32,10 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from jobs import jars, preflight
+from jobs.local_kafka import free_port
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
 from jobs.state import StateDir, check_identity, resume_point
+from jobs.status import LocalRun
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.run")
@@ -212,6 +214,8 @@ def run_job(
     state = StateDir.for_job(config, options.state_dir)
     preflight.check(config)
     jars.ensure("connector")
+    if config.metrics.prometheus_port is not None:
+        jars.ensure("metrics")
     with contextlib.ExitStack() as stack:
         stack.enter_context(state.exclusive())
         check_identity(state, config, fresh=options.fresh)
@@ -220,11 +224,19 @@ def run_job(
         stack.enter_context(_stop_on_signals(stop, report))
         stack.enter_context(_quiet_worker_shutdown())
         targets = progress.end_offsets() if options.until_end else None
-        env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore)
+        rest_port = config.metrics.rest_port or free_port()
+        env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
+                                 local_rest_port=rest_port)
         build_pipeline(env, config)
         job_client = env.execute_async(config.name)
+        local_run = LocalRun.starting(config, str(job_client.get_job_id()), rest_port)
+        stack.callback(local_run.ended, state)
+        local_run.record(state)
         report(f"llmstream: job {config.name} ({job_client.get_job_id()}) started in a local mini cluster; "
                f"{config.kafka.input_topic} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
+        report(f"llmstream: web UI and REST API at {local_run.rest_url}"
+               + (f"; Prometheus metrics at {local_run.prometheus_url}" if local_run.prometheus_url else "")
+               + "; `llmstream status --config FILE` shows the job")
         report(f"llmstream: {how}")
         if targets is not None:
             report(f"llmstream: backfill: will stop once the group has committed {sum(targets.values())} "

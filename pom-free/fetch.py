@@ -7,7 +7,7 @@ runtime classpath of each set; the default mode downloads exactly the locked
 coordinates (transitive resolution switched off) and refuses any jar whose hash
 differs. Standard library only, so it runs before any virtualenv exists.
 
-Usage: python pom-free/fetch.py [--set connector|broker|all] [--lock] [--cache-dir DIR]
+Usage: python pom-free/fetch.py [--set connector|broker|metrics|all] [--lock] [--cache-dir DIR]
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ DEFAULT_CACHE = HERE / "cache"
 # bind to log4j-slf4j2-impl; a direct dependency wins Maven's nearest-first mediation.
 ROOTS: dict[str, tuple[str, ...]] = {
     "connector": ("org.apache.flink:flink-sql-connector-kafka:5.0.0-2.2",),
+    # Flink's Prometheus reporter, same version as apache-flink (its client is shaded inside).
+    "metrics": ("org.apache.flink:flink-metrics-prometheus:2.2.1",),
     "broker": (
         "org.apache.kafka:kafka_2.13:4.1.1",
         "org.apache.logging.log4j:log4j-slf4j2-impl:2.24.3",

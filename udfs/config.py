@@ -172,6 +172,21 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """How a local run (`llmstream run`) exposes its metrics; a cluster's reporters are set in
+    its own configuration (flink-conf/config.yaml).
+
+    `prometheus_port`: serve every Flink metric (llmstream's included) at
+    http://127.0.0.1:<port>/metrics with Flink's Prometheus reporter; none (the default):
+    no exporter, so two runs on one host never fight over a port. `rest_port`: the mini
+    cluster's REST API (web UI, `llmstream status`); none: a free port, written to the
+    state directory for `llmstream status` to find."""
+
+    prometheus_port: int | None = None
+    rest_port: int | None = None
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """The whole job. `name` is the Flink job name and part of log lines; `flink` holds any
     further Flink options for the job (e.g. `restart-strategy.type`), passed through as is."""
@@ -186,6 +201,7 @@ class JobConfig:
     checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
     python: PythonConfig = field(default_factory=PythonConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     flink: dict[str, str] = field(default_factory=dict)
 
     def api_key(self) -> str | None:
@@ -305,6 +321,10 @@ def _validate(obj: Any, path: str) -> None:
                  "must differ from kafka.input_topic")
         _require(obj.dead_letter_topic != obj.input_topic, _join(path, "dead_letter_topic"),
                  "must differ from kafka.input_topic")
+    if isinstance(obj, MetricsConfig):
+        for name in ("prometheus_port", "rest_port"):
+            port = getattr(obj, name)
+            _require(port is None or port < 65536, _join(path, name), f"must be a TCP port (1-65535), got {port}")
     if isinstance(obj, AsyncConfig):
         _require(obj.record_deadline_s >= obj.request_timeout_s, _join(path, "record_deadline_s"),
                  "must be >= async.request_timeout_s")

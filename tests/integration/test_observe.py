@@ -1,0 +1,160 @@
+"""Observability on real parts: Flink's Prometheus reporter in a mini cluster, scraped during a run.
+
+The job runs in a background thread (`run_job` with a `StopRequest`), the test scrapes
+`metrics.prometheus_port` until the figures show work, then stops the job with a savepoint.
+Every wait is for a condition with a generous deadline, never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import requests
+
+from jobs import jars
+from jobs.local_kafka import free_port, produce
+from jobs.pipeline import RunOptions
+from jobs.run import StopRequest, run_job
+from tests.integration.pipeline_fixtures import JobConfigFactory, job_config, simulator
+from udfs.config import JobConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+__all__ = ["job_config", "simulator"]
+
+SERVED_METRICS = jars.repo_root() / "grafana" / "served-metrics.txt"
+"""Names the exporter served in this test's scrape; the dashboard may only query these
+(tests/integration/test_compose.py checks it statically)."""
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text format: metric name -> [(labels, value)]."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or line.startswith("#"):
+            continue
+        labels = dict(_LABEL.findall(match.group(3) or ""))
+        samples.setdefault(match.group(1), []).append((labels, float(match.group(4))))
+    return samples
+
+
+def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    return sum(value for _, value in samples.get(name, []) if not math.isnan(value))
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 180.0, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as err:  # noqa: BLE001 - e.g. the endpoint is not up yet
+            last_error = err
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last error: {last_error})")
+
+
+def _stable(name: str) -> bool:
+    """Names worth recording: Flink's, llmstream's, and of the Kafka clients' many only the lag."""
+    if not name.startswith("flink_"):
+        return False
+    if "_KafkaProducer_" in name or "_KafkaConsumer_" in name:
+        return "records_lag" in name or "records_consumed" in name
+    return True
+
+
+def good_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
+    return [(f"{prefix}-{i}".encode(), json.dumps({"id": f"{prefix}-{i}", "prompt": f"Question {i}?"}).encode())
+            for i in range(n)]
+
+
+BAD_RECORDS: list[tuple[bytes, bytes]] = [(b"bad-1", b'{"id": "x" "prompt": 1}'), (b"bad-2", b"[1, 2]"),
+                                          (b"bad-3", b'{"id": "b3"}')]
+
+
+@contextmanager
+def running(config: JobConfig) -> Iterator[dict[str, Any]]:
+    """`llmstream run` (no backfill) in a thread; stopped with a savepoint on exit."""
+    stop = StopRequest.new()
+    outcome: dict[str, Any] = {"lines": []}
+
+    def target() -> None:
+        try:
+            outcome["state"] = run_job(config, RunOptions(), progress_every_s=1.0, stop=stop,
+                                       report=outcome["lines"].append)
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="llmstream-run", daemon=True)
+    thread.start()
+    outcome["thread"] = thread
+    try:
+        yield outcome
+    finally:
+        stop.savepoint.set()
+        thread.join(timeout=180)
+        assert not thread.is_alive(), "the job did not stop within 180 s"
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["state"] == "FINISHED", outcome["lines"][-5:]
+
+
+def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobConfigFactory, simulator) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    config = job_config(metrics={"prometheus_port": port}, async_={"capacity": 8})
+    records = good_records(600, "p") + BAD_RECORDS
+    produce(config.kafka.bootstrap_servers, config.kafka.input_topic, records)
+    simulator.configure({"latency": "fixed:20"})
+    url = f"http://127.0.0.1:{port}/metrics"
+    prefix = "flink_taskmanager_job_task_operator_llmstream_"
+    try:
+        with running(config):
+            def worked() -> dict[str, list[tuple[dict[str, str], float]]] | None:
+                samples = parse_prometheus(requests.get(url, timeout=5).text)
+                done = (total(samples, prefix + "records_in") >= len(records)
+                        and total(samples, prefix + "latency_count") >= 600
+                        and total(samples, "flink_jobmanager_job_numberOfCompletedCheckpoints") >= 1)
+                return samples if done else None
+
+            samples = wait_for("every record counted and a checkpoint completed", worked)
+    finally:
+        simulator.configure({"latency": "fixed:5"})
+
+    names = set(samples)
+    for metric in ("records_in", "bad_input", "requests", "retries", "rate_limited", "dead_lettered",
+                   "prompt_tokens", "completion_tokens", "in_flight", "admitted", "concurrency_limit",
+                   "latency_count", "latency_sum_ms", "latency_max_ms", "latency_p50_ms", "latency_p99_ms"):
+        assert prefix + metric in names, f"{prefix + metric} not served"
+    assert total(samples, prefix + "records_in") == len(records)
+    assert total(samples, prefix + "bad_input") == len(BAD_RECORDS)
+    assert total(samples, prefix + "requests") >= 600
+    assert total(samples, prefix + "completion_tokens") > 0
+    assert total(samples, prefix + "concurrency_limit") == 8
+    p50, p99 = total(samples, prefix + "latency_p50_ms"), total(samples, prefix + "latency_p99_ms")
+    assert 20 <= p50 <= p99, (p50, p99)
+    # Flink's own: checkpoints, backpressure, Kafka consumer lag, records in/out.
+    for name in ("flink_jobmanager_job_numberOfCompletedCheckpoints", "flink_jobmanager_job_lastCheckpointDuration",
+                 "flink_jobmanager_job_lastCheckpointSize", "flink_jobmanager_job_numRestarts",
+                 "flink_taskmanager_job_task_backPressuredTimeMsPerSecond", "flink_taskmanager_job_task_isBackPressured",
+                 "flink_taskmanager_job_task_operator_pendingRecords",
+                 "flink_taskmanager_job_task_operator_KafkaSourceReader_KafkaConsumer_records_lag_max",
+                 "flink_taskmanager_job_task_operator_numRecordsOut"):
+        assert name in names, f"{name} not served"
+    # The list the dashboard is checked against: every name in it was served here.
+    if os.environ.get("LLMSTREAM_UPDATE_SERVED_METRICS"):  # refresh by hand after a Flink upgrade
+        SERVED_METRICS.write_text("\n".join(sorted(n for n in names if _stable(n))) + "\n")
+    recorded = set(SERVED_METRICS.read_text().split())
+    assert recorded <= names, f"grafana/served-metrics.txt names metrics not served: {sorted(recorded - names)}"
