@@ -10,7 +10,7 @@ export LLMSTREAM_MEMORY_TEST_SECONDS ?= 90
 # install compiles llama.cpp, ~10 min) or sim (the simulator).
 MODEL ?= embeddings
 
-.PHONY: all venv jars demo models test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
+.PHONY: all venv jars redis demo models test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
 
 all: test
 
@@ -24,6 +24,12 @@ venv: $(STAMP)
 
 jars: $(STAMP)
 	$(BIN)/python pom-free/fetch.py --set all
+
+# The result cache's shared backend (cache.backend: redis): the tests start their own
+# redis-server on a free loopback port. CI runs as root on a fresh Debian machine.
+redis:
+	command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
+		|| (apt-get update && apt-get install -y redis-server)
 
 demo: venv jars
 	$(BIN)/llmstream demo --model $(MODEL)
@@ -39,22 +45,22 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy --ignore-missing-imports jobs udfs
 
-unit: venv
+unit: venv redis
 	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)
 
-integration: venv jars
+integration: venv jars redis
 	$(BIN)/python -m pytest tests/integration -q $(PYTEST_ARGS)
 
 # The test command CI runs: lint, types, unit tests (no JVM), then integration and
 # fault tests on a real broker, a real mini cluster and a real standalone cluster.
 # llama.cpp compiles (nice'd) in the background while the other tests run; the real-model
 # tests run last and wait on the same install lock (tests/integration/test_real_models.py).
-test: venv jars lint typecheck
+test: venv jars redis lint typecheck
 	mkdir -p var && (nice -n 10 $(BIN)/llmstream model-server --backend llama-cpp --install-only \
 		> var/model-install-background.log 2>&1 &)
 	$(BIN)/python -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
 
-fault: venv jars
+fault: venv jars redis
 	$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
 
 bench: venv jars

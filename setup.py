@@ -17,6 +17,10 @@ setup(
         # (see README, Performance). requests stays for admin and REST calls.
         "aiohttp>=3.10,<4",
         "psutil>=5.9",
+        # `llmstream status`: tables, live refresh and the SVG capture in the README.
+        "rich>=13,<16",
+        # The result cache's shared backend (Redis/Valkey), asyncio client; imported only then.
+        "redis>=5,<6",
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10", "matplotlib>=3.8", "types-requests", "types-PyYAML"],

@@ -26,6 +26,8 @@ from typing import Any, Self
 
 import aiohttp
 
+from udfs.budget import SpendBudget
+from udfs.cache import cache_key, cacheable, open_cache
 from udfs.config import JobConfig
 from udfs.errors import (
     BadInput,
@@ -89,6 +91,9 @@ class InferenceClient:
             config.async_.capacity, config.rate_limit.min_concurrency,
             adaptive=config.rate_limit.adaptive_concurrency)
         self.metrics.concurrency_limit = self.concurrency.limit
+        self.cache = open_cache(config, self.metrics)
+        self.budget = SpendBudget(config.budget, config.model.prices, subtasks, on_pause=self._on_budget_pause)
+        self._leaders: dict[str, asyncio.Future[dict[str, Any] | None]] = {}
         self._timeout = aiohttp.ClientTimeout(total=config.async_.request_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -128,6 +133,9 @@ class InferenceClient:
                 text = text.replace(secret, "***")
         return text
 
+    def _on_budget_pause(self, paused: bool) -> None:
+        self.metrics.budget_paused = paused
+
     async def close(self) -> None:
         """Closes the session and its pooled connections; the client may be used again after.
 
@@ -136,6 +144,8 @@ class InferenceClient:
         it; if it is closed, the sockets cannot be closed through it, so the session drops
         them and a garbage collection closes them now rather than at some later collection.
         """
+        if self.cache is not None:
+            await self.cache.close()
         session, loop = self._session, self._session_loop
         self._session = self._session_loop = None
         if session is None or session.closed:
@@ -177,11 +187,58 @@ class InferenceClient:
         return type(err)(clean, status=err.status, retry_after_s=err.retry_after_s, attempts=err.attempts)
 
     async def _complete(self, request: Request) -> Completion:
+        """The answer from the result cache when it has one (see `udfs/cache.py`), else from the
+        model, stored in the cache before it is returned. Identical requests in flight at once
+        in this subtask share one call: the first calls, the others wait for its answer."""
         payload = build_payload(request, self._config.model)
+        api = self._config.model.api
+        if self.cache is None or not cacheable(self._config.cache, api, payload):
+            return await self._call(request, payload)
+        key = cache_key(api, payload)
+        looked_up = time.perf_counter()
+        leader = self._leaders.get(key)
+        if leader is not None:
+            shared = await asyncio.shield(leader)
+            if shared is not None:
+                self.metrics.cache_hits.inc()
+                return self._from_cache(payload, shared, looked_up)
+            return await self._call(request, payload)
+        future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        self._leaders[key] = future
+        stored: dict[str, Any] | None = None
+        try:
+            stored = await self.cache.get(key)
+            if stored is not None:
+                self.metrics.cache_hits.inc()
+                return self._from_cache(payload, stored, looked_up)
+            self.metrics.cache_misses.inc()
+            completion = await self._call(request, payload)
+            stored = {"output": completion.output, "model": completion.model,
+                      "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
+                      "completion_tokens": completion.completion_tokens}
+            await self.cache.put(key, stored)
+            return completion
+        finally:
+            del self._leaders[key]
+            future.set_result(stored)
+
+    def _from_cache(self, payload: dict[str, Any], stored: dict[str, Any], looked_up: float) -> Completion:
+        """A stored answer as this record's completion: no attempt made, nothing paid."""
+        now = _epoch_ms()
+        return Completion(
+            output=stored["output"], model=str(stored.get("model") or payload["model"]),
+            finish_reason=stored.get("finish_reason"), prompt_tokens=int(stored.get("prompt_tokens") or 0),
+            completion_tokens=int(stored.get("completion_tokens") or 0),
+            latency_ms=(time.perf_counter() - looked_up) * 1000, attempts=0, endpoint=self.url, started_ms=now,
+            completed_ms=now, cost=0.0 if self._config.model.prices is not None else None, cached=True)
+
+    async def _call(self, request: Request, payload: dict[str, Any]) -> Completion:
         estimated = input_tokens(payload) + int(payload.get("max_tokens") or 0)
         deadline = Deadline(self._config.async_.record_deadline_s)
         sent: list[float] = []
         started_ms = 0
+        budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
+        await self.budget.acquire(*budgeted)
 
         async def attempt(number: int) -> dict[str, Any]:
             nonlocal started_ms
@@ -204,8 +261,10 @@ class InferenceClient:
             err.attempts = len(sent)
             raise
         latency_ms = (time.perf_counter() - sent[0]) * 1000
-        return self._completion(payload, body, estimated, latency_ms=latency_ms, attempts=len(sent),
-                                started_ms=started_ms)
+        completion = self._completion(payload, body, estimated, latency_ms=latency_ms, attempts=len(sent),
+                                      started_ms=started_ms)
+        self.budget.settle(budgeted, (completion.prompt_tokens, completion.completion_tokens))
+        return completion
 
     async def _send(self, payload: dict[str, Any], request_id: str, attempt: int) -> dict[str, Any]:
         """One HTTP call; returns the parsed 2xx body or raises `RetryableError`/`PermanentError`."""

@@ -187,6 +187,41 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """The result cache in front of the model (`udfs/cache.py`): a call whose answer is already
+    stored is not made again, after a restart's replay or for a repeated request.
+
+    `backend`: `local` (SQLite on this machine, shared by its subtasks; what
+    jobs/inference.yaml sets), `redis` (a Redis/Valkey server shared by several machines)
+    or `none` (the default for a config without a `cache` section). `only_deterministic`: cache
+    only requests whose answer is meant to be reproducible (temperature 0 or a fixed seed;
+    embeddings always). `path`: the local store's file; none = `result-cache.sqlite` in the
+    job's state directory. `max_entries` / `max_bytes`: the local store's bounds (oldest
+    entries are evicted). `ttl_s`: how long an answer is reused; none = until evicted."""
+
+    backend: Literal["none", "local", "redis"] = "none"
+    ttl_s: float | None = 604_800.0
+    only_deterministic: bool = True
+    path: str | None = None
+    max_entries: int = 1_000_000
+    max_bytes: int = 1_073_741_824
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "llmstream:result:"
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """A job-wide spend cap per window (an hour by default), each inference subtask taking
+    its share; past it the stage waits (backpressure), it never fails or drops a record.
+    `max_cost_per_hour` is priced from `model.prices`. `window_s` is the window's length:
+    the caps apply per window, so a shorter window (tests) keeps the same numbers."""
+
+    max_cost_per_hour: float | None = None
+    max_tokens_per_hour: float | None = None
+    window_s: float = 3600.0
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """The whole job. `name` is the Flink job name and part of log lines; `flink` holds any
     further Flink options for the job (e.g. `restart-strategy.type`), passed through as is."""
@@ -201,6 +236,8 @@ class JobConfig:
     checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
     python: PythonConfig = field(default_factory=PythonConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     flink: dict[str, str] = field(default_factory=dict)
 
@@ -325,11 +362,16 @@ def _validate(obj: Any, path: str) -> None:
         for name in ("prometheus_port", "rest_port"):
             port = getattr(obj, name)
             _require(port is None or port < 65536, _join(path, name), f"must be a TCP port (1-65535), got {port}")
+    if isinstance(obj, CacheConfig):
+        _require(obj.redis_url.startswith(("redis://", "rediss://", "unix://")), _join(path, "redis_url"),
+                 f"must be a redis://, rediss:// or unix:// URL, got {obj.redis_url!r}")
     if isinstance(obj, AsyncConfig):
         _require(obj.record_deadline_s >= obj.request_timeout_s, _join(path, "record_deadline_s"),
                  "must be >= async.request_timeout_s")
     if isinstance(obj, JobConfig):
         _validate_transactions(obj)
+        _require(obj.budget.max_cost_per_hour is None or obj.model.prices is not None, "budget.max_cost_per_hour",
+                 "needs model.prices to price the calls")
         request_limit = int(obj.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
         _require(obj.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
                  f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "

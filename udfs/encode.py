@@ -24,6 +24,7 @@ def result_value(request: Request, completion: Completion) -> bytes:
         "attempts": completion.attempts,
         "endpoint": completion.endpoint,
         "cost": completion.cost,
+        "cached": completion.cached,
         "timestamps": {
             "produced": request.source.timestamp_ms,
             "started": completion.started_ms,

@@ -88,7 +88,7 @@ class Distribution:
 
 
 COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_limited", "dead_lettered",
-            "prompt_tokens", "completion_tokens")
+            "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors")
 
 
 class InferenceMetrics:
@@ -103,6 +103,9 @@ class InferenceMetrics:
     not by the client; `dead_letter(reason)` also counts it by reason. The gauges `in_flight` and `concurrency_limit` read the attributes
     of the same names, which the client keeps current; `admitted` (calls started and not
     finished, at most `async.capacity`) is kept by the inference stage.
+    `cache_hits` / `cache_misses` count lookups in the result cache (requests it may hold),
+    `cache_errors` its failed operations (an outage: the model is called instead);
+    `budget_paused` is 1 while calls wait for the spend budget's next window.
     """
 
     def __init__(self, group: MetricGroup | None = None) -> None:
@@ -116,6 +119,10 @@ class InferenceMetrics:
         self.dead_lettered = Counter()
         self.prompt_tokens = Counter()
         self.completion_tokens = Counter()
+        self.cache_hits = Counter()
+        self.cache_misses = Counter()
+        self.cache_errors = Counter()
+        self.budget_paused = False
         self.latency_ms = Distribution()
         self.in_flight = 0
         self.concurrency_limit = 0
@@ -125,7 +132,7 @@ class InferenceMetrics:
             for name in COUNTERS:
                 counter: Counter = getattr(self, name)
                 group.gauge(name, lambda c=counter: int(c.value))
-            for name in ("admitted", "in_flight", "concurrency_limit"):
+            for name in ("admitted", "in_flight", "concurrency_limit", "budget_paused"):
                 group.gauge(name, lambda n=name: int(getattr(self, n)))
             latency = self.latency_ms
             group.gauge("latency_count", lambda: int(latency.count))
@@ -151,6 +158,7 @@ class InferenceMetrics:
         values["in_flight"] = self.in_flight
         values["concurrency_limit"] = self.concurrency_limit
         values["admitted"] = self.admitted
+        values["budget_paused"] = self.budget_paused
         values["latency_ms"] = self.latency_ms.snapshot()
         values["dead_letters_by_reason"] = {r: c.value for r, c in self.dead_letters_by_reason.items()}
         return values

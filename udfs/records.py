@@ -60,6 +60,7 @@ class Completion:
     started_ms: int
     completed_ms: int
     cost: float | None = None
+    cached: bool = False
 
 
 class SinkRow(NamedTuple):
