@@ -25,6 +25,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "model-server": ("jobs.model_server", "run the OpenAI-compatible model-server SIMULATOR"),
     "cluster": ("jobs.cluster", "start, stop or inspect a local standalone Flink cluster"),
     "bench": ("jobs.bench.main", "benchmark llmstream against hand-written consumers"),
+    "status": ("jobs.status", "one screen: lag, records/s, calls and latency, checkpoints, dead letters, cost"),
 }
 
 

@@ -13,7 +13,10 @@ restart together and nothing is written twice or skipped, whatever ended the las
   every call still in flight into that final, committed output.
 - `--fresh` ignores the state directory and starts from the group's committed offsets.
 
-Progress lines report the group's committed offsets against the input's end offsets.
+Progress lines are the compact form of `llmstream status` (jobs/status.py): records in and out
+from Flink's metrics (the group's committed offsets lag behind under backpressure, when the
+source's offset commits wait for its blocked fetcher), lag, calls, latency and checkpoints;
+"starting" until the job has processed a record.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from jobs import jars, preflight
 from jobs.local_kafka import free_port
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
 from jobs.state import StateDir, check_identity, resume_point
-from jobs.status import LocalRun
+from jobs.status import LocalRun, Observer
+from jobs.status import line as status_line
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.run")
@@ -241,13 +245,45 @@ def run_job(
         if targets is not None:
             report(f"llmstream: backfill: will stop once the group has committed {sum(targets.values())} "
                    f"input records (end offsets {targets})")
-        state_name = _watch(job_client, progress, stop, targets, state, progress_every_s, stop_timeout_s, report)
+        observer = Observer(config, local_run.rest_url, job_id=local_run.job_id, progress=progress,
+                            local_run=local_run)
+        state_name = _watch(job_client, progress, stop, targets, state, progress_every_s, stop_timeout_s, report,
+                            _Figures(observer, local_run, state))
         state.prune()
         return state_name
 
 
+class _Figures:
+    """The status figures of this run (`jobs/status.py`), refreshed every `every_s` and recorded
+    in the state directory, so `llmstream status` can still show them once the run has ended."""
+
+    def __init__(self, observer: Observer, local_run: LocalRun, state: StateDir, every_s: float = 2.0) -> None:
+        self._observer = observer
+        self._local_run = local_run
+        self._state = state
+        self._every_s = every_s
+        self._at = 0.0
+        self.last: dict[str, Any] | None = None
+
+    def refresh(self, now: float, *, force: bool = False) -> dict[str, Any] | None:
+        if force or now - self._at >= self._every_s:
+            self._at = now
+            try:
+                figures = self._observer.collect()
+            except Exception as err:  # noqa: BLE001 - figures are best effort, the job is not
+                log.debug("status figures unavailable: %s", err)
+                return self.last
+            if figures.get("live"):
+                self.last = figures
+                self._local_run.last = figures
+                with contextlib.suppress(OSError):
+                    self._local_run.record(self._state)
+        return self.last
+
+
 def _watch(job_client: Any, progress: GroupProgress, stop: StopRequest, targets: dict[int, int] | None,
-           state: StateDir, progress_every_s: float, stop_timeout_s: float, report: Callable[[str], None]) -> str:
+           state: StateDir, progress_every_s: float, stop_timeout_s: float, report: Callable[[str], None],
+           figures: _Figures | None = None) -> str:
     result = job_client.get_job_execution_result()
     stopper = _Stopper(job_client, state.savepoints_uri)
     started, last_report, last_check = time.monotonic(), 0.0, 0.0
@@ -264,14 +300,14 @@ def _watch(job_client: Any, progress: GroupProgress, stop: StopRequest, targets:
                     report("llmstream: backfill input committed; stopping with a draining savepoint")
                     stopper.start(drain=True, timeout_s=stop_timeout_s)
         stopper.poll(report)
-        if progress_every_s and now - last_report >= progress_every_s:
+        due = bool(progress_every_s) and now - last_report >= progress_every_s
+        latest = figures.refresh(now, force=due) if figures is not None else None
+        if due:
             last_report = now
-            try:
-                committed, end = progress.snapshot()
-                report(f"llmstream: {now - started:6.0f}s  {_status(job_client):<9} committed "
-                       f"{committed}/{end} input records (lag {max(end - committed, 0)})")
-            except Exception as err:  # noqa: BLE001 - progress is best effort, the job is not
-                log.debug("progress unavailable: %s", err)
+            if latest is not None:
+                report(f"llmstream: {now - started:6.0f}s  {status_line(latest)}")
+            else:
+                report(f"llmstream: {now - started:6.0f}s  {_status(job_client):<9} starting")
         time.sleep(0.2)
     try:
         result.result()

@@ -10,15 +10,25 @@ it; for a cluster job pass `--jobmanager HOST:PORT`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import logging
+import math
 import os
+import re
+import sys
 import time
+import urllib.parse
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from jobs.flink_rest import ClusterError, FlinkRest
 from jobs.state import StateDir
 from udfs.config import JobConfig
+
+log = logging.getLogger("llmstream.status")
 
 RUN_FILE = "run.json"
 
@@ -66,3 +76,504 @@ class LocalRun:
             return cls(**data)
         except (OSError, ValueError, TypeError):
             return None
+
+
+# ---------------------------------------------------------------------------------- figures
+
+SOURCE_PREFIX = "Source: kafka_requests"
+INFERENCE_PREFIX = "inference"
+LLMSTREAM_GROUP = "inference.llmstream."
+REASON_METRIC = re.compile(r"^inference\.llmstream\.reason\.(.+)\.dead_letters$")
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number
+
+
+class JobMetrics:
+    """One job's figures from the Flink REST API (`FlinkRest`): state, restarts, checkpoints and
+    the operators' metrics summed over subtasks (latency percentiles: the slowest subtask's)."""
+
+    def __init__(self, rest: FlinkRest, job_id: str) -> None:
+        self.rest = rest
+        self.job_id = job_id
+
+    def _vertex_metrics(self, vertex_id: str) -> dict[str, dict[str, float]]:
+        base = f"/jobs/{self.job_id}/vertices/{vertex_id}/subtasks/metrics"
+        ids = [m["id"] for m in self.rest.rest(base) or []]
+        wanted = [i for i in ids if _wanted(i)]
+        if not wanted:
+            return {}
+        values = self.rest.rest(base + "?get=" + urllib.parse.quote(",".join(wanted), safe=","))
+        return {m["id"]: {k: float(v) for k, v in m.items() if k != "id" and _number(v) is not None}
+                for m in values or []}
+
+    def collect(self) -> dict[str, Any]:
+        job = self.rest.job(self.job_id)
+        now_ms = int(job.get("now") or time.time() * 1000)
+        start = int(job.get("start-time") or now_ms)
+        end = int(job.get("end-time") or -1)
+        out: dict[str, Any] = {
+            "id": self.job_id, "name": job.get("name"), "state": job.get("state"),
+            "uptime_s": round(((end if end > 0 else now_ms) - start) / 1000, 1),
+            "restarts": self.rest.num_restarts(self.job_id),
+        }
+        metrics: dict[str, dict[str, float]] = {}
+        parallelism: dict[str, int] = {}
+        for vertex in job.get("vertices", []):
+            name = str(vertex.get("name", ""))
+            if name.startswith((SOURCE_PREFIX, INFERENCE_PREFIX)):
+                key = "source" if name.startswith(SOURCE_PREFIX) else "inference"
+                parallelism[key] = int(vertex.get("parallelism", 1))
+                metrics.update(self._vertex_metrics(str(vertex["id"])))
+        out["metrics"] = metrics
+        out["parallelism"] = parallelism
+        out["checkpoints"] = self.rest.checkpoint_stats(self.job_id)
+        out["now_ms"] = now_ms
+        return out
+
+
+def _wanted(metric_id: str) -> bool:
+    return (metric_id.startswith(LLMSTREAM_GROUP)
+            or metric_id.endswith((".numRecordsOut", ".numRecordsOutPerSecond", ".pendingRecords",
+                                   ".records-lag-max"))
+            or metric_id in ("inference.numRecordsOut", "inference.numRecordsOutPerSecond"))
+
+
+def _sum(metrics: dict[str, dict[str, float]], metric_id: str) -> float | None:
+    value = metrics.get(metric_id)
+    return value.get("sum") if value else None
+
+
+def _source(metrics: dict[str, dict[str, float]], suffix: str) -> float | None:
+    for metric_id, value in metrics.items():
+        if metric_id.startswith("Source__kafka_requests") and metric_id.endswith(suffix):
+            return value.get("sum")
+    return None
+
+
+def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, int] | None = None,
+            dead_letters: dict[str, int] | None = None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status figures, JSON-ready, from `JobMetrics.collect()` (`raw`, None when no REST
+    API answers), the consumer group (`lag`: committed and end offsets) and the dead-letter
+    topic (`dead_letters`: count by reason). `previous` (the figures of the last refresh)
+    turns token counts into rates; without it they are averaged over the job's uptime.
+    """
+    now = time.time()
+    out: dict[str, Any] = {"job": {"name": config.name, "state": "UNKNOWN"}, "at": now}
+    metrics: dict[str, dict[str, float]] = (raw or {}).get("metrics") or {}
+    if raw:
+        out["job"] = {k: raw[k] for k in ("id", "name", "state", "uptime_s", "restarts")}
+
+    def llm(name: str) -> float | None:
+        return _sum(metrics, LLMSTREAM_GROUP + name)
+
+    def max_of(name: str) -> float | None:
+        value = metrics.get(LLMSTREAM_GROUP + name)
+        return value.get("max") if value else None
+
+    records_in = _source(metrics, ".numRecordsOut")
+    in_rate = _source(metrics, ".numRecordsOutPerSecond")
+    emitted = _sum(metrics, "inference.numRecordsOut")
+    dead = llm("dead_lettered")
+    out_rate = _sum(metrics, "inference.numRecordsOutPerSecond")
+    pending = _source(metrics, ".pendingRecords")
+    group_lag = None
+    if lag is not None:
+        group_lag = max(0, lag["end"] - lag["committed"])
+    input_lag = int(pending) if pending is not None else group_lag
+    out["input"] = {
+        "lag_records": input_lag,
+        "drain_s": (round(input_lag / in_rate, 1) if input_lag and in_rate else (0.0 if input_lag == 0 else None)),
+        "group_committed": lag["committed"] if lag else None,
+        "end_offset": lag["end"] if lag else None,
+        "group_lag": group_lag,
+    }
+    out["records"] = {
+        "in": _int(records_in), "in_per_s": _round(in_rate),
+        "processed": _int(llm("records_in")),
+        "results": _int(emitted - dead) if emitted is not None and dead is not None else None,
+        "dead_letters": _int(dead), "out_per_s": _round(out_rate),
+    }
+    capacity = config.async_.capacity * int(((raw or {}).get("parallelism") or {}).get("inference", 1))
+    out["calls"] = {
+        "in_flight": _int(llm("in_flight")), "admitted": _int(llm("admitted")), "capacity": capacity,
+        "concurrency_limit": _int(llm("concurrency_limit")),
+        "requests": _int(llm("requests")), "retries": _int(llm("retries")), "rate_limited": _int(llm("rate_limited")),
+        "answered": _int(llm("latency_count")),
+        "latency_p50_ms": _int(max_of("latency_p50_ms")), "latency_p99_ms": _int(max_of("latency_p99_ms")),
+        "latency_mean_ms": (_round(llm("latency_sum_ms") / llm("latency_count"))  # type: ignore[operator]
+                            if llm("latency_count") else None),
+    }
+    by_reason = {m.group(1): int(v.get("sum", 0)) for k, v in metrics.items() if (m := REASON_METRIC.match(k))}
+    out["dead_letters"] = {"by_reason": dead_letters if dead_letters is not None else by_reason,
+                           "source": "topic" if dead_letters is not None else "metrics"}
+    out["checkpoint"] = _checkpoint(raw, now)
+    out["cost"] = _cost(config, llm("prompt_tokens"), llm("completion_tokens"), raw, previous, now)
+    return out
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _checkpoint(raw: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    stats = (raw or {}).get("checkpoints") or {}
+    counts = stats.get("counts") or {}
+    latest = (stats.get("latest") or {}).get("completed") or {}
+    done_ms = latest.get("latest_ack_timestamp")
+    now_ms = (raw or {}).get("now_ms") or now * 1000
+    return {
+        "completed": counts.get("completed"), "failed": counts.get("failed"),
+        "age_s": round((now_ms - done_ms) / 1000, 1) if done_ms else None,
+        "duration_ms": latest.get("end_to_end_duration"),
+        "size_bytes": latest.get("checkpointed_size", latest.get("state_size")),
+    }
+
+
+def _cost(config: JobConfig, prompt: float | None, completion: float | None, raw: dict[str, Any] | None,
+          previous: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    if prompt is None or completion is None:
+        return {"prompt_tokens": None, "completion_tokens": None, "tokens_per_min": None, "cost_per_hour": None}
+    tokens = prompt + completion
+    before = (previous or {}).get("cost") or {}
+    if before.get("prompt_tokens") is not None and previous and now > previous["at"] and \
+            tokens >= before["prompt_tokens"] + before["completion_tokens"]:
+        span = now - previous["at"]
+        d_prompt, d_completion = prompt - before["prompt_tokens"], completion - before["completion_tokens"]
+    else:
+        span = float((raw or {}).get("uptime_s") or 0)
+        d_prompt, d_completion = prompt, completion
+    per_min = (d_prompt + d_completion) / span * 60 if span > 0 else None
+    prices = config.model.prices
+    cost_per_hour = None
+    if span > 0 and prices is not None:
+        cost = d_prompt / 1000 * prices.prompt_per_1k + d_completion / 1000 * prices.completion_per_1k
+        cost_per_hour = round(cost / span * 3600, 4)
+    return {"prompt_tokens": int(prompt), "completion_tokens": int(completion),
+            "tokens_per_min": _round(per_min), "cost_per_hour": cost_per_hour}
+
+
+# ---------------------------------------------------------------------------------- sources
+
+class DeadLetterTally:
+    """Dead letters by reason, read from the dead-letter topic as a read_committed consumer sees
+    them (what downstream gets), incrementally: each `read()` continues where the last stopped."""
+
+    def __init__(self, config: JobConfig) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+
+        self._topic = config.kafka.dead_letter_topic
+        self._consumer = KafkaConsumer(bootstrap_servers=config.kafka.bootstrap_servers, group_id=None,
+                                       isolation_level="read_committed", enable_auto_commit=False,
+                                       auto_offset_reset="earliest", client_id="llmstream-status")
+        partitions = self._consumer.partitions_for_topic(self._topic) or set()
+        self._parts = [TopicPartition(self._topic, p) for p in sorted(partitions)]
+        self._consumer.assign(self._parts)
+        if self._parts:
+            self._consumer.seek_to_beginning(*self._parts)
+        self.counts: Counter[str] = Counter()
+
+    def read(self, timeout_s: float = 5.0) -> dict[str, int]:
+        """Reads up to the topic's last stable offsets as of now (or until `timeout_s`)."""
+        if not self._parts:
+            return {}
+        deadline = time.monotonic() + timeout_s
+        targets = self._consumer.end_offsets(self._parts)
+        while time.monotonic() < deadline and any(self._consumer.position(tp) < end for tp, end in targets.items()):
+            for batch in self._consumer.poll(timeout_ms=200).values():
+                for record in batch:
+                    try:
+                        self.counts[str(json.loads(record.value)["reason"])] += 1
+                    except (ValueError, KeyError, TypeError):
+                        self.counts["unreadable"] += 1
+        return dict(self.counts)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def _group_lag(progress: Any) -> dict[str, int] | None:
+    try:
+        committed, end = progress.snapshot()
+    except Exception as err:  # noqa: BLE001 - the broker is down: shown as unknown
+        log.debug("consumer group unavailable: %s", err)
+        return None
+    return {"committed": int(committed), "end": int(end)}
+
+
+def find_job(rest: FlinkRest, name: str, job_id: str | None = None) -> str | None:
+    """`job_id` if the cluster knows it, else the newest live job called `name`, else the newest one."""
+    jobs = rest.jobs()
+    if job_id and any(j.get("jid") == job_id for j in jobs):
+        return job_id
+    named = sorted((j for j in jobs if j.get("name") == name), key=lambda j: j.get("start-time", 0), reverse=True)
+    live = [j for j in named if j.get("state") not in ("FINISHED", "CANCELED", "FAILED")]
+    chosen = (live or named)[:1]
+    return str(chosen[0]["jid"]) if chosen else None
+
+
+class Observer:
+    """Collects the figures of one job, refresh after refresh (rates from the difference)."""
+
+    def __init__(self, config: JobConfig, rest_url: str | None, *, job_id: str | None = None,
+                 progress: Any = None, dead_letters: DeadLetterTally | None = None,
+                 local_run: LocalRun | None = None) -> None:
+        self.config = config
+        self.rest = FlinkRest(rest_url) if rest_url else None
+        self.job_id = job_id
+        self.progress = progress
+        self.dead_letters = dead_letters
+        self.local_run = local_run
+        self.last: dict[str, Any] | None = None
+
+    def collect(self) -> dict[str, Any]:
+        raw = None
+        if self.rest is not None:
+            try:
+                self.job_id = find_job(self.rest, self.config.name, self.job_id)
+                if self.job_id:
+                    raw = JobMetrics(self.rest, self.job_id).collect()
+            except ClusterError as err:
+                log.debug("Flink REST API unavailable: %s", err)
+        lag = _group_lag(self.progress) if self.progress is not None else None
+        tally = self.dead_letters.read() if self.dead_letters is not None else None
+        result = figures(self.config, raw, lag=lag, dead_letters=tally, previous=self.last)
+        if raw is None and self.local_run is not None:
+            result = _ended(result, self.local_run)
+        result["live"] = raw is not None
+        if self.rest is not None:
+            result["job"]["rest_url"] = self.rest.rest_url
+        if raw is not None:
+            self.last = result
+        return result
+
+
+def _ended(now: dict[str, Any], run: LocalRun) -> dict[str, Any]:
+    """A local run whose mini cluster is gone: its last figures, with today's lag and dead letters."""
+    if not run.last:
+        now["job"].update(id=run.job_id, state="ENDED" if run.ended_at else "NOT RESPONDING")
+        return now
+    result = json.loads(json.dumps(run.last))
+    result["job"]["state"] = "ENDED" if run.ended_at else "NOT RESPONDING"
+    result["job"]["figures_as_of"] = run.last.get("at")
+    result["at"] = now["at"]
+    # The group's offsets as Kafka has them now; `lag_records` stays the source's last view, since
+    # the next run resumes from the job's state, not from the group (which may lag behind it).
+    result["input"].update({k: now["input"][k] for k in ("group_committed", "end_offset", "group_lag")})
+    for rate in ("in_per_s", "out_per_s"):
+        result["records"][rate] = 0.0
+    result["calls"]["in_flight"] = result["calls"]["admitted"] = 0
+    if now["dead_letters"]["source"] == "topic":
+        result["dead_letters"] = now["dead_letters"]
+    return result
+
+
+# ---------------------------------------------------------------------------------- display
+
+def _fmt(value: Any, unit: str = "", none: str = "–") -> str:
+    if value is None:
+        return none
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:,.1f}{unit}"
+    return f"{int(value):,}{unit}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = float(seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _bytes(size: float | None) -> str:
+    if size is None:
+        return "–"
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+    return "–"  # pragma: no cover
+
+
+def started(fig: dict[str, Any]) -> bool:
+    """Whether the job has processed anything yet (before: say "starting", not "0/185")."""
+    return bool(fig["records"].get("processed") or fig["records"].get("in"))
+
+
+def line(fig: dict[str, Any]) -> str:
+    """The compact one-line form (`llmstream run`'s progress line)."""
+    job, rec, calls, inp, chk = fig["job"], fig["records"], fig["calls"], fig["input"], fig["checkpoint"]
+    state = str(job.get("state", "UNKNOWN"))
+    if not started(fig):
+        return f"{state:<9} starting (nothing processed yet; lag {_fmt(inp['lag_records'])})"
+    dead = rec.get("dead_letters")
+    parts = [
+        f"{state:<9} in {_fmt(rec['in'])} ({_fmt(rec['in_per_s'])}/s)",
+        f"out {_fmt(rec['results'])} +{_fmt(dead)} dead ({_fmt(rec['out_per_s'])}/s)",
+        f"lag {_fmt(inp['lag_records'])}" + (f" (~{_duration(inp['drain_s'])})" if inp["lag_records"] else ""),
+        f"calls {_fmt(calls['admitted'])}/{_fmt(calls['capacity'])} limit {_fmt(calls['concurrency_limit'])}",
+        f"p50/p99 {_fmt(calls['latency_p50_ms'])}/{_fmt(calls['latency_p99_ms'])} ms",
+        f"retries {_fmt(calls['retries'])} 429s {_fmt(calls['rate_limited'])}",
+        f"chk {_duration(chk['age_s'])} ago",
+    ]
+    return " | ".join(parts)
+
+
+def render(fig: dict[str, Any]) -> Any:
+    """The one-screen view, as a rich renderable."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    job, rec, calls, inp, chk, cost = (fig[k] for k in ("job", "records", "calls", "input", "checkpoint", "cost"))
+    state = str(job.get("state", "UNKNOWN"))
+    colour = {"RUNNING": "green", "FINISHED": "blue", "ENDED": "blue"}.get(state, "yellow" if state in (
+        "INITIALIZING", "CREATED", "RESTARTING", "CANCELLING") else "red")
+    title = f"[bold]{job.get('name')}[/bold]  [{colour}]{state}[/{colour}]"
+    if not started(fig) and state not in ("ENDED", "FINISHED"):
+        title += "  [yellow]starting: nothing processed yet[/yellow]"
+    header = (f"job {job.get('id') or '–'}   up {_duration(job.get('uptime_s'))}   restarts {_fmt(job.get('restarts'))}"
+              + (f"   REST {job['rest_url']}" if job.get("rest_url") else ""))
+    if job.get("figures_as_of"):
+        header += f"\n[dim]the run has ended: figures as last seen {_duration(fig['at'] - job['figures_as_of'])} " \
+                  "before now; lag and dead letters are current[/dim]"
+
+    def table(title: str, rows: list[tuple[str, str]]) -> Table:
+        t = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 1))
+        t.add_column(style="dim")
+        t.add_column(justify="right")
+        for row in rows:
+            t.add_row(*row)
+        return t
+
+    flow = table("Keeping up?", [
+        ("input lag", f"{_fmt(inp['lag_records'])} records"),
+        ("time to drain", _duration(inp["drain_s"]) if inp["lag_records"] else "–"),
+        ("records in", f"{_fmt(rec['in'])}  ({_fmt(rec['in_per_s'])}/s)"),
+        ("results out", f"{_fmt(rec['results'])}  ({_fmt(rec['out_per_s'])}/s incl. dead)"),
+        ("group committed", f"{_fmt(inp['group_committed'])} / {_fmt(inp['end_offset'])}"),
+    ])
+    model = table("Is the model the bottleneck?", [
+        ("calls in flight", f"{_fmt(calls['admitted'])} / {_fmt(calls['capacity'])} capacity"),
+        ("HTTP in flight", _fmt(calls["in_flight"])),
+        ("AIMD limit", _fmt(calls["concurrency_limit"])),
+        ("latency p50 / p99", f"{_fmt(calls['latency_p50_ms'])} / {_fmt(calls['latency_p99_ms'])} ms"),
+        ("calls / retries / 429s", f"{_fmt(calls['requests'])} / {_fmt(calls['retries'])} / {_fmt(calls['rate_limited'])}"),
+    ])
+    reasons = fig["dead_letters"]["by_reason"] or {}
+    health = table("Healthy?", [
+        ("last checkpoint", f"{_duration(chk['age_s'])} ago" if chk["age_s"] is not None else "none yet"),
+        ("its duration / size", f"{_fmt(chk['duration_ms'])} ms / {_bytes(chk['size_bytes'])}"),
+        ("checkpoints ok / failed", f"{_fmt(chk['completed'])} / {_fmt(chk['failed'])}"),
+        ("dead letters", _fmt(rec["dead_letters"] if rec["dead_letters"] is not None else sum(reasons.values()))),
+        *[(f"  {reason}", _fmt(count)) for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1])],
+    ])
+    spend = table("Cost", [
+        ("tokens / min", _fmt(cost["tokens_per_min"])),
+        ("cost / hour", f"{cost['cost_per_hour']:.4f}" if cost["cost_per_hour"] is not None else "– (no model.prices)"),
+        ("tokens prompt / completion", f"{_fmt(cost['prompt_tokens'])} / {_fmt(cost['completion_tokens'])}"),
+    ])
+    grid = Table.grid(padding=(0, 4))
+    grid.add_row(flow, model)
+    grid.add_row(health, spend)
+    return Panel(Group(header, "", grid), title=title, title_align="left")
+
+
+# ---------------------------------------------------------------------------------- command
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmstream status",
+        description="One screen: is the job keeping up, is the model the bottleneck, is it healthy, "
+                    "what does it cost. From the Flink REST API and the Kafka consumer group.")
+    parser.add_argument("--config", default=None, help="job config YAML (default: jobs/inference.yaml)")
+    parser.add_argument("--jobmanager", default=None, metavar="HOST:PORT",
+                        help="a cluster's REST address (default: the local run recorded in the state directory, "
+                             "else the local cluster)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR", help="the job's state directory")
+    parser.add_argument("--watch", nargs="?", const=2.0, type=float, default=None, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2) until Ctrl-C")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--no-topic", action="store_true",
+                        help="dead letters by reason from the metrics only, without reading the dead-letter topic")
+    return parser
+
+
+def _rest_url(args: argparse.Namespace, config: JobConfig, state: StateDir) -> tuple[str | None, LocalRun | None]:
+    if args.jobmanager:
+        address = args.jobmanager
+        return (address if address.startswith("http") else f"http://{address}"), None
+    run = LocalRun.load(state)
+    if run is not None and run.job_name == config.name:
+        return (None if run.ended_at else run.rest_url), run
+    from jobs.cluster import ClusterConfig
+
+    return f"http://localhost:{ClusterConfig.existing().rest_port}", None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jobs.run import GroupProgress
+    from udfs.config import load_config
+    from udfs.errors import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"llmstream: config error: {err}", file=sys.stderr)
+        return 2
+    state = StateDir.for_job(config, args.state_dir)
+    rest_url, run = _rest_url(args, config, state)
+    with contextlib.ExitStack() as stack:
+        progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
+        tally = None
+        if not args.no_topic:
+            tally = stack.enter_context(contextlib.closing(DeadLetterTally(config)))
+        observer = Observer(config, rest_url, job_id=run.job_id if run else None, progress=progress,
+                            dead_letters=tally, local_run=run)
+        if args.json and not args.watch:
+            print(json.dumps(observer.collect(), indent=2))
+            return 0
+        if args.json:
+            return _watch_json(observer, args.watch)
+        return _show(observer, args.watch)
+    return 0  # pragma: no cover
+
+
+def _watch_json(observer: Observer, every: float) -> int:
+    try:
+        while True:
+            print(json.dumps(observer.collect()), flush=True)
+            time.sleep(every)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _show(observer: Observer, every: float | None) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    if not every:
+        console.print(render(observer.collect()))
+        return 0
+    try:
+        with Live(render(observer.collect()), console=console, refresh_per_second=1, screen=False) as live:
+            while True:
+                time.sleep(every)
+                live.update(render(observer.collect()))
+    except KeyboardInterrupt:
+        return 0

@@ -11,25 +11,36 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
 from jobs import jars
-from jobs.local_kafka import free_port, produce
+from jobs.local_kafka import consume_committed, free_port, produce
 from jobs.pipeline import RunOptions
 from jobs.run import StopRequest, run_job
-from tests.integration.pipeline_fixtures import JobConfigFactory, job_config, simulator
+from tests.conftest import SHELL_ENV
+from tests.integration.pipeline_fixtures import (
+    JobConfigFactory,
+    job_config,
+    simulator,
+    write_config,
+)
 from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 __all__ = ["job_config", "simulator"]
 
+LLMSTREAM = Path(sys.executable).parent / "llmstream"
 SERVED_METRICS = jars.repo_root() / "grafana" / "served-metrics.txt"
 """Names the exporter served in this test's scrape; the dashboard may only query these
 (tests/integration/test_compose.py checks it statically)."""
@@ -158,3 +169,59 @@ def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobC
         SERVED_METRICS.write_text("\n".join(sorted(n for n in names if _stable(n))) + "\n")
     recorded = set(SERVED_METRICS.read_text().split())
     assert recorded <= names, f"grafana/served-metrics.txt names metrics not served: {sorted(recorded - names)}"
+
+
+def _status_json(config_file: Path) -> dict[str, Any]:
+    """`llmstream status --json`, as a user runs it (a child process, the installed entry point)."""
+    result = subprocess.run([str(LLMSTREAM), "status", "--config", str(config_file), "--json"],
+                            check=False, capture_output=True, text=True, timeout=120, env=SHELL_ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures: dict[str, Any] = json.loads(result.stdout)
+    return figures
+
+
+def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[no-untyped-def]
+        job_config: JobConfigFactory, simulator, tmp_path: Path) -> None:
+    config = job_config(async_={"capacity": 8})
+    config_file = write_config(config, tmp_path)
+    good = 300
+    produce(config.kafka.bootstrap_servers, config.kafka.input_topic, good_records(good, "s") + BAD_RECORDS)
+    simulator.configure({"latency": "fixed:20"})
+    simulator.reset_stats()
+    seen: list[dict[str, Any]] = []
+    try:
+        with running(config) as outcome:
+            def caught_up() -> dict[str, Any] | None:
+                figures = _status_json(config_file)
+                seen.append(figures)
+                calls = simulator.stats()["requests_total"]
+                done = (figures["job"]["state"] == "RUNNING"
+                        and figures["records"]["processed"] == good + len(BAD_RECORDS)
+                        and figures["calls"]["requests"] == calls == good
+                        and figures["records"]["results"] == good
+                        and sum(figures["dead_letters"]["by_reason"].values()) == len(BAD_RECORDS)
+                        and (figures["checkpoint"]["completed"] or 0) >= 1)
+                return figures if done else None
+
+            during = wait_for("llmstream status to show every record processed", caught_up, interval=1.0)
+    finally:
+        simulator.configure({"latency": "fixed:5"})
+    lines = [line for line in outcome["lines"] if line.startswith("llmstream: ") and "s  " in line]
+    assert lines and "committed" not in lines[-1], lines[-3:]
+    assert during["calls"]["capacity"] == 8 and during["calls"]["concurrency_limit"] == 8
+    assert during["calls"]["latency_p50_ms"] >= 20 and during["calls"]["latency_p99_ms"] >= during["calls"]["latency_p50_ms"]
+    assert during["cost"]["prompt_tokens"] > 0 and during["cost"]["tokens_per_min"] > 0
+    assert during["job"]["uptime_s"] > 0 and during["job"]["restarts"] == 0
+    assert not any(f["calls"]["requests"] and f["calls"]["requests"] > good for f in seen)
+
+    after = _status_json(config_file)
+    assert after["job"]["state"] == "ENDED" and after["job"]["id"] == during["job"]["id"]
+    assert after["calls"]["requests"] == simulator.stats()["requests_total"] == good
+    out = consume_committed(config.kafka.bootstrap_servers, config.kafka.output_topic, expected=good, timeout_s=60)
+    dead = consume_committed(config.kafka.bootstrap_servers, config.kafka.dead_letter_topic, timeout_s=60)
+    assert after["records"]["results"] == len(out) == good
+    assert after["records"]["dead_letters"] == len(dead) == len(BAD_RECORDS)
+    assert after["dead_letters"]["by_reason"] == dict(Counter(json.loads(m.value)["reason"] for m in dead))
+    assert after["dead_letters"]["by_reason"] == {"invalid_json": 1, "not_an_object": 1, "missing_field": 1}
+    # The source had read everything; the group's own offsets may lag (the next run resumes from state).
+    assert after["input"]["lag_records"] == 0

@@ -18,7 +18,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert command in out
 
 
-@pytest.mark.parametrize("command", ["kafka", "model-server"])
+@pytest.mark.parametrize("command", ["kafka", "model-server", "status"])
 def test_delegated_commands_have_their_own_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([command, "--help"])

@@ -1,0 +1,165 @@
+"""`llmstream status` without a JVM: figures from fake REST answers, the screen, the run line."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from jobs.flink_rest import FlinkRest
+from jobs.state import StateDir
+from jobs.status import JobMetrics, LocalRun, Observer, figures, find_job, line, render
+from udfs.config import load_config, with_overrides
+
+JOB = "a" * 32
+SOURCE_V, INFERENCE_V = "v-source", "v-inference"
+METRICS: dict[str, dict[str, list[dict[str, Any]]]] = {
+    SOURCE_V: {"values": [
+        {"id": "Source__kafka_requests[1].numRecordsOut", "sum": 1200.0},
+        {"id": "Source__kafka_requests[1].numRecordsOutPerSecond", "sum": 40.0},
+        {"id": "Source__kafka_requests[1].pendingRecords", "sum": 800.0},
+    ]},
+    INFERENCE_V: {"values": [
+        {"id": "inference.numRecordsOut", "sum": 1100.0},
+        {"id": "inference.numRecordsOutPerSecond", "sum": 38.5},
+        {"id": "inference.llmstream.records_in", "sum": 1150.0},
+        {"id": "inference.llmstream.dead_lettered", "sum": 3.0},
+        {"id": "inference.llmstream.requests", "sum": 1120.0},
+        {"id": "inference.llmstream.retries", "sum": 20.0},
+        {"id": "inference.llmstream.rate_limited", "sum": 7.0},
+        {"id": "inference.llmstream.in_flight", "sum": 12.0},
+        {"id": "inference.llmstream.admitted", "sum": 14.0},
+        {"id": "inference.llmstream.concurrency_limit", "sum": 16.0},
+        {"id": "inference.llmstream.latency_count", "sum": 1097.0},
+        {"id": "inference.llmstream.latency_sum_ms", "sum": 219400.0},
+        {"id": "inference.llmstream.latency_p50_ms", "sum": 300.0, "max": 180.0},
+        {"id": "inference.llmstream.latency_p99_ms", "sum": 1500.0, "max": 900.0},
+        {"id": "inference.llmstream.prompt_tokens", "sum": 60000.0},
+        {"id": "inference.llmstream.completion_tokens", "sum": 120000.0},
+        {"id": "inference.llmstream.reason.invalid_json.dead_letters", "sum": 2.0},
+        {"id": "inference.llmstream.reason.inference_rejected.dead_letters", "sum": 1.0},
+        {"id": "inference.llmstream.latency_ms", "sum": "DistributionResult{...}"},
+    ]},
+}
+NOW_MS = 1_800_000_000_000
+
+
+class FakeRest(FlinkRest):
+    """Answers the REST paths `JobMetrics` asks for, from canned JSON."""
+
+    def __init__(self) -> None:
+        super().__init__("http://fake:8081")
+        self.paths: list[str] = []
+
+    def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
+        self.paths.append(path)
+        if path == "/jobs/overview":
+            return {"jobs": [{"jid": "old", "name": "llmstream-inference", "state": "CANCELED", "start-time": 1},
+                             {"jid": JOB, "name": "llmstream-inference", "state": "RUNNING", "start-time": 2}]}
+        if path == f"/jobs/{JOB}":
+            return {"jid": JOB, "name": "llmstream-inference", "state": "RUNNING", "start-time": NOW_MS - 60_000,
+                    "end-time": -1, "now": NOW_MS,
+                    "vertices": [{"id": SOURCE_V, "name": "Source: kafka_requests[1] -> Calc[2]", "parallelism": 1},
+                                 {"id": "v-ticks", "name": "Source: inference_ticks[4]", "parallelism": 1},
+                                 {"id": INFERENCE_V, "name": "inference -> kafka_results[9]: Writer",
+                                  "parallelism": 2}]}
+        if path.startswith(f"/jobs/{JOB}/metrics"):
+            return [{"id": "numRestarts", "value": "1"}]
+        if path == f"/jobs/{JOB}/checkpoints":
+            return {"counts": {"completed": 12, "failed": 0},
+                    "latest": {"completed": {"latest_ack_timestamp": NOW_MS - 3_000, "end_to_end_duration": 240,
+                                             "checkpointed_size": 20480}}}
+        for vertex, answer in METRICS.items():
+            base = f"/jobs/{JOB}/vertices/{vertex}/subtasks/metrics"
+            if path == base:
+                return [{"id": m["id"]} for m in answer["values"]]
+            if path.startswith(base + "?get="):
+                return answer["values"]
+        raise AssertionError(f"unexpected REST call {path}")
+
+
+def config(**sections: Any) -> Any:
+    return with_overrides(load_config(), async_={"capacity": 16}, **sections)
+
+
+def test_figures_from_the_rest_api() -> None:
+    rest = FakeRest()
+    raw = JobMetrics(rest, find_job(rest, "llmstream-inference") or "").collect()
+    fig = figures(config(model={"prices": {"prompt_per_1k": 0.5, "completion_per_1k": 1.0}}), raw,
+                  lag={"committed": 0, "end": 2000})
+    assert fig["job"] == {"id": JOB, "name": "llmstream-inference", "state": "RUNNING", "uptime_s": 60.0,
+                          "restarts": 1}
+    assert fig["input"]["lag_records"] == 800 and fig["input"]["drain_s"] == 20.0   # 800 records at 40/s
+    assert fig["input"]["group_lag"] == 2000     # the group's commits lag; the figures do not use them
+    assert fig["records"] == {"in": 1200, "in_per_s": 40.0, "processed": 1150, "results": 1097, "dead_letters": 3,
+                              "out_per_s": 38.5}
+    calls = fig["calls"]
+    assert calls["capacity"] == 32 and calls["admitted"] == 14 and calls["concurrency_limit"] == 16
+    assert calls["latency_p50_ms"] == 180 and calls["latency_p99_ms"] == 900   # the slowest subtask's
+    assert calls["latency_mean_ms"] == 200.0 and calls["retries"] == 20 and calls["rate_limited"] == 7
+    assert fig["dead_letters"] == {"by_reason": {"invalid_json": 2, "inference_rejected": 1}, "source": "metrics"}
+    assert fig["checkpoint"] == {"completed": 12, "failed": 0, "age_s": 3.0, "duration_ms": 240, "size_bytes": 20480}
+    # 180,000 tokens over the 60 s uptime: 180,000 a minute; (30 + 120) a minute = 9,000 an hour
+    assert fig["cost"]["tokens_per_min"] == 180000.0
+    assert fig["cost"]["cost_per_hour"] == 9000.0
+
+
+def test_token_rates_from_the_previous_refresh() -> None:
+    rest = FakeRest()
+    raw = JobMetrics(rest, JOB).collect()
+    first = figures(config(), raw)
+    previous = dict(first, at=first["at"] - 30, cost=dict(first["cost"], prompt_tokens=59000, completion_tokens=118000))
+    second = figures(config(), raw, previous=previous)
+    assert 5900 <= second["cost"]["tokens_per_min"] <= 6000   # 3,000 tokens in ~30 s
+    assert second["cost"]["cost_per_hour"] is None               # no model.prices
+
+
+def test_screen_and_line_show_every_figure() -> None:
+    fig = figures(config(), JobMetrics(FakeRest(), JOB).collect(), lag={"committed": 100, "end": 2000},
+                  dead_letters={"invalid_json": 2, "inference_rejected": 1})
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(fig))
+    text = out.getvalue()
+    for expected in ("RUNNING", "input lag", "800 records", "20 s", "40/s", "14 / 32 capacity", "AIMD limit",
+                     "180 / 900 ms", "1,120 / 20 / 7", "3 s ago", "240 ms / 20.0 KB", "invalid_json",
+                     "inference_rejected", "tokens / min", "restarts 1"):
+        assert expected in text, expected
+    compact = line(fig)
+    assert compact.startswith("RUNNING") and "in 1,200 (40/s)" in compact and "lag 800 (~20 s)" in compact
+    assert "calls 14/32 limit 16" in compact and "p50/p99 180/900 ms" in compact and "committed" not in compact
+
+
+def test_nothing_processed_yet_says_starting() -> None:
+    fig = figures(config(), None, lag={"committed": 0, "end": 185})
+    assert line(fig).split()[:2] == ["UNKNOWN", "starting"] and "lag 185" in line(fig)
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(render(fig))
+    assert "starting" in out.getvalue()
+
+
+def test_a_local_run_is_found_through_its_state_directory(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "state")
+    run = LocalRun.starting(config(metrics={"prometheus_port": 9999}), JOB, 12345)
+    run.record(state)
+    loaded = LocalRun.load(state)
+    assert loaded is not None and loaded.rest_url == "http://127.0.0.1:12345"
+    assert loaded.prometheus_url == "http://127.0.0.1:9999/metrics" and loaded.ended_at is None
+
+
+def test_an_ended_run_shows_its_last_figures_with_current_dead_letters(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "state")
+    last = figures(config(), JobMetrics(FakeRest(), JOB).collect())
+    run = LocalRun.starting(config(), JOB, 1)
+    run.last = json.loads(json.dumps(last))
+    run.ended(state)
+    tally = type("Tally", (), {"read": lambda self: {"invalid_json": 5}})()
+    fig = Observer(config(), None, job_id=JOB, dead_letters=tally, local_run=LocalRun.load(state)).collect()  # type: ignore[arg-type]
+    assert fig["job"]["state"] == "ENDED" and fig["job"]["id"] == JOB and not fig["live"]
+    assert fig["calls"]["requests"] == 1120 and fig["records"]["in_per_s"] == 0.0
+    assert fig["dead_letters"] == {"by_reason": {"invalid_json": 5}, "source": "topic"}
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(fig))
+    assert "ENDED" in out.getvalue() and "figures as last seen" in out.getvalue()
