@@ -159,3 +159,80 @@ def test_broker_allows_the_jobs_transaction_timeout(compose: dict[str, Any]) -> 
     config = config_from_dict(yaml.safe_load(interpolate(compose["configs"]["llmstream-job"]["content"])))
     assert config.kafka.transaction_timeout_ms <= int(kafka_env["KAFKA_TRANSACTION_MAX_TIMEOUT_MS"])
     assert str(kafka_env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"]) == "false"
+
+
+# ------------------------------------------------------------------ metrics: Prometheus and Grafana
+
+GRAFANA = ROOT / "grafana"
+_METRIC = re.compile(r"\bflink_[A-Za-z0-9_]+")
+
+
+def _dashboards() -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(path.read_text()) for path in sorted((GRAFANA / "dashboards").glob("*.json"))]
+
+
+def _queries(dashboard: dict[str, Any]) -> list[str]:
+    return [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+
+def test_every_dashboard_query_names_a_metric_the_exporter_served() -> None:
+    """grafana/served-metrics.txt is checked against a real scrape (test_observe.py); every
+    PromQL query of the dashboard may only name metrics from it."""
+    served = set((GRAFANA / "served-metrics.txt").read_text().split())
+    assert any(name.startswith("flink_taskmanager_job_task_operator_llmstream_") for name in served)
+    (dashboard,) = _dashboards()
+    queries = _queries(dashboard)
+    assert len(queries) >= 15
+    named = {name for query in queries for name in _METRIC.findall(query)}
+    assert named, "no query names a flink_ metric"
+    assert named <= served, f"queries name metrics the exporter never served: {sorted(named - served)}"
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for query in queries:
+        for variable in re.findall(r"\$(\w+)", query):
+            assert variable in variables, f"{query}: unknown variable ${variable}"
+    for variable in dashboard["templating"]["list"]:
+        for name in _METRIC.findall(str(variable.get("definition", ""))):
+            assert name in served, name
+
+
+def test_dashboard_has_a_panel_for_every_question() -> None:
+    (dashboard,) = _dashboards()
+    text = " ".join(_queries(dashboard))
+    for needle in ("pendingRecords", "records_lag_max", "llmstream_records_in", "numRecordsOutPerSecond",
+                   "llmstream_admitted", "llmstream_concurrency_limit", "llmstream_latency_p50_ms",
+                   "llmstream_latency_p99_ms", "llmstream_retries", "llmstream_rate_limited", "llmstream_dead_lettered",
+                   "lastCheckpointCompletedTimestamp", "lastCheckpointDuration", "lastCheckpointSize", "numRestarts",
+                   "backPressuredTimeMsPerSecond", "llmstream_prompt_tokens", "llmstream_completion_tokens"):
+        assert needle in text, needle
+
+
+def test_prometheus_and_grafana_are_provisioned(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"prometheus", "grafana"} <= set(services)
+    assert _mounts(compose, "prometheus")["/etc/prometheus/prometheus.yml"] == "./grafana/prometheus.yml"
+    assert _mounts(compose, "grafana")["/etc/grafana/provisioning"] == "./grafana/provisioning"
+    dashboards_dir = _mounts(compose, "grafana")["/var/lib/grafana/dashboards"]
+    assert dashboards_dir == "./grafana/dashboards"
+    provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "llmstream.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    datasource = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    (source,) = datasource["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    (dashboard,) = _dashboards()
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids == {source["uid"]}
+    # Prometheus scrapes each Flink service on the first port of the reporter's range.
+    flink_conf = yaml.safe_load((ROOT / "flink-conf" / "config.yaml").read_text())
+    assert flink_conf["metrics.reporter.prom.factory.class"].endswith("PrometheusReporterFactory")
+    first_port = int(str(flink_conf["metrics.reporter.prom.port"]).split("-")[0])
+    scrape = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
+    targets = []
+    for job in scrape["scrape_configs"]:
+        targets += [t for c in job.get("static_configs", []) for t in c["targets"]]
+        targets += [f"{n}:{c['port']}" for c in job.get("dns_sd_configs", []) for n in c["names"]]
+    assert sorted(targets) == sorted(f"{service}:{first_port}" for service in FLINK_SERVICES)
+    assert all(t.split(":")[0] in services for t in targets)
+    # The image puts the reporter jar on the Flink classpath, like jobs/cluster.py's lib/.
+    assert "pom-free/cache/metrics/*.jar" in _dockerfile(compose)
