@@ -213,8 +213,9 @@ class CacheConfig:
 class BudgetConfig:
     """A job-wide spend cap per window (an hour by default), each inference subtask taking
     its share; past it the stage waits (backpressure), it never fails or drops a record.
-    `max_cost_per_hour` is priced from `model.prices`. `window_s` is the window's length:
-    the caps apply per window, so a shorter window (tests) keeps the same numbers."""
+    `max_cost_per_hour` is priced from `model.prices`. `window_s` is the window's length and
+    the caps apply per window. A pause lasts up to a window and holds the next checkpoint, so
+    with a cap set the window must be shorter than `checkpointing.timeout_ms` (checked)."""
 
     max_cost_per_hour: float | None = None
     max_tokens_per_hour: float | None = None
@@ -372,6 +373,12 @@ def _validate(obj: Any, path: str) -> None:
         _validate_transactions(obj)
         _require(obj.budget.max_cost_per_hour is None or obj.model.prices is not None, "budget.max_cost_per_hour",
                  "needs model.prices to price the calls")
+        budgeted = obj.budget.max_cost_per_hour is not None or obj.budget.max_tokens_per_hour is not None
+        _require(not budgeted or obj.budget.window_s * 1000 < obj.checkpointing.timeout_ms, "budget.window_s",
+                 f"{obj.budget.window_s:g} s is not shorter than checkpointing.timeout_ms "
+                 f"({obj.checkpointing.timeout_ms} ms): a budget pause lasts up to a window and holds the next "
+                 "checkpoint (the stage admits no record meanwhile), which would time out and restart the job; "
+                 "shorten the window (the caps apply per window)")
         request_limit = int(obj.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
         _require(obj.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
                  f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "

@@ -78,6 +78,11 @@ def test_budget_config_errors_name_the_key() -> None:
     data["budget"] = {"window_s": 0}
     with pytest.raises(ConfigError, match="budget.window_s"):
         config_from_dict(data)
+    data["budget"] = {"max_tokens_per_hour": 1000}  # the default hour outlasts the 600 s checkpoint timeout
+    with pytest.raises(ConfigError, match="budget.window_s: 3600 s is not shorter than checkpointing.timeout_ms"):
+        config_from_dict(data)
+    data["budget"] = {"max_tokens_per_hour": 1000, "window_s": 300}
+    assert config_from_dict(data).budget.window_s == 300
     data["budget"] = {}
     data["cache"] = {"backend": "memcached"}
     with pytest.raises(ConfigError, match="cache.backend"):
