@@ -294,6 +294,7 @@ class Tally:
     unexpected: int
     dead_reasons: dict[str, int] = field(default_factory=dict)
     lost_sample: list[str] = field(default_factory=list)
+    cached: int = 0
     duplicate_sample: list[str] = field(default_factory=list)
 
 
@@ -325,8 +326,10 @@ def final_tally(setup: JobSetup, expected_ids: Iterable[str], *, timeout_s: floa
     """An independent read_committed pass over both topics, to the last stable offset."""
     out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=timeout_s)
     dead = local_kafka.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=timeout_s)
-    return tally(expected_ids, [json.loads(r.value).get("id") for r in out],
-                 [json.loads(r.value) for r in dead])
+    bodies = [json.loads(r.value) for r in out]
+    result = tally(expected_ids, [b.get("id") for b in bodies], [json.loads(r.value) for r in dead])
+    result.cached = sum(1 for b in bodies if b.get("cached") is True)
+    return result
 
 
 # ---------------------------------------------------------------------- report
@@ -347,6 +350,13 @@ class FaultResult:
     duration_s: float
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    model_calls: int | None = None
+    cache_hits: int | None = None
+
+    @property
+    def calls_per_record(self) -> float | None:
+        """Model calls the server answered (the simulator's `served`) per input record."""
+        return None if self.model_calls is None or not self.records_in else self.model_calls / self.records_in
 
 
 class FaultReport:
@@ -383,14 +393,20 @@ def render_report(data: dict[str, dict[str, Any]]) -> str:
         "`dup` = records beyond the first per id, `lost` = ids in neither output nor dead letters,",
         "`recovery` = seconds from the end of the fault until committed output flowed again.",
         "",
-        "| scenario | in | out | dead | dup | lost | restarts | recovery s | test s | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "`calls/record` = model calls the server answered (the simulator's `served`) per input record,",
+        "`cache hits` = output records answered from the result cache (`cached: true`).",
+        "",
+        ("| scenario | in | out | dead | dup | lost | restarts | recovery s | test s | calls/record | cache hits "
+         "| notes |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in sorted(data):
         r = data[name]
         rec = "-" if r.get("recovery_s") is None else f"{r['recovery_s']:.1f}"
+        calls = "-" if r.get("model_calls") is None else f"{r['model_calls'] / max(1, r['records_in']):.3f}"
+        hits = "-" if r.get("cache_hits") is None else str(r["cache_hits"])
         lines.append(f"| {name} | {r['records_in']} | {r['out']} | {r['dead']} | {r['duplicates']} | {r['lost']} "
-                     f"| {r['restarts']} | {rec} | {r['duration_s']:.0f} | {r.get('notes', '')} |")
+                     f"| {r['restarts']} | {rec} | {r['duration_s']:.0f} | {calls} | {hits} | {r.get('notes', '')} |")
     extras = [(n, data[n]["extra"]) for n in sorted(data) if data[n].get("extra")]
     if extras:
         lines += ["", "## Details", ""]

@@ -1,0 +1,246 @@
+"""Never pay twice: the result cache and the spend budget on a real standalone cluster, a real
+broker and the simulator, which counts the calls it answered (`/stats` `served`).
+
+Each scenario checks what a read_committed consumer sees (every id exactly once) and how many
+model calls were paid per input record; the numbers go to ``var/fault-report.md``.
+
+Run: ``pytest tests/integration/test_cost.py -m fault``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import local_kafka
+from jobs.cluster import LocalCluster
+from jobs.model_server import SpawnedSimulator
+
+pytest.register_assert_rewrite("tests.integration.cluster_fixtures")
+from tests.integration.cluster_fixtures import (
+    FaultReport,
+    FaultResult,
+    JobSetup,
+    Tally,
+    check_exactly_once,
+    make_job,
+    unique_records,
+)
+from tests.integration.test_faults import RECORDS, Run, start_run
+from tests.redis_server import RedisServer
+from udfs.config import JobConfig
+from udfs.prompts import build_payload, input_tokens
+
+pytest_plugins = ["tests.integration.cluster_fixtures"]
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+DETERMINISTIC = {"temperature": 0}
+
+
+def report(fault_report: FaultReport, name: str, run: Run, result: Tally, simulator: SpawnedSimulator, *,
+           notes: str, **extra: object) -> int:
+    served = int(simulator.stats()["served"])
+    fault_report.add(FaultResult(
+        scenario=name, records_in=result.records_in, out=result.out, dead=result.dead,
+        duplicates=result.duplicates, lost=result.lost, restarts=run.restarts(), recovery_s=None,
+        duration_s=round(time.monotonic() - run.started, 1), notes=notes, model_calls=served,
+        cache_hits=result.cached, extra={"dead_reasons": result.dead_reasons, **extra}))
+    return served
+
+
+def kill_taskmanager_mid_stream(cluster: LocalCluster, run: Run) -> None:
+    run.wait_mid_stream(0.3)
+    cluster.kill_taskmanager()
+    cluster.add_taskmanager(timeout=120)
+    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+
+
+# ---------------------------------------------------------------------- calls per record with a crash
+
+
+@pytest.mark.parametrize("backend", ["local", "none"])
+def test_a_taskmanager_kill_costs_almost_no_extra_calls_with_the_cache(
+        backend: str, cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path,
+        kafka_broker: local_kafka.LocalBroker, fault_report: FaultReport) -> None:
+    """5,000 unique ids, TaskManager SIGKILL mid-stream: the replay since the last checkpoint finds
+    its answers in the cache (written before they entered Flink), so at most the calls in flight at
+    the kill are paid twice. Without the cache every replayed record is paid again."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name=f"cost-kill-{backend}",
+                     model=DETERMINISTIC, cache={"backend": backend})
+    run = start_run(cluster, setup, f"cost{backend}")
+    kill_taskmanager_mid_stream(cluster, run)
+    result = run.finish()
+    check_exactly_once(result)
+    assert run.restarts() >= 1
+    served = report(fault_report, f"k. TaskManager SIGKILL, cache {backend}", run, result, simulator,
+                    notes=f"cache.backend {backend}, temperature 0")
+    if backend == "local":
+        assert served <= 1.01 * RECORDS, f"{served} calls for {RECORDS} records with the cache on"
+        assert result.cached > 0, "the replay found nothing in the cache"
+    else:
+        assert result.cached == 0
+
+
+# ---------------------------------------------------------------------- repeated requests
+
+
+def records_with_repeats(n: int, prefix: str, repeat_share: float = 0.3) -> tuple[list[tuple[bytes, bytes]], int]:
+    """``n`` records with unique ids, ``repeat_share`` of them exact repeats of an earlier request."""
+    rng = random.Random(12)
+    distinct = n - int(n * repeat_share)
+    prompts = [f"Summarise item {i} in one line." for i in range(distinct)]
+    order = prompts + [rng.choice(prompts) for _ in range(n - distinct)]
+    rng.shuffle(order)
+    out = []
+    for i, prompt in enumerate(order):
+        rid = f"{prefix}-{i:06d}"
+        out.append((rid.encode(), json.dumps({"id": rid, "prompt": prompt, "params": {"max_tokens": 16}}).encode()))
+    return out, distinct
+
+
+def test_exact_repeats_are_answered_once(
+        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        fault_report: FaultReport) -> None:
+    """5,000 ids, 30% of them exact repeats of another request: one call per distinct request
+    (repeats in flight at the same time share the call), every id's output exactly once."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-repeats",
+                     model=DETERMINISTIC, cache={"backend": "local"})
+    records, distinct = records_with_repeats(RECORDS, "rep")
+    run = start_records(cluster, setup, records)
+    result = run.finish()
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
+    served = report(fault_report, "l. 30% exact repeats, cache local", run, result, simulator,
+                    notes=f"{distinct} distinct requests among {RECORDS}")
+    assert served == distinct
+    assert result.cached == RECORDS - distinct
+
+
+def start_records(cluster: LocalCluster, setup: JobSetup, records: list[tuple[bytes, bytes]]) -> Run:
+    from tests.integration.cluster_fixtures import CommittedReader
+
+    local_kafka.produce(setup.bootstrap, setup.input_topic, records)
+    reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
+    reader.start()
+    run = Run(cluster, setup, [k.decode() for k, _ in records], reader)
+    run.submit()
+    return run
+
+
+# ---------------------------------------------------------------------- spend budget
+
+
+def estimated_tokens(config: JobConfig, records: list[tuple[bytes, bytes]]) -> int:
+    """What the client charges the budget up front for these records (prompt estimate + max_tokens)."""
+    from udfs.records import Request, SourceRef
+
+    total = 0
+    for key, value in records:
+        body = json.loads(value)
+        request = Request(id=body["id"], key=key, source=SourceRef("t", 0, 0), prompt=body["prompt"],
+                          params=body["params"], fields=body)
+        payload = build_payload(request, config.model)
+        total += input_tokens(payload) + int(payload.get("max_tokens") or 0)
+    return total
+
+
+class ServedSampler(threading.Thread):
+    """Samples the simulator's `served` count, to see the pauses from outside."""
+
+    def __init__(self, simulator: SpawnedSimulator, every_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.simulator, self.every_s = simulator, every_s
+        self.samples: list[tuple[float, int]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            with contextlib.suppress(Exception):  # a missed sample is fine
+                self.samples.append((time.monotonic(), int(self.simulator.stats()["served"])))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+    def longest_flat(self, total: int) -> float:
+        """Longest stretch with no call answered after the first one, while records were left."""
+        longest, since = 0.0, None
+        for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False):
+            if b == a and 0 < a < total:
+                since = t0 if since is None else since
+                longest = max(longest, t1 - since)
+            else:
+                since = None
+        return longest
+
+
+def test_past_the_token_budget_the_job_pauses_and_resumes_on_its_own(
+        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        fault_report: FaultReport) -> None:
+    """max_tokens_per_hour at a tenth of what the input needs, per 3 s window: the job waits for
+    each window (a paused stage back-pressures the source), loses nothing, never restarts."""
+    n, window_s = 1500, 3.0
+    records = unique_records(n, "budget")
+    probe = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-budget-probe")
+    need = estimated_tokens(probe.config, records)
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-budget",
+                     budget={"max_tokens_per_hour": need / 10, "window_s": window_s})
+    sampler = ServedSampler(simulator)
+    sampler.start()
+    try:
+        run = start_records(cluster, setup, records)
+        result = run.finish(timeout=600)
+    finally:
+        sampler.stop()
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
+    assert run.restarts() == 0
+    flat = sampler.longest_flat(n)
+    first = next(t for t, s in sampler.samples if s > 0)
+    last = next(t for t, s in sampler.samples if s >= n)
+    report(fault_report, "m. token budget at 1/10 of the input per 3 s window", run, result, simulator,
+           notes=f"budget {need / 10:.0f} of {need} estimated tokens per {window_s:g} s window",
+           longest_pause_s=round(flat, 1), calls_spread_over_s=round(last - first, 1))
+    assert flat >= 0.5 * window_s, f"no pause seen (longest stretch without calls {flat:.1f} s)"
+    assert last - first >= 8 * window_s * 0.8, f"{n} calls in {last - first:.1f} s: the budget did not hold"
+
+
+# ---------------------------------------------------------------------- cache outage
+
+
+def test_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
+        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        fault_report: FaultReport) -> None:
+    """The Redis cache is SIGKILLed mid-stream and started again later: the client calls the model
+    meanwhile; no failure, no restart, no dead letter, every id exactly once."""
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    try:
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-redis",
+                         model=DETERMINISTIC, cache={"backend": "redis", "redis_url": redis.url})
+        run = start_run(cluster, setup, "redis")
+        run.wait_mid_stream(0.2)
+        redis.kill()
+        at_kill = run.reader.unique_ids()
+        assert run.reader.wait_for(min(RECORDS, at_kill + 1000), 180, check=run.not_failed), (
+            "output stopped while the cache was down")
+        redis.start()
+        result = run.finish()
+    finally:
+        redis.stop()
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
+    assert run.restarts() == 0
+    served = report(fault_report, "n. redis cache SIGKILL mid-stream, restarted", run, result, simulator,
+                    notes="cache.backend redis; the model is called while the cache is out",
+                    committed_at_cache_kill=at_kill)
+    assert served >= RECORDS
+
+
