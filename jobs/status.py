@@ -20,7 +20,7 @@ import re
 import sys
 import time
 import urllib.parse
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -84,6 +84,8 @@ SOURCE_PREFIX = "Source: kafka_requests"
 INFERENCE_PREFIX = "inference"
 LLMSTREAM_GROUP = "inference.llmstream."
 REASON_METRIC = re.compile(r"^inference\.llmstream\.reason\.(.+)\.dead_letters$")
+# The offset of the last record the source emitted, per partition (-1: none yet in this run).
+CURRENT_OFFSET = re.compile(r"^Source__kafka_requests.*\.KafkaSourceReader\.topic\.(.+)\.partition\.(\d+)\.currentOffset$")
 
 
 def _number(value: Any) -> float | None:
@@ -140,7 +142,7 @@ class JobMetrics:
 def _wanted(metric_id: str) -> bool:
     return (metric_id.startswith(LLMSTREAM_GROUP)
             or metric_id.endswith((".numRecordsOut", ".numRecordsOutPerSecond", ".pendingRecords",
-                                   ".records-lag-max"))
+                                   ".records-lag-max", ".currentOffset"))
             or metric_id in ("inference.numRecordsOut", "inference.numRecordsOutPerSecond"))
 
 
@@ -156,12 +158,19 @@ def _source(metrics: dict[str, dict[str, float]], suffix: str) -> float | None:
     return None
 
 
-def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, int] | None = None,
+MIN_RATE_SPAN_S = 5.0
+"""Rates from two refreshes at least this far apart: metric values move in steps (bundle ends,
+the REST API's fetch interval), so closer ones would read 0/s, then twice the rate."""
+RATE_WINDOW_S = 30.0
+
+
+def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any] | None = None,
             dead_letters: dict[str, int] | None = None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """The status figures, JSON-ready, from `JobMetrics.collect()` (`raw`, None when no REST
     API answers), the consumer group (`lag`: committed and end offsets) and the dead-letter
-    topic (`dead_letters`: count by reason). `previous` (the figures of the last refresh)
-    turns token counts into rates; without it they are averaged over the job's uptime.
+    topic (`dead_letters`: count by reason). `previous` (the figures of an earlier refresh, 5 to
+    120 s ago) turns counts into rates; without it records/s are Flink's one-minute meters and
+    tokens/min the average over the job's uptime.
     """
     now = time.time()
     out: dict[str, Any] = {"job": {"name": config.name, "state": "UNKNOWN"}, "at": now}
@@ -181,11 +190,16 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, int
     emitted = _sum(metrics, "inference.numRecordsOut")
     dead = llm("dead_lettered")
     out_rate = _sum(metrics, "inference.numRecordsOutPerSecond")
-    pending = _source(metrics, ".pendingRecords")
+    # Flink's meters average over a minute; between two refreshes of one job the difference is fresher.
+    before = (previous or {}).get("records") or {}
+    span = now - float((previous or {}).get("at") or 0)
+    if previous and raw and previous["job"].get("id") == raw["id"] and MIN_RATE_SPAN_S <= span <= 120:
+        in_rate = _delta_rate(records_in, before.get("in"), span, in_rate)
+        out_rate = _delta_rate(emitted, before.get("emitted"), span, out_rate)
     group_lag = None
     if lag is not None:
         group_lag = max(0, lag["end"] - lag["committed"])
-    input_lag = int(pending) if pending is not None else group_lag
+    input_lag = _input_lag(config, metrics, lag, group_lag)
     out["input"] = {
         "lag_records": input_lag,
         "drain_s": (round(input_lag / in_rate, 1) if input_lag and in_rate else (0.0 if input_lag == 0 else None)),
@@ -197,7 +211,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, int
         "in": _int(records_in), "in_per_s": _round(in_rate),
         "processed": _int(llm("records_in")),
         "results": _int(emitted - dead) if emitted is not None and dead is not None else None,
-        "dead_letters": _int(dead), "out_per_s": _round(out_rate),
+        "dead_letters": _int(dead), "out_per_s": _round(out_rate), "emitted": _int(emitted),
     }
     capacity = config.async_.capacity * int(((raw or {}).get("parallelism") or {}).get("inference", 1))
     out["calls"] = {
@@ -215,6 +229,32 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, int
     out["checkpoint"] = _checkpoint(raw, now)
     out["cost"] = _cost(config, llm("prompt_tokens"), llm("completion_tokens"), raw, previous, now)
     return out
+
+
+def _delta_rate(value: float | None, before: float | None, span: float, fallback: float | None) -> float | None:
+    if value is None or before is None or value < before:
+        return fallback
+    return (value - before) / span
+
+
+def _input_lag(config: JobConfig, metrics: dict[str, dict[str, float]], lag: dict[str, Any] | None,
+               group_lag: int | None) -> int | None:
+    """Records in the input not yet emitted by the source: per partition, the end offset minus the
+    source's next offset (its last emitted offset + 1, or the group's committed offset before it has
+    emitted any). Not the source's `pendingRecords`: that counts from the Kafka consumer's fetch
+    position, and records fetched but queued in the source (thousands under backpressure) are not
+    pending to it. Then `pendingRecords`, then the group's lag."""
+    current: dict[int, float] = {}
+    for metric_id, value in metrics.items():
+        match = CURRENT_OFFSET.match(metric_id)
+        if match and match.group(1) == config.kafka.input_topic and "sum" in value:
+            current[int(match.group(2))] = value["sum"]
+    partitions = (lag or {}).get("partitions") or {}
+    if current and partitions:
+        return int(sum(max(0, end - max(current.get(int(p), -1) + 1, committed))
+                       for p, (committed, end) in partitions.items()))
+    pending = _source(metrics, ".pendingRecords")
+    return int(pending) if pending is not None else group_lag
 
 
 def _int(value: float | None) -> int | None:
@@ -245,7 +285,7 @@ def _cost(config: JobConfig, prompt: float | None, completion: float | None, raw
         return {"prompt_tokens": None, "completion_tokens": None, "tokens_per_min": None, "cost_per_hour": None}
     tokens = prompt + completion
     before = (previous or {}).get("cost") or {}
-    if before.get("prompt_tokens") is not None and previous and now > previous["at"] and \
+    if before.get("prompt_tokens") is not None and previous and now - previous["at"] >= MIN_RATE_SPAN_S and \
             tokens >= before["prompt_tokens"] + before["completion_tokens"]:
         span = now - previous["at"]
         d_prompt, d_completion = prompt - before["prompt_tokens"], completion - before["completion_tokens"]
@@ -301,13 +341,16 @@ class DeadLetterTally:
         self._consumer.close()
 
 
-def _group_lag(progress: Any) -> dict[str, int] | None:
+def _group_lag(progress: Any) -> dict[str, Any] | None:
+    """The group's committed and the input's end offsets, summed and per partition."""
     try:
-        committed, end = progress.snapshot()
+        committed, ends = progress.committed(), progress.end_offsets()
     except Exception as err:  # noqa: BLE001 - the broker is down: shown as unknown
         log.debug("consumer group unavailable: %s", err)
         return None
-    return {"committed": int(committed), "end": int(end)}
+    partitions = {p: [int(committed.get(p, 0)), int(end)] for p, end in ends.items()}
+    return {"committed": sum(c for c, _ in partitions.values()), "end": sum(e for _, e in partitions.values()),
+            "partitions": partitions}
 
 
 def find_job(rest: FlinkRest, name: str, job_id: str | None = None) -> str | None:
@@ -333,7 +376,7 @@ class Observer:
         self.progress = progress
         self.dead_letters = dead_letters
         self.local_run = local_run
-        self.last: dict[str, Any] | None = None
+        self.history: deque[dict[str, Any]] = deque()
 
     def collect(self) -> dict[str, Any]:
         raw = None
@@ -346,14 +389,18 @@ class Observer:
                 log.debug("Flink REST API unavailable: %s", err)
         lag = _group_lag(self.progress) if self.progress is not None else None
         tally = self.dead_letters.read() if self.dead_letters is not None else None
-        result = figures(self.config, raw, lag=lag, dead_letters=tally, previous=self.last)
+        now = time.time()
+        while self.history and now - self.history[0]["at"] > RATE_WINDOW_S:
+            self.history.popleft()
+        previous = self.history[0] if self.history else None
+        result = figures(self.config, raw, lag=lag, dead_letters=tally, previous=previous)
         if raw is None and self.local_run is not None:
             result = _ended(result, self.local_run)
         result["live"] = raw is not None
         if self.rest is not None:
             result["job"]["rest_url"] = self.rest.rest_url
         if raw is not None:
-            self.last = result
+            self.history.append(result)
         return result
 
 
@@ -409,8 +456,9 @@ def _bytes(size: float | None) -> str:
 
 
 def started(fig: dict[str, Any]) -> bool:
-    """Whether the job has processed anything yet (before: say "starting", not "0/185")."""
-    return bool(fig["records"].get("processed") or fig["records"].get("in"))
+    """Whether the inference stage has processed a record yet (before: say "starting", not "0/185").
+    The source may have emitted some already while the Python worker is still starting."""
+    return bool(fig["records"].get("processed"))
 
 
 def line(fig: dict[str, Any]) -> str:
@@ -507,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--watch", nargs="?", const=2.0, type=float, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--svg", default=None, metavar="FILE",
+                        help="also save the screen as an SVG image (how the README's capture was made)")
     parser.add_argument("--no-topic", action="store_true",
                         help="dead letters by reason from the metrics only, without reading the dead-letter topic")
     return parser
@@ -549,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.json:
             return _watch_json(observer, args.watch)
-        return _show(observer, args.watch)
+        return _show(observer, args.watch, svg=args.svg)
     return 0  # pragma: no cover
 
 
@@ -562,13 +612,15 @@ def _watch_json(observer: Observer, every: float) -> int:
         return 0
 
 
-def _show(observer: Observer, every: float | None) -> int:
+def _show(observer: Observer, every: float | None, *, svg: str | None = None) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    console = Console()
+    console = Console(record=svg is not None, width=110 if svg else None)
     if not every:
         console.print(render(observer.collect()))
+        if svg:
+            console.save_svg(svg, title="llmstream status")
         return 0
     try:
         with Live(render(observer.collect()), console=console, refresh_per_second=1, screen=False) as live:

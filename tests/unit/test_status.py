@@ -21,6 +21,8 @@ METRICS: dict[str, dict[str, list[dict[str, Any]]]] = {
         {"id": "Source__kafka_requests[1].numRecordsOut", "sum": 1200.0},
         {"id": "Source__kafka_requests[1].numRecordsOutPerSecond", "sum": 40.0},
         {"id": "Source__kafka_requests[1].pendingRecords", "sum": 800.0},
+        {"id": "Source__kafka_requests[1].KafkaSourceReader.topic.llm-requests.partition.0.currentOffset", "sum": 499.0},
+        {"id": "Source__kafka_requests[1].KafkaSourceReader.topic.llm-requests.partition.1.currentOffset", "sum": -1.0},
     ]},
     INFERENCE_V: {"values": [
         {"id": "inference.numRecordsOut", "sum": 1100.0},
@@ -89,13 +91,15 @@ def test_figures_from_the_rest_api() -> None:
     rest = FakeRest()
     raw = JobMetrics(rest, find_job(rest, "llmstream-inference") or "").collect()
     fig = figures(config(model={"prices": {"prompt_per_1k": 0.5, "completion_per_1k": 1.0}}), raw,
-                  lag={"committed": 0, "end": 2000})
+                  lag={"committed": 100, "end": 2100, "partitions": {"0": [0, 1500], "1": [100, 600]}})
     assert fig["job"] == {"id": JOB, "name": "llmstream-inference", "state": "RUNNING", "uptime_s": 60.0,
                           "restarts": 1}
-    assert fig["input"]["lag_records"] == 800 and fig["input"]["drain_s"] == 20.0   # 800 records at 40/s
+    # Per partition: end - (last emitted + 1), or - the group's offset before the first emitted record:
+    # (1500 - 500) + (600 - 100); not pendingRecords (800), which counts from the fetch position.
+    assert fig["input"]["lag_records"] == 1500 and fig["input"]["drain_s"] == 37.5   # at 40 records/s
     assert fig["input"]["group_lag"] == 2000     # the group's commits lag; the figures do not use them
     assert fig["records"] == {"in": 1200, "in_per_s": 40.0, "processed": 1150, "results": 1097, "dead_letters": 3,
-                              "out_per_s": 38.5}
+                              "out_per_s": 38.5, "emitted": 1100}
     calls = fig["calls"]
     assert calls["capacity"] == 32 and calls["admitted"] == 14 and calls["concurrency_limit"] == 16
     assert calls["latency_p50_ms"] == 180 and calls["latency_p99_ms"] == 900   # the slowest subtask's
@@ -105,6 +109,19 @@ def test_figures_from_the_rest_api() -> None:
     # 180,000 tokens over the 60 s uptime: 180,000 a minute; (30 + 120) a minute = 9,000 an hour
     assert fig["cost"]["tokens_per_min"] == 180000.0
     assert fig["cost"]["cost_per_hour"] == 9000.0
+
+
+def test_lag_without_partition_offsets_is_the_sources_pending_records() -> None:
+    fig = figures(config(), JobMetrics(FakeRest(), JOB).collect(), lag={"committed": 0, "end": 5000})
+    assert fig["input"]["lag_records"] == 800 and fig["input"]["drain_s"] == 20.0
+
+
+def test_rates_from_the_previous_refresh() -> None:
+    raw = JobMetrics(FakeRest(), JOB).collect()
+    first = figures(config(), raw)
+    previous = dict(first, at=first["at"] - 10, records=dict(first["records"], **{"in": 1000, "emitted": 950}))
+    second = figures(config(), raw, previous=previous)
+    assert 19 <= second["records"]["in_per_s"] <= 20.1 and 14 <= second["records"]["out_per_s"] <= 15.1
 
 
 def test_token_rates_from_the_previous_refresh() -> None:
