@@ -77,6 +77,10 @@ class LlmstreamSettings:
     checkpoint_interval_ms: int = CheckpointConfig.interval_ms
     checkpoint_timeout_ms: int = CheckpointConfig.timeout_ms
     parallelism: int = 1
+    cache: int = 0
+    """1: the result cache on (`cache.backend: local`, requests at temperature 0 so they are
+    cacheable); 0: `cache.backend: none`. Ids are unique, so every lookup misses: what it
+    measures is the cache's cost per record."""
 
     @classmethod
     def recommended(cls, scenario: Scenario, parallelism: int = 1) -> LlmstreamSettings:
@@ -89,7 +93,7 @@ class LlmstreamSettings:
     def describe(self) -> str:
         return (f"capacity {self.capacity}, bundle {self.bundle_size} records / {self.bundle_time_ms} ms, "
                 f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
-                f"parallelism {self.parallelism}")
+                f"parallelism {self.parallelism}" + (", result cache on (temperature 0)" if self.cache else ""))
 
 
 @dataclass
@@ -173,7 +177,10 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
         python={"bundle_size": settings.bundle_size, "bundle_time_ms": settings.bundle_time_ms},
         checkpointing={"interval_ms": settings.checkpoint_interval_ms, "timeout_ms": settings.checkpoint_timeout_ms},
         parallelism={"default": 1, "source": 1, "inference": settings.parallelism, "sink": 1},
+        cache={"backend": "local" if settings.cache else "none"},
     )
+    if settings.cache:
+        config = with_overrides(config, model={"temperature": 0})
     data = to_dict(config)
     data["name"] = f"llmstream-bench-{scenario.key}"
     # One state directory per run: every run reads fresh topics, so no state carries over.

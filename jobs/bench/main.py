@@ -40,7 +40,7 @@ from jobs.bench.harness import (
 from jobs.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
 
 TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "checkpoint_interval_ms", "checkpoint_timeout_ms",
-                "parallelism")
+                "parallelism", "cache")
 PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, no Flink"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SMOKE_MAX_SECONDS = 45.0

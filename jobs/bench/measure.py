@@ -61,6 +61,8 @@ class Observer(threading.Thread):
         self._consumer.assign(self._partitions)
         self._consumer.seek_to_beginning(*self._partitions)
         self.positions: dict[str, int] = {}
+        self.cached = 0
+        """Ids first seen with `"cached": true` (answered from the result cache)."""
 
     @property
     def seen(self) -> int:
@@ -96,6 +98,8 @@ class Observer(threading.Thread):
         stamps = body.get("timestamps") or {}
         with self._lock:
             self.counts[rid] += 1
+            if rid not in self.first and body.get("cached") is True:
+                self.cached += 1
             if rid not in self.first:
                 self.first[rid] = Seen(arrival, _num(stamps.get("produced")), _num(stamps.get("started")),
                                        _num(stamps.get("completed")), message.topic == self._dead_letter)
@@ -425,6 +429,7 @@ class Outcome:
     lost: int
     not_reached: int
     lost_ids: list[str] = field(default_factory=list)
+    cache_hits: int = 0
 
 
 def outcome(offsets: dict[str, int], observer: Observer, committed: int) -> Outcome:
@@ -442,4 +447,5 @@ def outcome(offsets: dict[str, int], observer: Observer, committed: int) -> Outc
         lost=len(lost),
         not_reached=len(missing) - len(lost),
         lost_ids=lost[:20],
+        cache_hits=observer.cached,
     )

@@ -119,7 +119,7 @@ def table(results: Sequence[RunResult]) -> str:
     """One row per approach and scenario."""
     head = ("| scenario | approach | limit /s | answered / input | steady /s | % of limit | "
             "e2e p50 / p99 (s) | pickup→visible p50 / p99 (s) | server util. | "
-            "checkpoints: n, p50 / max (s) | CPU ms / record | peak RSS approach / all (MB) | RSS drift (MB) | dup | lost | "
+            "checkpoints: n, p50 / max (s) | CPU ms / record | model calls / record | cache hits | peak RSS approach / all (MB) | RSS drift (MB) | dup | lost | "
             "not reached | stopped by |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -136,6 +136,8 @@ def table(results: Sequence[RunResult]) -> str:
             "–" if r.utilization is None else f"{100 * r.utilization:.0f}%",
             _checkpoints(r.checkpoints),
             _num(r.cpu_ms_per_record, 2),
+            _calls_per_record(r),
+            f"{o.cache_hits:,}",
             _pair(_num(r.rss_peak_mb.get("approach")), _num(r.rss_peak_mb.get("total"))),
             _num(r.rss_drift_mb, 1),
             str(o.duplicates),
@@ -144,6 +146,14 @@ def table(results: Sequence[RunResult]) -> str:
             r.stopped_by,
         ]) + " |")
     return "\n".join(rows)
+
+
+def _calls_per_record(run: RunResult) -> str:
+    """Calls the model server answered (the simulator's `served`) per input record."""
+    served = (run.server or {}).get("served")
+    if not isinstance(served, (int, float)) or not run.outcome.expected:
+        return "–"
+    return f"{served / run.outcome.expected:.3f}"
 
 
 def _describe(settings: dict[str, Any]) -> str:
