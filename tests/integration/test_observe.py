@@ -203,7 +203,13 @@ def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[n
                         and (figures["checkpoint"]["completed"] or 0) >= 1)
                 return figures if done else None
 
-            during = wait_for("llmstream status to show every record processed", caught_up, interval=1.0)
+            try:
+                during = wait_for("llmstream status to show every record processed", caught_up, interval=1.0)
+            except AssertionError as err:
+                last = seen[-1] if seen else {}
+                raise AssertionError(f"{err}; simulator {simulator.stats()['requests_total']} calls; last status: "
+                                     + json.dumps({k: last.get(k) for k in ("job", "records", "calls", "dead_letters",
+                                                                             "checkpoint")})) from None
     finally:
         simulator.configure({"latency": "fixed:5"})
     lines = [line for line in outcome["lines"] if line.startswith("llmstream: ") and "s  " in line]
