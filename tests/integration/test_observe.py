@@ -204,7 +204,8 @@ def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[n
                 return figures if done else None
 
             try:
-                during = wait_for("llmstream status to show every record processed", caught_up, interval=1.0)
+                during = wait_for("llmstream status to show every record processed", caught_up, timeout=300,
+                                  interval=1.0)
             except AssertionError as err:
                 last = seen[-1] if seen else {}
                 raise AssertionError(f"{err}; simulator {simulator.stats()['requests_total']} calls; last status: "
