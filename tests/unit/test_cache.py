@@ -236,3 +236,21 @@ def test_the_client_calls_the_model_when_the_cache_is_out(sim: ThreadedSimulator
 @pytest.fixture
 def make_cache_dir(tmp_path: Path) -> Callable[[], Path]:
     return lambda: tmp_path / "broken"
+
+
+def test_concurrent_puts_are_committed_together_and_all_readable(tmp_path: Path) -> None:
+    cache = LocalCache(tmp_path / "g.sqlite")
+    writes: list[int] = []
+    original = cache._write
+
+    def counting(rows: list[Any]) -> None:
+        writes.append(len(rows))
+        original(rows)
+
+    cache._write = counting  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await asyncio.gather(*(cache.put(f"k{i}", {"i": i}) for i in range(100)))
+    run(go)
+    assert sum(writes) == 100 and len(writes) < 10
+    assert all(cache.get_now(f"k{i}") == {"i": i} for i in range(100))
