@@ -1,0 +1,85 @@
+"""Observability on the standalone cluster: the reporter from flink-conf/ and lib/, and
+`llmstream status --jobmanager` on a submitted job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from jobs import local_kafka
+from jobs.cluster import LocalCluster
+from jobs.model_server import SpawnedSimulator
+from tests.conftest import SHELL_ENV
+from tests.integration.cluster_fixtures import make_job, unique_records
+from tests.integration.test_observe import (
+    BAD_RECORDS,
+    LLMSTREAM,
+    parse_prometheus,
+    total,
+    wait_for,
+)
+
+# The cluster and simulator fixtures, registered once per session (as test_cluster.py does).
+pytest_plugins = ["tests.integration.cluster_fixtures"]
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPORTER_PORTS = range(9249, 9259)   # flink-conf/config.yaml metrics.reporter.prom.port
+PREFIX = "flink_taskmanager_job_task_operator_llmstream_"
+
+
+def _scrape_job(job_id: str) -> dict[str, float] | None:
+    """llmstream's metrics of `job_id` from whichever reporter port serves them (other clusters on
+    this host may hold some of the range)."""
+    for port in REPORTER_PORTS:
+        try:
+            body = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=3).text
+        except requests.RequestException:
+            continue
+        if f'job_id="{job_id}"' not in body:
+            continue
+        samples = parse_prometheus(body)
+        mine = {name: [(labels, v) for labels, v in values if labels.get("job_id") == job_id]
+                for name, values in samples.items() if name.startswith(PREFIX)}
+        if mine:
+            return {name[len(PREFIX):]: total(mine, name) for name in mine}
+    return None
+
+
+def test_cluster_reporter_and_status_of_a_submitted_job(
+        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path,
+        kafka_broker: local_kafka.LocalBroker) -> None:
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="observe")
+    good = 300
+    local_kafka.produce(setup.bootstrap, setup.input_topic, unique_records(good, "obs") + BAD_RECORDS)
+    job_id = cluster.submit(setup.path)
+    cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
+
+    def status() -> dict[str, Any]:
+        result = subprocess.run([str(LLMSTREAM), "status", "--config", str(setup.path), "--jobmanager",
+                                 cluster.address, "--json"],
+                                check=False, capture_output=True, text=True, timeout=120, env=SHELL_ENV)
+        assert result.returncode == 0, result.stderr[-2000:]
+        figures: dict[str, Any] = json.loads(result.stdout)
+        return figures
+
+    def done() -> dict[str, Any] | None:
+        figures = status()
+        ok = (figures["job"]["id"] == job_id and figures["records"]["processed"] == good + len(BAD_RECORDS)
+              and figures["calls"]["requests"] == simulator.stats()["requests_total"] == good
+              and sum(figures["dead_letters"]["by_reason"].values()) == len(BAD_RECORDS))
+        return figures if ok else None
+
+    figures = wait_for("llmstream status --jobmanager to show every record processed", done, timeout=300)
+    assert figures["job"]["state"] == "RUNNING" and figures["job"]["restarts"] == 0
+    assert figures["calls"]["capacity"] == setup.config.async_.capacity
+    scraped = wait_for("the cluster's reporter to serve the job's llmstream metrics",
+                       lambda: (m := _scrape_job(job_id)) and m.get("requests", 0) >= good and m, timeout=120)
+    assert scraped["records_in"] == good + len(BAD_RECORDS) and scraped["bad_input"] == len(BAD_RECORDS)
+    assert scraped["latency_count"] >= good and scraped["latency_p99_ms"] >= scraped["latency_p50_ms"] > 0
+    cluster.cancel(job_id)
