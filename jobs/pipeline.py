@@ -222,8 +222,28 @@ def bucket_keys(parallelism: int, max_parallelism: int | None = None) -> list[in
     return sorted(key for keys in chosen.values() for key in keys)
 
 
+RESCALE_RANGE = 16
+"""Parallelisms (1..16, and any up to the current one) whose bucket keys a job also ticks: state
+restored from a job with another parallelism holds requests under that job's keys."""
+
+
+def tick_keys(parallelism: int, max_parallelism: int | None = None) -> tuple[list[int], list[int]]:
+    """(this job's bucket keys, the other keys of parallelisms 1..max(`RESCALE_RANGE`, current)).
+
+    After a rescale the pending requests of a bucket key the new job no longer uses (scaling
+    2 -> 1 drops keys 4, 5, 6 and 8) are in state on whichever subtask owns that key's group,
+    and only an element of that key starts them again: those keys get ticks too, fewer.
+    """
+    own = bucket_keys(parallelism, max_parallelism)
+    others: set[int] = set()
+    for other in range(1, max(RESCALE_RANGE, parallelism) + 1):
+        others.update(bucket_keys(other, max_parallelism))
+    return own, sorted(others - set(own))
+
+
 TICKS_TABLE = "inference_ticks"
 TICKS_PER_BUCKET_PER_S = 8
+OTHER_TICKS_PER_BUCKET_PER_S = 1
 """Empty elements per bucket and second (random buckets: each bucket gets one within a second but
 for e^-8 of the seconds) that wake the inference stage when no input comes:
 after a restore, the stage starts again what its state holds on the first element (or timer)
@@ -244,13 +264,17 @@ def _as_rows(t_env: StreamTableEnvironment, table: Table, row_type: Any) -> Data
 def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int) -> KeyedStream:
     """The input rows keyed by bucket, with the bucket computed in SQL and the key taken on the
     JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip) in front.
-    A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a second."""
-    keys = bucket_keys(parallelism, env.get_max_parallelism() if env.get_max_parallelism() > 0 else None)
+    A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a second, and
+    the buckets of other parallelisms (`tick_keys`) about once a second."""
+    keys, other_keys = tick_keys(parallelism, env.get_max_parallelism() if env.get_max_parallelism() > 0 else None)
     cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(keys))
+    # Tick slots: each own key TICKS_PER_BUCKET_PER_S times, each other key OTHER_TICKS_PER_BUCKET_PER_S.
+    slots = keys * TICKS_PER_BUCKET_PER_S + other_keys * OTHER_TICKS_PER_BUCKET_PER_S
+    tick_cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(slots))
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {TICKS_TABLE} (n BIGINT) WITH (\n  " + _with({
             "connector": "datagen",
-            "rows-per-second": str(TICKS_PER_BUCKET_PER_S * len(keys)),
+            "rows-per-second": str(len(slots)),
             # random, not sequence: a sequence generator keeps its whole remaining range in state
             "fields.n.kind": "random",
             "fields.n.min": "0",
@@ -265,7 +289,7 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     uid_format = config.get("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
     config.set("table.exec.uid.format", f"{TICKS_TABLE}_<transformation>")
     ticks = _as_rows(t_env, t_env.sql_query(
-        f"SELECT CASE MOD(n, {len(keys)}) {cases} END AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
+        f"SELECT CASE MOD(n, {len(slots)}) {tick_cases} END AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
         f"FROM {TICKS_TABLE}"), row_type)
     ticks._j_data_stream.getTransformation().setName("ticks: TableToDataStream")
     config.set("table.exec.uid.format", uid_format)

@@ -20,6 +20,7 @@ from jobs.pipeline import (
     create_environment,
     sink_options,
     source_options,
+    tick_keys,
 )
 from udfs.config import JobConfig, load_config, with_overrides
 
@@ -70,6 +71,18 @@ def test_every_inference_subtask_gets_the_same_number_of_buckets(parallelism: in
         row.setField(0, gateway.jvm.java.lang.Integer(key))
         per_subtask[assign.assignKeyToParallelOperator(row, max_p, parallelism)] += 1
     assert per_subtask == {i: BUCKETS_PER_SUBTASK for i in range(parallelism)}
+
+
+@pytest.mark.parametrize("parallelism", [1, 2, 5])
+def test_ticks_reach_the_buckets_of_every_other_parallelism(parallelism: int) -> None:
+    """A job restored from a job with another parallelism finds requests in state under that
+    job's bucket keys, and only an element of such a key starts them again."""
+    create_environment(load_config(), jars.connector_jar_urls())  # starts the JVM gateway
+    own, others = tick_keys(parallelism)
+    assert own == bucket_keys(parallelism)
+    assert not set(own) & set(others)
+    for other in range(1, 17):
+        assert set(bucket_keys(other)) <= set(own) | set(others), other
 
 
 def test_unaligned_checkpoints_follow_the_config() -> None:

@@ -211,12 +211,12 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
         cluster: LocalCluster, kafka_broker: LocalBroker, sim: model_server.SpawnedSimulator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
     """cancel -> submit (auto-resume from the retained checkpoint); `llmstream stop` -> submit;
-    `llmstream upgrade` with a changed capacity, then with a changed parallelism; then a backfill
-    `submit --until-end`. Every id exactly once."""
+    `llmstream upgrade` with a changed capacity, then to parallelism 2 and back to 1, each with
+    calls in flight; then a backfill `submit --until-end`. Every id exactly once."""
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle", partitions=2,
                      async_={"capacity": 8}, parallelism={"default": 1})
-    run = ClusterRun(cluster, setup, 4000, "life")
-    run.produce(slice(0, 4000))
+    run = ClusterRun(cluster, setup, 5000, "life")
+    run.produce(slice(0, 5000))
     out = run.submit(capsys)
     assert "no snapshot" in out
     run.wait_output(400)
@@ -249,12 +249,24 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     cluster.wait_for_job_state(job, "RUNNING", timeout=180)
     assert max(cluster.vertex_parallelism(job).values()) == 2
 
-    assert cluster_mod.stop_job(str(wider), jobmanager=cluster.address) == 0
+    run.wait_output(3200)
+
+    # Back to one subtask: the calls in flight at the savepoint sit under bucket keys of the
+    # second subtask, which the narrower job must still find and start again.
+    narrow = setup.path.with_name("lifecycle-narrow.yaml")
+    narrow.write_text(faster.read_text())
+    assert cluster_mod.upgrade(str(narrow), jobmanager=cluster.address) == 0, capsys.readouterr()
     capsys.readouterr()
-    out = run.backfill(capsys, wider)
+    job = run.live_job()
+    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    assert max(cluster.vertex_parallelism(job).values()) == 1
+
+    assert cluster_mod.stop_job(str(narrow), jobmanager=cluster.address) == 0
+    capsys.readouterr()
+    out = run.backfill(capsys, narrow)
     assert "resuming from savepoint" in out, out
     result = final_tally(setup, run.ids)
-    _record(fault_report, "r2. cluster: cancel/stop -> submit resumes; upgrade capacity and parallelism", result,
+    _record(fault_report, "r2. cluster: cancel/stop -> submit resumes; upgrade capacity, parallelism 1->2->1", result,
             started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
     check_exactly_once(result)
