@@ -203,19 +203,20 @@ class InferenceStage(KeyedProcessFunction):
         self._outstanding[bucket] += 1
         self._metrics.admitted = runner.in_flight
 
-    async def _call(self, request: Request) -> SinkRow:
-        """The output row of `request`, or its dead letter; never raises."""
+    async def _call(self, request: Request) -> tuple[SinkRow, str | None]:
+        """The output row of `request`, or its dead letter and reason; never raises. Runs on the
+        runner's loop, so the dead letter is counted when it is emitted, on the operator thread."""
         failure: InferenceError | BadInput
         try:
             completion = await self._client.complete(request)
             return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes)
+                              self._config.limits.max_result_bytes), None
         except (InferenceError, BadInput) as err:
             failure = err
         except Exception as err:
             log.exception("unexpected error in inference for id=%s", request.id)
             failure = _internal(err)
-        return self._dead_letter(failure, request.key, request.raw, request.source, request.id)
+        return self._dead_letter_value(failure, request.key, request.raw, request.source, request.id), failure.reason
 
     def _emit(self, bucket: Any) -> Iterator[Row]:
         """The bucket's finished calls, each removed from state as it is emitted."""
@@ -223,9 +224,13 @@ class InferenceStage(KeyedProcessFunction):
         if not done:
             return
         pending = self._pending
-        for handle, row in done:
-            if row is None:  # the runner caught a raise that `_call` should have prevented
+        for handle, outcome in done:
+            if outcome is None:  # the runner caught a raise that `_call` should have prevented
                 row = self._lost_call(handle)
+            else:
+                row, dead_letter_reason = outcome
+                if dead_letter_reason is not None:
+                    self._metrics.dead_letter(dead_letter_reason)
             pending.remove(handle)
             yield _row(row)
         self._outstanding[bucket] -= len(done)
@@ -247,7 +252,12 @@ class InferenceStage(KeyedProcessFunction):
     # ------------------------------------------------------------------ dead letters
     def _dead_letter(self, err: BadInput | InferenceError, key: bytes | None, raw: bytes | None,
                      source: SourceRef, rid: str | None) -> SinkRow:
-        self._metrics.dead_lettered.inc()
+        """A dead letter written on the operator thread, counted by reason."""
+        self._metrics.dead_letter(err.reason)
+        return self._dead_letter_value(err, key, raw, source, rid)
+
+    def _dead_letter_value(self, err: BadInput | InferenceError, key: bytes | None, raw: bytes | None,
+                           source: SourceRef, rid: str | None) -> SinkRow:
         return dead_letter.for_error(err, key=key, value=raw, source=source, record_id=rid,
                                      job=self._config.name, topic=self._config.kafka.dead_letter_topic)
 

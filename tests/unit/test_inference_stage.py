@@ -75,7 +75,8 @@ class MetricGroup:
         self.metrics: dict[str, Metric] = {}
         self.gauges: dict[str, Callable[[], int]] = {}
 
-    def add_group(self, name: str) -> MetricGroup:
+    def add_group(self, name: str, value: str | None = None) -> MetricGroup:
+        """Both forms of PyFlink's: a named group, and a key/value (label) group."""
         return self
 
     def counter(self, name: str) -> Metric:
