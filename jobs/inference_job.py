@@ -13,6 +13,7 @@ import sys
 from jobs import jars
 from jobs.pipeline import build_pipeline, create_environment
 from jobs.state import StateDir
+from udfs.cache import resolve_cache_location
 from udfs.config import load_config
 from udfs.errors import ConfigError
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmstream: config error: {err}", file=sys.stderr)
         return 2
     state = StateDir.for_job(config, args.state_dir)
+    config = resolve_cache_location(config, state.path)  # beside the snapshots, not the shipped udfs/
     env = create_environment(config, args.jar if args.jar is not None else jars.connector_jar_urls(), state=state)
     build_pipeline(env, config)
     env.execute(config.name)

@@ -40,6 +40,7 @@ from jobs.pipeline import RunOptions, build_pipeline, create_environment
 from jobs.state import StateDir, check_identity, resume_point
 from jobs.status import LocalRun, Observer
 from jobs.status import line as status_line
+from udfs.cache import resolve_cache_location
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.run")
@@ -216,6 +217,8 @@ def run_job(
     options = options or RunOptions()
     stop = stop or StopRequest.new()
     state = StateDir.for_job(config, options.state_dir)
+    # The local result cache lives beside the job's snapshots (the workers get this path pickled).
+    config = resolve_cache_location(config, state.path)
     preflight.check(config)
     jars.ensure("connector")
     if config.metrics.prometheus_port is not None:
