@@ -72,10 +72,7 @@ class GroupProgress:
 
     def snapshot(self) -> tuple[int, int]:
         """(committed, end) summed over the input's partitions."""
-        tps = self._partitions()
-        end = self._consumer.end_offsets(tps) if tps else {}
-        committed = sum((self._consumer.committed(tp) or 0) for tp in tps)
-        return committed, sum(end.values())
+        return sum(self.committed().values()), sum(self.end_offsets().values())
 
     def reached(self, targets: dict[int, int]) -> bool:
         """Whether the group has committed at least `targets` on every partition."""
