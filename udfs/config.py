@@ -49,6 +49,16 @@ class PriceConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """Micro-batching of `api: embeddings` calls (`udfs/batching.py`): up to `max_size` inputs
+    per request, a partial batch sent once its oldest record has waited `max_wait_ms`.
+    `max_size: 1` (the default) sends one request per record."""
+
+    max_size: int = 1
+    max_wait_ms: int = 5
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """An OpenAI-compatible endpoint and how to turn a record into a request for it."""
 
@@ -64,6 +74,7 @@ class ModelConfig:
     max_tokens: int | None = 256
     temperature: float | None = None
     prices: PriceConfig | None = None
+    batch: BatchConfig = field(default_factory=BatchConfig)
 
 
 @dataclass(frozen=True)
@@ -343,13 +354,15 @@ def _validate(obj: Any, path: str) -> None:
             _require(value.strip() != "", key, "must not be empty")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if f.name in ("temperature", "prompt_per_1k", "completion_per_1k", "min_pause_ms",
-                          "tolerable_failed_checkpoints"):
+                          "tolerable_failed_checkpoints", "max_wait_ms"):
                 _require(value >= 0, key, f"must be >= 0, got {value}")
             else:
                 _require(value > 0, key, f"must be > 0, got {value}")
     if isinstance(obj, ModelConfig):
         _require(obj.endpoint.startswith(("http://", "https://")), _join(path, "endpoint"),
                  f"must be an http(s) URL, got {obj.endpoint!r}")
+        _require(obj.batch.max_size == 1 or obj.api == "embeddings", _join(path, "batch.max_size"),
+                 f"batching needs model.api: embeddings (got {obj.api!r}); set it to 1")
         try:
             obj.prompt_template.format_map(_FieldProbe())
         except (ValueError, IndexError) as err:
@@ -371,6 +384,9 @@ def _validate(obj: Any, path: str) -> None:
                  "must be >= async.request_timeout_s")
     if isinstance(obj, JobConfig):
         _validate_transactions(obj)
+        _require(obj.model.batch.max_size <= obj.async_.capacity, "model.batch.max_size",
+                 f"{obj.model.batch.max_size} is over async.capacity ({obj.async_.capacity}), which counts records: "
+                 "a batch could never fill")
         _require(obj.budget.max_cost_per_hour is None or obj.model.prices is not None, "budget.max_cost_per_hour",
                  "needs model.prices to price the calls")
         budgeted = obj.budget.max_cost_per_hour is not None or obj.budget.max_tokens_per_hour is not None
