@@ -21,6 +21,8 @@ setup(
         "rich>=13,<16",
         # The result cache's shared backend (Redis/Valkey), asyncio client; imported only then.
         "redis>=5,<6",
+        # Structured output: every answer validated against model.response_format (a JSON Schema).
+        "jsonschema>=4.18,<5",
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10", "matplotlib>=3.8", "types-requests", "types-PyYAML"],

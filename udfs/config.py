@@ -20,6 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from udfs.errors import ConfigError
+from udfs.structured import load_schema
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "inference.yaml"
 
@@ -75,6 +76,12 @@ class ModelConfig:
     temperature: float | None = None
     prices: PriceConfig | None = None
     batch: BatchConfig = field(default_factory=BatchConfig)
+    # Structured output (udfs/structured.py): a JSON Schema, inline or a file path read at load
+    # (the config then carries the schema itself); how the server is asked for it; how many
+    # more answers an invalid one may be replaced by before the record is dead-lettered.
+    response_format: dict[str, Any] | str | None = None
+    response_format_mode: Literal["native", "prompt"] = "native"
+    max_invalid_retries: int = 2
 
 
 @dataclass(frozen=True)
@@ -302,6 +309,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(path, f"expected a mapping, got {type(value).__name__}")
         _, vtype = get_args(tp)
         return {str(k): _convert(vtype, v, _join(path, str(k))) for k, v in value.items()}
+    if tp is Any:
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(path, f"expected true or false, got {value!r}")
@@ -354,7 +363,7 @@ def _validate(obj: Any, path: str) -> None:
             _require(value.strip() != "", key, "must not be empty")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if f.name in ("temperature", "prompt_per_1k", "completion_per_1k", "min_pause_ms",
-                          "tolerable_failed_checkpoints", "max_wait_ms"):
+                          "tolerable_failed_checkpoints", "max_wait_ms", "max_invalid_retries"):
                 _require(value >= 0, key, f"must be >= 0, got {value}")
             else:
                 _require(value > 0, key, f"must be > 0, got {value}")
@@ -363,6 +372,11 @@ def _validate(obj: Any, path: str) -> None:
                  f"must be an http(s) URL, got {obj.endpoint!r}")
         _require(obj.batch.max_size == 1 or obj.api == "embeddings", _join(path, "batch.max_size"),
                  f"batching needs model.api: embeddings (got {obj.api!r}); set it to 1")
+        if obj.response_format is not None:
+            _require(obj.api != "embeddings", _join(path, "response_format"),
+                     "needs model.api: chat or completions (embeddings answer with vectors)")
+            # The schema, not its path, travels with the config to the workers.
+            object.__setattr__(obj, "response_format", load_schema(obj.response_format, _join(path, "response_format")))
         try:
             obj.prompt_template.format_map(_FieldProbe())
         except (ValueError, IndexError) as err:

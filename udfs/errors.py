@@ -92,3 +92,16 @@ class ContextTooLong(PermanentError):
     """The prompt exceeds the configured input-token budget and truncation is off."""
 
     reason = "context_too_long"
+
+
+class InvalidModelOutput(PermanentError):
+    """The model's answers did not validate against `model.response_format`, also after
+    `model.max_invalid_retries` more tries; `last_output` is the last answer, kept for the
+    dead letter (`detail` holds the validator's message)."""
+
+    reason = "invalid_model_output"
+
+    def __init__(self, detail: str, *, last_output: object = None, status: int | None = 200,
+                 retry_after_s: float | None = None, attempts: int = 1) -> None:
+        super().__init__(detail, status=status, retry_after_s=retry_after_s, attempts=attempts)
+        self.last_output = last_output

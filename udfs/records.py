@@ -61,6 +61,11 @@ class Completion:
     completed_ms: int
     cost: float | None = None
     cached: bool = False
+    # Structured output (udfs/structured.py): the answer parsed and validated, and how many
+    # invalid answers came before it. `structured` tells a valid `null` from no schema.
+    output_json: Any = None
+    structured: bool = False
+    invalid_answers: int = 0
 
 
 class SinkRow(NamedTuple):

@@ -1,0 +1,195 @@
+"""Structured output without a JVM: schema loading (inline, file, bad), validation of answers,
+the invalid-answer retry count, and how requests ask for the schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from udfs.config import DEFAULT_CONFIG, config_from_dict
+from udfs.errors import ConfigError, InvalidModelOutput, RetryableError
+from udfs.records import Completion
+from udfs.structured import (
+    Invalid,
+    StructuredOutput,
+    extract_json_text,
+    load_schema,
+    schema_name,
+)
+
+SCHEMA: dict[str, Any] = {
+    "title": "Sentiment and topic",
+    "type": "object",
+    "properties": {
+        "sentiment": {"enum": ["positive", "neutral", "negative"]},
+        "topic": {"type": "string", "minLength": 1},
+    },
+    "required": ["sentiment", "topic"],
+    "additionalProperties": False,
+}
+
+
+def _config(**model: Any) -> Any:
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["model"].update(model)
+    return config_from_dict(data)
+
+
+def _error(**model: Any) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        _config(**model)
+    return info.value
+
+
+def test_inline_schema_is_kept_and_checked() -> None:
+    config = _config(response_format=SCHEMA)
+    assert config.model.response_format == SCHEMA
+    assert config.model.response_format_mode == "native"
+    assert config.model.max_invalid_retries == 2
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_schema_file_is_read_at_load_and_carried_by_the_config(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"schema{suffix}"
+    path.write_text(json.dumps(SCHEMA) if suffix == ".json" else yaml.safe_dump(SCHEMA))
+    config = _config(response_format=str(path))
+    path.unlink()  # a worker never needs the file
+    assert config.model.response_format == SCHEMA
+    assert StructuredOutput.from_config(config.model) is not None
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"type": "objekt"}, "not a valid JSON Schema at type"),
+        ({"type": "object", "properties": {"a": {"minLength": -1}}}, "not a valid JSON Schema at properties/a"),
+        ("/nonexistent/schema.json", "cannot read schema file '/nonexistent/schema.json'"),
+        (7, "expected"),
+        ([1, 2], "expected"),
+    ],
+)
+def test_bad_schema_is_a_config_error_naming_the_key(value: Any, problem: str) -> None:
+    err = _error(response_format=value)
+    assert err.key == "model.response_format"
+    assert problem in err.problem
+
+
+def test_schema_file_that_is_not_json(tmp_path: Path) -> None:
+    path = tmp_path / "schema.json"
+    path.write_text("{not json")
+    err = _error(response_format=str(path))
+    assert err.key == "model.response_format" and "not valid JSON/YAML" in err.problem
+
+
+def test_other_structured_keys_are_checked() -> None:
+    assert _error(response_format=SCHEMA, api="embeddings").key == "model.response_format"
+    assert _error(response_format_mode="grammar").key == "model.response_format_mode"
+    assert _error(max_invalid_retries=-1).key == "model.max_invalid_retries"
+    assert _config(max_invalid_retries=0).model.max_invalid_retries == 0
+
+
+def test_load_schema_accepts_a_mapping_as_is() -> None:
+    assert load_schema(SCHEMA, "k") is SCHEMA
+
+
+def test_schema_name_follows_openai_rules() -> None:
+    assert schema_name(SCHEMA) == "Sentiment_and_topic"
+    assert schema_name({"type": "object"}) == "output"
+    assert schema_name({"title": "!!!"}) == "output"
+    assert len(schema_name({"title": "x" * 100})) == 64
+
+
+def test_valid_answers_parse_invalid_ones_say_why() -> None:
+    structured = StructuredOutput(SCHEMA)
+    assert structured.check('{"sentiment": "positive", "topic": "food"}') == {"sentiment": "positive",
+                                                                               "topic": "food"}
+    assert structured.check('```json\n{"sentiment": "neutral", "topic": "x"}\n```')["sentiment"] == "neutral"
+    wrong_enum = structured.check('{"sentiment": "meh", "topic": "food"}')
+    assert isinstance(wrong_enum, Invalid) and "$.sentiment" in wrong_enum.message and "'meh'" in wrong_enum.message
+    missing = structured.check('{"sentiment": "positive"}')
+    assert isinstance(missing, Invalid) and "'topic' is a required property" in missing.message
+    not_json = structured.check("Sure! Here is the JSON you asked for")
+    assert isinstance(not_json, Invalid) and not_json.message.startswith("not JSON")
+    assert isinstance(structured.check([0.1, 0.2]), Invalid)
+
+
+def test_fence_stripping_only_strips_a_whole_fence() -> None:
+    assert extract_json_text('  {"a": 1}\n') == '{"a": 1}'
+    assert extract_json_text('```\n{"a": 1}\n```') == '{"a": 1}'
+    assert extract_json_text('text ```json\n{"a": 1}\n```') == 'text ```json\n{"a": 1}\n```'
+
+
+def test_native_and_prompt_requests() -> None:
+    structured = StructuredOutput(SCHEMA)
+    assert structured.response_format() == {
+        "type": "json_schema", "json_schema": {"name": "Sentiment_and_topic", "schema": SCHEMA}}
+    assert json.dumps(SCHEMA, separators=(",", ":")) in structured.instruction()
+
+
+def _completion(output: str, attempts: int = 1) -> Completion:
+    return Completion(output=output, model="m", finish_reason="stop", prompt_tokens=1, completion_tokens=1,
+                      latency_ms=1.0, attempts=attempts, endpoint="http://x", started_ms=0, completed_ms=0)
+
+
+class Answers:
+    """Hands out the scripted answers (or raises the scripted errors) one call at a time."""
+
+    def __init__(self, *script: Any) -> None:
+        self.script = list(script)
+        self.calls = 0
+
+    async def __call__(self) -> Completion:
+        item = self.script[self.calls]
+        self.calls += 1
+        if isinstance(item, Exception):
+            raise item
+        return item if isinstance(item, Completion) else _completion(item)
+
+
+VALID = '{"sentiment": "negative", "topic": "rain"}'
+
+
+def test_a_valid_first_answer_is_taken() -> None:
+    answers = Answers(VALID)
+    completion = asyncio.run(StructuredOutput(SCHEMA, max_invalid_retries=2).until_valid(answers))
+    assert answers.calls == 1
+    assert completion.structured and completion.output_json == json.loads(VALID)
+    assert completion.invalid_answers == 0 and completion.attempts == 1
+
+
+def test_invalid_answers_are_retried_and_attempts_summed() -> None:
+    answers = Answers("nope", _completion('{"sentiment": "x"}', attempts=3), VALID)
+    completion = asyncio.run(StructuredOutput(SCHEMA, max_invalid_retries=2).until_valid(answers))
+    assert answers.calls == 3
+    assert completion.output_json == json.loads(VALID)
+    assert completion.invalid_answers == 2 and completion.attempts == 5
+
+
+@pytest.mark.parametrize("retries", [0, 1, 3])
+def test_after_max_invalid_retries_the_last_answer_is_dead_lettered(retries: int) -> None:
+    script = [f'{{"sentiment": "bad{i}", "topic": "t"}}' for i in range(retries + 1)] + [VALID]
+    answers = Answers(*script)
+    with pytest.raises(InvalidModelOutput) as info:
+        asyncio.run(StructuredOutput(SCHEMA, max_invalid_retries=retries).until_valid(answers))
+    assert answers.calls == retries + 1  # the valid answer after the allowance is never asked for
+    err = info.value
+    assert err.reason == "invalid_model_output"
+    assert err.last_output == script[retries]
+    assert f"'bad{retries}'" in err.detail and "$.sentiment" in err.detail
+    assert err.attempts == retries + 1 and err.status == 200
+
+
+def test_a_transport_failure_in_a_later_round_keeps_its_own_reason_and_all_attempts() -> None:
+    answers = Answers(_completion("nope", attempts=2), RetryableError("HTTP 503", status=503, attempts=4))
+    with pytest.raises(RetryableError) as info:
+        asyncio.run(StructuredOutput(SCHEMA, max_invalid_retries=2).until_valid(answers))
+    assert info.value.attempts == 6
+
+
+def test_no_schema_means_no_structured_output() -> None:
+    assert StructuredOutput.from_config(_config().model) is None

@@ -1,0 +1,167 @@
+"""Structured output: answers that match a JSON Schema, or a dead letter that says why not.
+
+`model.response_format` holds a JSON Schema, inline or as a file path; `load_schema` reads
+and checks it when the config loads (a bad schema is a `ConfigError` naming the key, before
+the job starts), and the config then carries the schema itself, so a cluster's workers never
+need the file. The schema reaches the model in one of two ways (`model.response_format_mode`):
+
+- ``native``: OpenAI's ``response_format: {"type": "json_schema", "json_schema": {...}}``,
+  which OpenAI, vLLM, llama.cpp's server and Ollama's OpenAI API constrain decoding with;
+- ``prompt``: an instruction with the schema, added to the system prompt (chat) or in front
+  of the prompt (completions), for servers that ignore or reject ``response_format``.
+
+Either way every answer is parsed and validated with `jsonschema` (never trusted because the
+server was asked nicely). A valid answer becomes the record's ``output_json``.
+
+Where the invalid-answer retry lives, and why there: in `StructuredOutput.until_valid`, one
+level above `RetryPolicy` (udfs/retry.py) and below the result cache. An invalid answer is
+an HTTP 200 from a healthy server, so it is not a transport failure: backing off would only
+waste time, spending `retry.max_attempts` on it would leave a later 503 no retries, and a
+429 storm must not eat the invalid-answer allowance either. So each round is one whole
+`RetryPolicy.run` (its own attempts and its own `async.record_deadline_s`), and this loop
+only counts answers that came back and did not validate, up to `model.max_invalid_retries`.
+It sits below the cache so an invalid answer is never stored, and a retry never gets the
+same stored answer back. When the allowance is spent the record is dead-lettered as
+`invalid_model_output` with the last answer and the validator's message: a record's
+outcome, never a failure of the job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jsonschema
+import yaml
+from jsonschema.exceptions import SchemaError, best_match
+
+from udfs.errors import ConfigError, InferenceError, InvalidModelOutput
+
+if TYPE_CHECKING:
+    from udfs.config import ModelConfig
+    from udfs.records import Completion
+
+MAX_MESSAGE_CHARS = 300
+_FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(?P<body>.*?)\n?```$", re.DOTALL)
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
+
+PROMPT_INSTRUCTION = (
+    "Answer with one JSON value and nothing else (no prose, no code fence). "
+    "It must be valid against this JSON Schema:\n{schema}"
+)
+"""The instruction of `response_format_mode: prompt`; `{schema}` is the schema as compact JSON."""
+
+
+def load_schema(value: Any, key: str) -> dict[str, Any]:
+    """The JSON Schema `value` names: a mapping is the schema, a string a JSON or YAML file
+    (relative paths from the current directory). Raises `ConfigError(key, ...)` when the file
+    cannot be read or parsed, or the schema is not a valid JSON Schema of its draft."""
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(key, f"cannot read schema file {str(path)!r}: {err.strerror}") from None
+        try:
+            value = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as err:
+            raise ConfigError(key, f"schema file {str(path)!r} is not valid JSON/YAML: {err}"[:500]) from None
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a JSON Schema (a mapping) or a file path, got {type(value).__name__}")
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except SchemaError as err:
+        where = "/".join(str(p) for p in err.absolute_path) or "(root)"
+        raise ConfigError(key, f"not a valid JSON Schema at {where}: {err.message}"[:500]) from None
+    return value
+
+
+def schema_name(schema: dict[str, Any]) -> str:
+    """The `json_schema.name` OpenAI requires (`[A-Za-z0-9_-]{1,64}`): the schema's title, else `output`."""
+    title = schema.get("title")
+    name = _NAME_CHARS.sub("_", title).strip("_")[:64] if isinstance(title, str) else ""
+    return name or "output"
+
+
+def extract_json_text(output: str) -> str:
+    """The JSON text of an answer: stripped, without a Markdown code fence around it (models
+    asked by prompt often add one; nothing else is forgiven)."""
+    text = output.strip()
+    fenced = _FENCE.match(text)
+    return fenced.group("body").strip() if fenced else text
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """Why an answer was rejected: the validator's (or parser's) message."""
+
+    message: str
+
+
+class StructuredOutput:
+    """The schema of one job: how requests ask for it and how answers are checked against it."""
+
+    def __init__(self, schema: dict[str, Any], *, mode: str = "native", max_invalid_retries: int = 2) -> None:
+        self.schema = schema
+        self.mode = mode
+        self.max_invalid_retries = max_invalid_retries
+        self._validator = jsonschema.validators.validator_for(schema)(schema)
+
+    @classmethod
+    def from_config(cls, model: ModelConfig) -> StructuredOutput | None:
+        """The model's structured output, or `None` when `model.response_format` is unset."""
+        if model.response_format is None:
+            return None
+        schema = load_schema(model.response_format, "model.response_format")
+        return cls(schema, mode=model.response_format_mode, max_invalid_retries=model.max_invalid_retries)
+
+    # ------------------------------------------------------------------ requests
+    def response_format(self) -> dict[str, Any]:
+        """The OpenAI `response_format` field of `native` mode."""
+        return {"type": "json_schema", "json_schema": {"name": schema_name(self.schema), "schema": self.schema}}
+
+    def instruction(self) -> str:
+        """The prompt instruction of `prompt` mode."""
+        return PROMPT_INSTRUCTION.format(schema=json.dumps(self.schema, separators=(",", ":"), ensure_ascii=False))
+
+    # ------------------------------------------------------------------ answers
+    def check(self, output: Any) -> Any:
+        """The answer's parsed JSON when it is valid against the schema, else an `Invalid`."""
+        if not isinstance(output, str):
+            return Invalid(f"expected a text answer, got {type(output).__name__}")
+        try:
+            value = json.loads(extract_json_text(output))
+        except ValueError as err:
+            return Invalid(f"not JSON: {err}"[:MAX_MESSAGE_CHARS])
+        error = best_match(self._validator.iter_errors(value))
+        if error is None:
+            return value
+        where = error.json_path if error.absolute_path else "$"
+        return Invalid(f"at {where}: {error.message}"[:MAX_MESSAGE_CHARS])
+
+    async def until_valid(self, answer: Callable[[], Awaitable[Completion]]) -> Completion:
+        """Calls `answer()` (one whole HTTP-retried call) until its output validates, at most
+        `1 + max_invalid_retries` times. Returns the valid completion with `output_json` set and
+        `attempts` summed over every round; raises `InvalidModelOutput` with the last answer and
+        the validator's message when none validated. An `InferenceError` from a later round
+        passes through with the earlier rounds' attempts added."""
+        attempts = 0
+        for invalid_so_far in range(self.max_invalid_retries + 1):
+            try:
+                completion = await answer()
+            except InferenceError as err:
+                err.attempts += attempts
+                raise
+            attempts += completion.attempts
+            checked = self.check(completion.output)
+            if not isinstance(checked, Invalid):
+                return replace(completion, output_json=checked, structured=True, attempts=attempts,
+                               invalid_answers=invalid_so_far)
+            last, message = completion, checked.message
+        raise InvalidModelOutput(
+            f"{self.max_invalid_retries + 1} answer(s), none valid against model.response_format; last: {message}",
+            last_output=last.output, attempts=attempts, status=200)
