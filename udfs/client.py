@@ -11,6 +11,12 @@ rate-limit tokens -> send, with `async.request_timeout_s` per attempt; failures 
 and queue from the moment the first attempt is dispatched; time spent waiting in line for a
 slot or tokens before that is backpressure, not failure, and does not count.
 
+With `api: embeddings` and `model.batch.max_size` > 1, records pass through a `Batcher`
+(`udfs/batching.py`) after the cache: up to `max_size` inputs go in one request, which takes
+that path as one call (one budget, slot, rate-limit and retry sequence), and each record gets
+its own vector and its share of the usage. A batch rejected with a permanent 4xx is sent
+again record by record, so one bad input is dead-lettered alone.
+
 The API key is read from the environment for each call and put only in the request's
 `Authorization` header: never stored on the object, logged, or left in an error detail.
 """
@@ -26,6 +32,7 @@ from typing import Any, Self
 
 import aiohttp
 
+from udfs.batching import Batcher, share_usage, split_on_rejection
 from udfs.budget import SpendBudget
 from udfs.cache import cache_key, cacheable, open_cache
 from udfs.config import JobConfig
@@ -53,6 +60,11 @@ SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "cookie", "signature")
 
 def _epoch_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def batch_group(payload: dict[str, Any]) -> str:
+    """Records whose bodies differ only in `input` can share a batch request."""
+    return json.dumps({k: v for k, v in payload.items() if k != "input"}, sort_keys=True)
 
 
 def _server_message(body: str) -> str:
@@ -94,6 +106,11 @@ class InferenceClient:
         self.cache = open_cache(config, self.metrics)
         self.budget = SpendBudget(config.budget, config.model.prices, subtasks, on_pause=self._on_budget_pause)
         self._leaders: dict[str, asyncio.Future[dict[str, Any] | None]] = {}
+        batch = config.model.batch
+        self._batcher: Batcher[tuple[Request, dict[str, Any]], Completion] | None = None
+        if config.model.api == "embeddings" and batch.max_size > 1:
+            self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_one_entry),
+                                    max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
         self._timeout = aiohttp.ClientTimeout(total=config.async_.request_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -136,6 +153,9 @@ class InferenceClient:
     def _on_budget_pause(self, paused: bool) -> None:
         self.metrics.budget_paused = paused
 
+    async def _call_one_entry(self, entry: tuple[Request, dict[str, Any]]) -> Completion:
+        return await self._call_one(*entry)
+
     async def close(self) -> None:
         """Closes the session and its pooled connections; the client may be used again after.
 
@@ -144,6 +164,8 @@ class InferenceClient:
         it; if it is closed, the sockets cannot be closed through it, so the session drops
         them and a garbage collection closes them now rather than at some later collection.
         """
+        if self._batcher is not None:
+            await self._batcher.close()
         if self.cache is not None:
             await self.cache.close()
         session, loop = self._session, self._session_loop
@@ -233,11 +255,27 @@ class InferenceClient:
             completed_ms=now, cost=0.0 if self._config.model.prices is not None else None, cached=True)
 
     async def _call(self, request: Request, payload: dict[str, Any]) -> Completion:
+        """The model's answer to one record: alone, or in a micro-batch when `model.batch` says so."""
+        if self._batcher is not None:
+            return await self._batcher.submit((request, payload), batch_group(payload))
+        return await self._call_one(request, payload)
+
+    async def _call_one(self, request: Request, payload: dict[str, Any]) -> Completion:
         estimated = input_tokens(payload) + int(payload.get("max_tokens") or 0)
+        budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
+        body, latency_ms, attempts, started_ms = await self._attempts(payload, request.id, estimated, budgeted)
+        completion = self._completion(payload, body, estimated, latency_ms=latency_ms, attempts=attempts,
+                                      started_ms=started_ms)
+        self.budget.settle(budgeted, (completion.prompt_tokens, completion.completion_tokens))
+        return completion
+
+    async def _attempts(self, payload: dict[str, Any], label: str, estimated: int,
+                        budgeted: tuple[int, int]) -> tuple[dict[str, Any], float, int, int]:
+        """One request through budget, concurrency, rate limit and the retry layer:
+        (2xx body, latency ms from the first attempt, attempts, epoch ms of the first attempt)."""
         deadline = Deadline(self._config.async_.record_deadline_s)
         sent: list[float] = []
         started_ms = 0
-        budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
         await self.budget.acquire(*budgeted)
 
         async def attempt(number: int) -> dict[str, Any]:
@@ -250,7 +288,7 @@ class InferenceClient:
                 else:
                     self.metrics.retries.inc()
                 sent.append(time.perf_counter())
-                body = await self._send(payload, request.id, number)
+                body = await self._send(payload, label, number)
                 self.concurrency.on_success(time.perf_counter() - sent[-1])
                 self.metrics.concurrency_limit = self.concurrency.limit
                 return body
@@ -260,11 +298,58 @@ class InferenceClient:
         except InferenceError as err:
             err.attempts = len(sent)
             raise
-        latency_ms = (time.perf_counter() - sent[0]) * 1000
-        completion = self._completion(payload, body, estimated, latency_ms=latency_ms, attempts=len(sent),
-                                      started_ms=started_ms)
-        self.budget.settle(budgeted, (completion.prompt_tokens, completion.completion_tokens))
-        return completion
+        return body, (time.perf_counter() - sent[0]) * 1000, len(sent), started_ms
+
+    async def _call_batch(self, entries: list[tuple[Request, dict[str, Any]]]) -> list[Completion | BaseException]:
+        """One embeddings request for `entries` (same `batch_group`), retried as a batch; one
+        completion per entry, in order, with its share of the batch's usage and cost."""
+        payloads = [payload for _, payload in entries]
+        estimates = [input_tokens(payload) for payload in payloads]
+        estimated = sum(estimates)
+        batch_payload = {**payloads[0], "input": [payload["input"] for payload in payloads]}
+        label = f"{entries[0][0].id} (+{len(entries) - 1} in batch)"
+        body, latency_ms, attempts, started_ms = await self._attempts(batch_payload, label, estimated, (estimated, 0))
+        vectors = self._batch_vectors(body, len(entries), attempts)
+        usage = body.get("usage")
+        total = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+            total = estimated
+        self.rate_limiter.settle(estimated, total)
+        self.budget.settle((estimated, 0), (total, 0))
+        self.metrics.prompt_tokens.inc(total)
+        prices = self._config.model.prices
+        model = str(body.get("model") or batch_payload["model"])
+        completed_ms = _epoch_ms()
+        out: list[Completion | BaseException] = []
+        for vector, share in zip(vectors, share_usage(total, estimates), strict=True):
+            self.metrics.latency_ms.update(int(latency_ms))
+            out.append(Completion(
+                output=vector, model=model, finish_reason=None, prompt_tokens=share, completion_tokens=0,
+                latency_ms=latency_ms, attempts=attempts, endpoint=self.url, started_ms=started_ms,
+                completed_ms=completed_ms, cost=share / 1000 * prices.prompt_per_1k if prices is not None else None))
+        return out
+
+    def _batch_vectors(self, body: dict[str, Any], count: int, attempts: int) -> list[Any]:
+        """The `count` vectors of a batch response, in input order (by each item's `index`)."""
+        data = body.get("data")
+        if not isinstance(data, list) or len(data) != count:
+            got = len(data) if isinstance(data, list) else type(data).__name__
+            raise PermanentError(f"unexpected embeddings response: {got} items for a batch of {count} inputs",
+                                 status=200, attempts=attempts)
+        try:
+            if all(isinstance(item.get("index"), int) for item in data):
+                data = sorted(data, key=lambda item: item["index"])
+            vectors = [item["embedding"] for item in data]
+        except (AttributeError, KeyError, TypeError) as err:
+            raise PermanentError(f"unexpected embeddings response shape ({type(err).__name__}: {err})"[:MAX_DETAIL_CHARS],
+                                 status=200, attempts=attempts) from None
+        for vector in vectors:
+            if vector and isinstance(vector, list) and isinstance(vector[0], list):
+                raise UnsupportedResponse(
+                    f"the server returned {len(vector)} vectors (one per token) for one input, not one "
+                    "pooled embedding; use an embedding model or server that pools (e.g. mean pooling)",
+                    status=200, attempts=attempts)
+        return vectors
 
     async def _send(self, payload: dict[str, Any], request_id: str, attempt: int) -> dict[str, Any]:
         """One HTTP call; returns the parsed 2xx body or raises `RetryableError`/`PermanentError`."""
