@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from jobs.model_server import ThreadedSimulator
+from jobs.dev.simulator import ThreadedSimulator
 from tests.unit.test_client import job_config, request, run
 from udfs.budget import SpendBudget
 from udfs.client import InferenceClient

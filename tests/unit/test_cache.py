@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from jobs.model_server import ThreadedSimulator
+from jobs.dev.simulator import ThreadedSimulator
 from tests.redis_server import RedisServer
 from tests.unit.test_client import job_config, request, run
 from udfs.cache import (

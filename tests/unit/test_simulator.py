@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 import requests
 
-from jobs import model_server as ms
-from jobs.model_server import (
+from jobs.dev import simulator as ms
+from jobs.dev.simulator import (
     FaultSettings,
     SimulatorConfig,
     ThreadedSimulator,

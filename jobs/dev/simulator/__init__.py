@@ -1,0 +1,138 @@
+"""OpenAI-compatible model-server SIMULATOR for llmstream benchmarks and tests.
+
+This is NOT a language model. Every answer is synthetic and deterministic: completion
+text is "Simulated answer to: <first 40 characters of the prompt>" padded with filler
+words, embeddings are derived from a hash of the input, and token counts are
+approximations (ceil(len(text) / 4), at least 1). Responses carry
+``system_fingerprint: "llmstream-simulator"`` and ``/stats`` and ``/v1/models`` carry
+``"simulator": true`` so that nobody mistakes its numbers for a real model's.
+
+It exists to put a controllable, cheap, realistic-looking HTTP endpoint in front of the
+llmstream Flink job: configurable latency, a concurrency limit, OpenAI-style rate
+limits and runtime-switchable fault injection. The server uses only the standard
+library (an ``asyncio.Protocol`` HTTP/1.1 server with keep-alive, pipelining,
+Content-Length and chunked request bodies); it serves well over 10,000 instant
+requests per second on one core, so it should not be a benchmark's bottleneck.
+
+Endpoints
+---------
+``POST /v1/chat/completions``  body ``{"model", "messages": [{"role", "content"}], "max_tokens"?, "n"?}``
+``POST /v1/completions``       body ``{"model", "prompt": str | list[str], "max_tokens"?, "n"?}``
+``POST /v1/embeddings``        body ``{"model", "input": str | list[str], "dimensions"?, "encoding_format"?}``
+``GET  /v1/models``, ``GET /v1/models/{id}``  (any model name in a request is accepted and echoed)
+``GET  /health``               200 ``{"status": "ok"}``
+``GET  /stats``                counters, see ``SimulatorServer.stats``; ``POST /stats/reset`` zeroes them
+``GET|POST /admin/faults``     read / replace the fault scenario (keys below)
+``GET|POST /admin/config``     read / update latency and limits (keys below)
+
+Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: unknown path
+404, bad JSON or missing ``messages``/``prompt``/``input`` 400, wrong or missing API key 401
+(only ``/v1/*`` is protected; health, stats and admin are not, so bind to loopback).
+
+``POST /admin/faults`` body (the body REPLACES the whole fault scenario; omitted keys
+go back to their defaults, so ``{}`` clears every fault)::
+
+    error_rate       fraction of inference requests answered with error_status   (0)
+    error_status     HTTP status of injected errors                              (500)
+    rate_limit_rate  fraction answered 429 with Retry-After: retry_after_s       (0)
+    retry_after_s    Retry-After seconds of injected 429s                        (1)
+    hang_rate        fraction never answered; the connection is held open until
+                     the client leaves or hang_max_s (config) passes              (0)
+    reset_rate       fraction whose connection is aborted (TCP RST), no response  (0)
+    down_for_s       go down now for that many seconds: stop listening (clients get
+                     connection refused) and abort every open connection; the
+                     admin request itself is answered first. A body with only
+                     this key keeps the current scenario                         (0)
+    until_s          the rates above revert to zero after that many seconds     (none)
+
+For example "429 to 30% of calls for 60 s" is ``{"rate_limit_rate": 0.3, "until_s": 60}``.
+The rates are drawn from one uniform sample per request, so their sum must be <= 1.
+Faults apply to the three inference endpoints only and are decided after the request
+is validated (a bad request is always a 400), before rate limits and admission.
+
+``POST /admin/config`` body (partial update; the same names as the command-line flags,
+with ``-`` or ``_``)::
+
+    latency            "0" | "instant" | "fixed:MS" | "lognormal:MEDIAN_MS:P99_MS"
+    per_token_ms       extra latency per completion token
+    concurrency        requests processed at once, 0 = unlimited
+    reject_over_limit  over the limit answer 429 at once instead of queueing
+    retry_after_s      Retry-After seconds of those 429s
+    rpm, tpm           requests / tokens per minute (token buckets), 0 = unlimited
+    embedding_dim, default_max_tokens, max_output_tokens, hang_max_s, seed
+
+Latency is the time a request holds a concurrency slot: a sample of the latency model
+plus ``per_token_ms`` times the completion tokens, slept with the event loop (never
+blocking it). Lognormal uses ``mu = ln(median)``, ``sigma = ln(p99 / median) / 2.3263``.
+Rate limits count one request and ``prompt_tokens + max_tokens * choices`` tokens per
+admitted request, and answer 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*``
+headers (also sent on successful responses while a limit is set).
+
+Run it with ``llmstream model-server`` or ``python -m jobs.dev.simulator --help``. From
+Python: ``serve`` (inside a running event loop), ``start_in_thread`` (a daemon thread,
+for tests) or ``spawn`` (a subprocess).
+
+Modules
+-------
+``config``     ``SimulatorConfig``, ``FaultSettings``, ``parse_latency``: every setting, checked at construction
+``endpoints``  the request shapes accepted and the synthetic bodies returned (no HTTP)
+``server``     ``SimulatorServer`` and ``serve``: HTTP, routing, faults, rate limits, concurrency, ``/stats``
+``launch``     ``start_in_thread`` / ``ThreadedSimulator`` and ``spawn`` / ``SpawnedSimulator``
+``cli``        ``llmstream model-server``: ``add_arguments``, ``config_from_args``, ``run``, ``main``
+"""
+
+from jobs.dev.simulator.cli import (
+    FINAL_STATS_PREFIX,
+    LISTENING_PREFIX,
+    add_arguments,
+    build_parser,
+    config_from_args,
+    main,
+    run,
+)
+from jobs.dev.simulator.config import (
+    DEFAULT_MODEL,
+    SIMULATOR_FINGERPRINT,
+    FaultSettings,
+    LatencyModel,
+    SimulatorConfig,
+    parse_latency,
+)
+from jobs.dev.simulator.endpoints import (
+    approx_tokens,
+    completion_text,
+    embedding_vector,
+)
+from jobs.dev.simulator.launch import (
+    SpawnedSimulator,
+    ThreadedSimulator,
+    spawn,
+    start_in_thread,
+)
+from jobs.dev.simulator.server import SimulatorServer, format_reset, serve
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "FINAL_STATS_PREFIX",
+    "LISTENING_PREFIX",
+    "SIMULATOR_FINGERPRINT",
+    "FaultSettings",
+    "LatencyModel",
+    "SimulatorConfig",
+    "SimulatorServer",
+    "SpawnedSimulator",
+    "ThreadedSimulator",
+    "add_arguments",
+    "approx_tokens",
+    "build_parser",
+    "completion_text",
+    "config_from_args",
+    "embedding_vector",
+    "format_reset",
+    "main",
+    "parse_latency",
+    "run",
+    "serve",
+    "spawn",
+    "start_in_thread",
+]

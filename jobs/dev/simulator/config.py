@@ -1,0 +1,224 @@
+"""The simulator's settings: the latency model, the fault scenario and ``SimulatorConfig``.
+
+Every value is checked at construction, so a bad ``--flag`` or ``/admin`` body fails with a
+message that names the key instead of misbehaving later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+SIMULATOR_FINGERPRINT = "llmstream-simulator"
+DEFAULT_MODEL = "llmstream-sim"
+MAX_EMBEDDING_DIM = 8192
+MAX_OUTPUT_TOKENS_CAP = 16384
+MAX_CHOICES = 128
+
+_Z99 = 2.3263478740408408
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """A parsed ``--latency`` spec; samples are milliseconds."""
+
+    kind: str = "instant"
+    median_ms: float = 0.0
+    p99_ms: float = 0.0
+
+    @property
+    def instant(self) -> bool:
+        return self.kind == "instant" or (self.kind == "fixed" and self.median_ms <= 0)
+
+    @property
+    def mu(self) -> float:
+        return math.log(self.median_ms) if self.median_ms > 0 else 0.0
+
+    @property
+    def sigma(self) -> float:
+        if self.kind != "lognormal" or self.median_ms <= 0:
+            return 0.0
+        return math.log(self.p99_ms / self.median_ms) / _Z99
+
+    def sample_ms(self, rng: random.Random) -> float:
+        if self.kind == "lognormal":
+            return rng.lognormvariate(self.mu, self.sigma)
+        if self.kind == "fixed":
+            return self.median_ms
+        return 0.0
+
+
+def parse_latency(spec: str | float) -> LatencyModel:
+    """Parse ``0`` | ``instant`` | ``fixed:MS`` | ``MS`` | ``lognormal:MEDIAN_MS:P99_MS``."""
+    if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
+        raise TypeError(f"latency must be a string or a number, got {spec!r}")
+    if isinstance(spec, (int, float)):
+        spec = str(spec)
+    text = spec.strip().lower()
+    if text in ("", "0", "instant", "none", "fixed:0"):
+        return LatencyModel("instant")
+    parts = text.split(":")
+    try:
+        if parts[0] == "fixed" and len(parts) == 2:
+            ms = float(parts[1])
+            kind = "fixed"
+            if not math.isfinite(ms) or ms < 0:
+                raise ValueError
+            return LatencyModel(kind, ms, ms) if ms > 0 else LatencyModel("instant")
+        if parts[0] == "lognormal" and len(parts) == 3:
+            median, p99 = float(parts[1]), float(parts[2])
+            if not (math.isfinite(median) and math.isfinite(p99)) or median <= 0 or p99 < median:
+                raise ValueError
+            return LatencyModel("lognormal", median, p99)
+        if len(parts) == 1:
+            return parse_latency(f"fixed:{parts[0]}")
+    except ValueError:
+        pass
+    raise ValueError(
+        f"invalid latency {spec!r}: use 0, instant, fixed:MS or lognormal:MEDIAN_MS:P99_MS "
+        "(median > 0, p99 >= median)"
+    )
+
+
+def check_number(name: str, value: Any, *, minimum: float = 0.0, maximum: float | None = None,
+                  integer: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if integer and not float(value).is_integer():
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not math.isfinite(value) or value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """A fault scenario; see the module docstring for what each key does."""
+
+    error_rate: float = 0.0
+    error_status: int = 500
+    rate_limit_rate: float = 0.0
+    retry_after_s: int = 1
+    hang_rate: float = 0.0
+    reset_rate: float = 0.0
+    until_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("error_rate", "rate_limit_rate", "hang_rate", "reset_rate"):
+            check_number(name, getattr(self, name), maximum=1.0)
+        check_number("error_status", self.error_status, minimum=400, maximum=599, integer=True)
+        check_number("retry_after_s", self.retry_after_s, integer=True)
+        if self.until_s is not None:
+            check_number("until_s", self.until_s)
+        for name in ("error_rate", "rate_limit_rate", "hang_rate", "reset_rate"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "error_status", int(self.error_status))
+        object.__setattr__(self, "retry_after_s", int(self.retry_after_s))
+        if self.total_rate > 1.0 + 1e-9:
+            raise ValueError("error_rate + rate_limit_rate + hang_rate + reset_rate must be <= 1")
+
+    @property
+    def total_rate(self) -> float:
+        return self.error_rate + self.rate_limit_rate + self.hang_rate + self.reset_rate
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FaultSettings:
+        """Build from an admin body; unknown keys are an error so typos do not pass silently."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        clean = {k.replace("-", "_"): v for k, v in data.items()}
+        unknown = set(clean) - names
+        if unknown:
+            raise ValueError(f"unknown fault keys: {sorted(unknown)}")
+        return cls(**_integral(cls(), clean))
+
+
+def _integral(defaults: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """JSON may carry 5.0 for 5: turn integral floats into ints where the field is an int."""
+    out = dict(values)
+    for key, value in values.items():
+        default = getattr(defaults, key, None)
+        if (isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float)
+                and value.is_integer()):
+            out[key] = int(value)
+    return out
+
+
+_RUNTIME_CONFIG_KEYS = (
+    "latency", "per_token_ms", "concurrency", "reject_over_limit", "retry_after_s", "rpm", "tpm",
+    "embedding_dim", "default_max_tokens", "max_output_tokens", "hang_max_s", "seed",
+)
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    """Every setting of the simulator; ``api_key`` is kept out of ``repr`` so it never lands in logs."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    models: tuple[str, ...] = (DEFAULT_MODEL,)
+    latency: str = "0"
+    per_token_ms: float = 0.0
+    seed: int | None = None
+    concurrency: int = 0
+    reject_over_limit: bool = False
+    retry_after_s: int = 1
+    rpm: int = 0
+    tpm: int = 0
+    embedding_dim: int = 16
+    default_max_tokens: int = 32
+    max_output_tokens: int = 1024
+    hang_max_s: float = 600.0
+    api_key: str | None = field(default=None, repr=False)
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    stats_log_interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        parse_latency(self.latency)
+        check_number("port", self.port, maximum=65535, integer=True)
+        check_number("per_token_ms", self.per_token_ms)
+        check_number("concurrency", self.concurrency, integer=True)
+        check_number("retry_after_s", self.retry_after_s, integer=True)
+        check_number("rpm", self.rpm, integer=True)
+        check_number("tpm", self.tpm, integer=True)
+        check_number("embedding_dim", self.embedding_dim, minimum=1, maximum=MAX_EMBEDDING_DIM, integer=True)
+        check_number("max_output_tokens", self.max_output_tokens, minimum=1,
+                      maximum=MAX_OUTPUT_TOKENS_CAP, integer=True)
+        check_number("default_max_tokens", self.default_max_tokens, minimum=1, integer=True)
+        check_number("hang_max_s", self.hang_max_s)
+        check_number("stats_log_interval_s", self.stats_log_interval_s)
+        if self.seed is not None:
+            check_number("seed", self.seed, minimum=-(2**63), integer=True)
+        if not isinstance(self.reject_over_limit, bool):
+            raise TypeError("reject_over_limit must be a boolean")
+        if not self.models or not all(isinstance(m, str) and m for m in self.models):
+            raise ValueError("models must be a non-empty list of names")
+        if not isinstance(self.faults, FaultSettings):
+            raise TypeError("faults must be a FaultSettings")
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as JSON-able data, without the API key."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "api_key"}
+        data["models"] = list(self.models)
+        data["faults"] = self.faults.to_dict()
+        data["api_key_set"] = self.api_key is not None
+        return data
+
+    def updated(self, changes: dict[str, Any]) -> SimulatorConfig:
+        """Apply an ``/admin/config`` body; only runtime-changeable keys are accepted."""
+        clean = {k.replace("-", "_"): v for k, v in changes.items()}
+        unknown = set(clean) - set(_RUNTIME_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"unknown or read-only config keys: {sorted(unknown)}")
+        if "latency" in clean and not isinstance(clean["latency"], str):
+            parse_latency(clean["latency"])
+            clean["latency"] = str(clean["latency"])
+        return dataclasses.replace(self, **_integral(self, clean))
+
+
+# --------------------------------------------------------------------------- helpers
