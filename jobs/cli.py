@@ -1,7 +1,9 @@
-"""The `llmstream` command: one entry point, one subcommand per thing a user does.
+"""The `llmstream` command: one entry point, one argparse subcommand per thing a user does.
 
-Subcommands import their modules lazily so `llmstream --help` and config errors answer
-at once, without loading PyFlink.
+The job's own commands (run, plan, demo, submit, stop, upgrade) are defined here; each
+service (kafka, cluster, model-server, bench, status) brings its module's own
+`add_arguments(parser)` / `run(args)` pair. Nothing here imports PyFlink, so `--help` and
+config errors answer at once.
 """
 
 from __future__ import annotations
@@ -10,21 +12,26 @@ import argparse
 import importlib
 import logging
 import os
+import shlex
 import sys
-from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from udfs.errors import ConfigError, LLMStreamError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from jobs.pipeline import RunOptions
 
-# subcommand -> (module, help). Modules with `main(argv)` own their arguments.
-DELEGATED: dict[str, tuple[str, str]] = {
-    "kafka": ("jobs.local_kafka", "start, stop or inspect the local single-node Kafka broker"),
-    "model-server": ("jobs.model_server", "run the OpenAI-compatible model-server SIMULATOR"),
-    "cluster": ("jobs.cluster", "start, stop or inspect a local standalone Flink cluster"),
-    "bench": ("jobs.bench.main", "benchmark llmstream against hand-written consumers"),
+    Handler = Callable[[argparse.Namespace], int]
+
+# subcommand -> (module with `add_arguments(parser)` and `run(args)`, help); `model-server` is
+# wired separately, because it joins the simulator's flags with the real backends'.
+SERVICES: dict[str, tuple[str, str]] = {
+    "kafka": ("jobs.dev.local_kafka", "start, stop or inspect the local single-node Kafka broker"),
+    "cluster": ("jobs.dev.local_cluster", "start, stop or inspect a local standalone Flink cluster"),
+    "bench": ("jobs.dev.bench.main", "benchmark llmstream against hand-written consumers"),
     "status": ("jobs.status", "one screen: lag, records/s, calls and latency, checkpoints, dead letters, cost"),
 }
 
@@ -64,19 +71,19 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from jobs.cluster import submit
+    from jobs.submit import submit
 
     return submit(args.config, jobmanager=args.jobmanager, options=_run_options(args))
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from jobs.cluster import stop_job
+    from jobs.submit import stop_job
 
     return stop_job(args.config, jobmanager=args.jobmanager, state_dir=args.state_dir)
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    from jobs.cluster import upgrade
+    from jobs.submit import upgrade
 
     return upgrade(args.config, jobmanager=args.jobmanager, state_dir=args.state_dir)
 
@@ -155,14 +162,40 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("sets", nargs="*", default=["connector", "broker"])
     fetch.set_defaults(handler=_fetch_jars)
 
-    for name, (_, help_text) in DELEGATED.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+    for name, (module_name, help_text) in SERVICES.items():
+        module = importlib.import_module(module_name)
+        service = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text),
+                                 epilog=getattr(module, "EPILOG", None),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(service)
+        service.set_defaults(handler=_service(module))
+
+    from jobs.dev import real_models
+    from jobs.dev.simulator import cli as simulator
+
+    server = sub.add_parser("model-server", help="run the OpenAI-compatible model-server SIMULATOR, or with "
+                                                 "--backend a REAL small model server from PyPI",
+                            description=simulator.DESCRIPTION)
+    server.add_argument("--backend", choices=["simulator", *sorted(real_models.BACKENDS)], default="simulator",
+                        help="simulator (default), or a REAL server installed once into var/model-venv")
+    simulator.add_arguments(server)
+    real_models.add_arguments(server)
+    server.set_defaults(handler=_model_server)
     return parser
 
 
-def _delegated_main(module: str) -> Callable[[list[str]], int]:
-    main: Callable[[list[str]], int] = importlib.import_module(module).main
-    return main
+def _service(module: ModuleType) -> Handler:
+    def handler(args: argparse.Namespace) -> int:
+        return int(module.run(args) or 0)
+
+    return handler
+
+
+def _model_server(args: argparse.Namespace) -> int:
+    from jobs.dev import real_models
+    from jobs.dev.simulator import cli as simulator
+
+    return int((simulator.run if args.backend == "simulator" else real_models.run)(args) or 0)
 
 
 # Set in a process's own environment by PyFlink once it has run a job in a mini cluster
@@ -201,10 +234,8 @@ def _configure_logging(verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _clean_inherited_environment()
-    if argv and argv[0] in DELEGATED:
-        _configure_logging(verbose=False)
-        return int(_delegated_main(DELEGATED[argv[0]][0])(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
+    args.command_line = "llmstream " + shlex.join(argv)
     _configure_logging(args.verbose)
     try:
         return int(args.handler(args) or 0)

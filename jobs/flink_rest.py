@@ -1,6 +1,6 @@
 """A small client of Flink's REST API: the job operations llmstream needs on any cluster.
 
-`LocalCluster` (jobs/cluster.py) adds process control for the clusters llmstream starts
+`LocalCluster` (jobs/dev/local_cluster.py) adds process control for the clusters llmstream starts
 itself; `llmstream submit | stop | upgrade --jobmanager HOST:PORT` use this class alone.
 """
 

@@ -32,10 +32,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
-
 from jobs import jars, preflight
-from jobs.local_kafka import free_port
+from jobs.dev.processes import free_port
+from jobs.kafka_admin import GroupProgress
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
 from jobs.state import StateDir, check_identity, resume_point
 from jobs.status import LocalRun, Observer
@@ -44,44 +43,6 @@ from udfs.cache import resolve_cache_location
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.run")
-
-class GroupProgress:
-    """The job's consumer group on the input topic: committed offsets vs end offsets."""
-
-    def __init__(self, config: JobConfig) -> None:
-        self._topic = config.kafka.input_topic
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=config.kafka.bootstrap_servers,
-            group_id=config.kafka.group_id,
-            enable_auto_commit=False,
-            client_id="llmstream-progress",
-        )
-
-    def _partitions(self) -> list[TopicPartition]:
-        partitions = self._consumer.partitions_for_topic(self._topic) or set()
-        return [TopicPartition(self._topic, p) for p in sorted(partitions)]
-
-    def end_offsets(self) -> dict[int, int]:
-        """The input's end offset per partition, now."""
-        tps = self._partitions()
-        return {tp.partition: offset for tp, offset in (self._consumer.end_offsets(tps) if tps else {}).items()}
-
-    def committed(self) -> dict[int, int]:
-        """The group's committed offset per partition of the input (0 where none)."""
-        return {tp.partition: self._consumer.committed(tp) or 0 for tp in self._partitions()}
-
-    def snapshot(self) -> tuple[int, int]:
-        """(committed, end) summed over the input's partitions."""
-        return sum(self.committed().values()), sum(self.end_offsets().values())
-
-    def reached(self, targets: dict[int, int]) -> bool:
-        """Whether the group has committed at least `targets` on every partition."""
-        committed = self.committed()
-        return all(committed.get(partition, 0) >= offset for partition, offset in targets.items())
-
-    def close(self) -> None:
-        self._consumer.close()
-
 
 def _status(job_client: Any) -> str:
     """The job's state, or "ENDED" once a mini cluster has shut down after the job."""

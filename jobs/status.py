@@ -542,11 +542,12 @@ def render(fig: dict[str, Any]) -> Any:
 
 # ---------------------------------------------------------------------------------- command
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmstream status",
-        description="One screen: is the job keeping up, is the model the bottleneck, is it healthy, "
-                    "what does it cost. From the Flink REST API and the Kafka consumer group.")
+DESCRIPTION = ("One screen: is the job keeping up, is the model the bottleneck, is it healthy, "
+               "what does it cost. From the Flink REST API and the Kafka consumer group.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``llmstream status`` flags."""
     parser.add_argument("--config", default=None, help="job config YAML (default: jobs/inference.yaml)")
     parser.add_argument("--jobmanager", default=None, metavar="HOST:PORT",
                         help="a cluster's REST address (default: the local run recorded in the state directory, "
@@ -559,7 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also save the screen as an SVG image (how the README's capture was made)")
     parser.add_argument("--no-topic", action="store_true",
                         help="dead letters by reason from the metrics only, without reading the dead-letter topic")
-    return parser
 
 
 def _rest_url(args: argparse.Namespace, config: JobConfig, state: StateDir) -> tuple[str | None, LocalRun | None]:
@@ -569,17 +569,23 @@ def _rest_url(args: argparse.Namespace, config: JobConfig, state: StateDir) -> t
     run = LocalRun.load(state)
     if run is not None and run.job_name == config.name:
         return (None if run.ended_at else run.rest_url), run
-    from jobs.cluster import ClusterConfig
+    from jobs.dev.local_cluster import ClusterConfig
 
     return f"http://localhost:{ClusterConfig.existing().rest_port}", None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.run import GroupProgress
+    parser = argparse.ArgumentParser(prog="llmstream status", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute parsed `add_arguments` flags."""
+    from jobs.kafka_admin import GroupProgress
     from udfs.config import load_config
     from udfs.errors import ConfigError
 
-    args = build_parser().parse_args(argv)
     try:
         config = load_config(args.config)
     except ConfigError as err:

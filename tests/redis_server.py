@@ -16,7 +16,7 @@ from typing import Self
 
 import pytest
 
-from jobs.local_kafka import free_port
+from jobs.dev.processes import free_port
 
 SERVER_NAMES = ("redis-server", "valkey-server")
 

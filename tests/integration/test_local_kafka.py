@@ -9,7 +9,9 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import TopicAlreadyExistsError
 
-from jobs import local_kafka as lk
+from jobs import kafka_admin
+from jobs.dev import local_kafka as lk
+from jobs.dev.processes import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +43,7 @@ def test_cli_start_is_idempotent_and_stop_leaves_no_process(
         assert lk.main(["start", *argv]) == 0
         assert broker.pid() == pid
         assert "already running" in capsys.readouterr().out
-        other_port = ["--port", str(lk.free_port()), "--data-dir", str(config.data_dir)]
+        other_port = ["--port", str(free_port()), "--data-dir", str(config.data_dir)]
         assert lk.main(["start", *other_port]) == 1
         assert "already runs with listeners" in capsys.readouterr().err
 
@@ -63,31 +65,31 @@ def test_cli_start_is_idempotent_and_stop_leaves_no_process(
 
 def test_admin_helpers_round_trip(bootstrap: str, topic_names: Callable[..., list[str]]) -> None:
     topic, other = topic_names(2)
-    lk.create_topics(bootstrap, [topic, other], partitions=2)
-    lk.create_topics(bootstrap, [topic], partitions=2)
+    kafka_admin.create_topics(bootstrap, [topic, other], partitions=2)
+    kafka_admin.create_topics(bootstrap, [topic], partitions=2)
     with pytest.raises(TopicAlreadyExistsError):
-        lk.create_topics(bootstrap, [topic], exist_ok=False)
+        kafka_admin.create_topics(bootstrap, [topic], exist_ok=False)
 
     records = [(f"k{i}".encode(), f"v{i}".encode()) for i in range(10)] + [(None, b"no-key"), (b"tomb", None)]
-    assert lk.produce(bootstrap, topic, records) == 12
+    assert kafka_admin.produce(bootstrap, topic, records) == 12
 
-    seen = lk.consume_committed(bootstrap, topic, expected=12, timeout_s=20)
+    seen = kafka_admin.consume_committed(bootstrap, topic, expected=12, timeout_s=20)
     assert sorted(((r.key, r.value) for r in seen), key=repr) == sorted(records, key=repr)
-    ends = lk.end_offsets(bootstrap, topic)
+    ends = kafka_admin.end_offsets(bootstrap, topic)
     assert set(ends) == {0, 1} and sum(ends.values()) == 12
-    assert lk.end_offsets(bootstrap, topic, committed_only=True) == ends
+    assert kafka_admin.end_offsets(bootstrap, topic, committed_only=True) == ends
 
-    assert len(lk.consume_committed(bootstrap, topic, timeout_s=20)) == 12
-    assert lk.consume_committed(bootstrap, other, timeout_s=5) == []
+    assert len(kafka_admin.consume_committed(bootstrap, topic, timeout_s=20)) == 12
+    assert kafka_admin.consume_committed(bootstrap, other, timeout_s=5) == []
 
     group = f"g-{topic}"
-    assert len(lk.consume_committed(bootstrap, topic, expected=12, timeout_s=20, group_id=group)) == 12
-    assert lk.committed_offsets(bootstrap, group, topic) == ends
-    assert lk.consume_committed(bootstrap, topic, timeout_s=5, group_id=group) == []
+    assert len(kafka_admin.consume_committed(bootstrap, topic, expected=12, timeout_s=20, group_id=group)) == 12
+    assert kafka_admin.committed_offsets(bootstrap, group, topic) == ends
+    assert kafka_admin.consume_committed(bootstrap, topic, timeout_s=5, group_id=group) == []
 
-    lk.delete_topics(bootstrap, [topic, other])
-    lk.delete_topics(bootstrap, [topic])
-    with lk.KafkaAdminClient(bootstrap_servers=bootstrap) as admin:
+    kafka_admin.delete_topics(bootstrap, [topic, other])
+    kafka_admin.delete_topics(bootstrap, [topic])
+    with kafka_admin.admin(bootstrap) as admin:
         assert topic not in admin.list_topics()
 
 
@@ -95,7 +97,7 @@ def test_read_committed_hides_aborted_and_open_transactions(
     bootstrap: str, topic_names: Callable[..., list[str]]
 ) -> None:
     (topic,) = topic_names(1, "txn")
-    lk.create_topics(bootstrap, [topic], partitions=1)
+    kafka_admin.create_topics(bootstrap, [topic], partitions=1)
     producer = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=f"tx-{topic}")
     try:
         producer.init_transactions()
@@ -113,16 +115,16 @@ def test_read_committed_hides_aborted_and_open_transactions(
         producer.begin_transaction()
         producer.send(topic, value=b"open")
         producer.flush()
-        assert lk.end_offsets(bootstrap, topic, committed_only=True)[0] < lk.end_offsets(bootstrap, topic)[0]
-        visible = lk.consume_committed(bootstrap, topic, timeout_s=10)
+        assert kafka_admin.end_offsets(bootstrap, topic, committed_only=True)[0] < kafka_admin.end_offsets(bootstrap, topic)[0]
+        visible = kafka_admin.consume_committed(bootstrap, topic, timeout_s=10)
         assert [r.value for r in visible] == [b"committed-0", b"committed-1", b"committed-2"]
         producer.commit_transaction()
     finally:
         producer.close()
 
-    values = [r.value for r in lk.consume_committed(bootstrap, topic, expected=4, timeout_s=20)]
+    values = [r.value for r in kafka_admin.consume_committed(bootstrap, topic, expected=4, timeout_s=20)]
     assert values == [b"committed-0", b"committed-1", b"committed-2", b"open"]
-    assert lk.end_offsets(bootstrap, topic, committed_only=True) == lk.end_offsets(bootstrap, topic)
+    assert kafka_admin.end_offsets(bootstrap, topic, committed_only=True) == kafka_admin.end_offsets(bootstrap, topic)
 
     raw = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_uncommitted",
                         auto_offset_reset="earliest", enable_auto_commit=False, consumer_timeout_ms=2000)

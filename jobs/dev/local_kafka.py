@@ -1,4 +1,4 @@
-"""A single-node KRaft Kafka 4.1.1 broker on loopback, plus the admin helpers tests use.
+"""A single-node KRaft Kafka 4.1.1 broker on loopback, for tests, the demo and the benchmarks.
 
 The broker runs from the jars pinned in ``pom-free/`` (no Kafka distribution, no
 Docker), detached from the Python process that starts it, so ``llmstream kafka
@@ -6,8 +6,7 @@ start`` can return while the broker keeps serving; ``stop`` finds it again via t
 pid file in the data dir. Everything lives under the data dir: ``server.properties``,
 ``log4j2.properties``, ``broker.pid``, ``data/`` (``log.dirs``) and ``logs/``.
 
-The admin helpers wrap kafka-python 3.0.12 (whose admin responses are plain dicts)
-and are what tests, the demo and the benchmarks use to set up and inspect topics.
+Topics, produce and read_committed reads are `jobs/kafka_admin.py`'s.
 """
 from __future__ import annotations
 
@@ -17,24 +16,19 @@ import json
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # type: ignore[import-untyped]
-from kafka.admin import KafkaAdminClient, OffsetSpec  # type: ignore[import-untyped]
-from kafka.consumer.fetcher import ConsumerRecord  # type: ignore[import-untyped]
-from kafka.errors import KafkaError, for_code  # type: ignore[import-untyped]
-from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[import-untyped]
+from kafka.errors import KafkaError  # type: ignore[import-untyped]
 
 from jobs import jars
-from jobs.processes import cmdline, pid_alive
+from jobs.dev.processes import cmdline, free_port, pid_alive, port_in_use, terminate
+from jobs.kafka_admin import answers
+from udfs.errors import LLMStreamError
 
 log = logging.getLogger(__name__)
 
@@ -45,36 +39,17 @@ _UNKNOWN_TOPIC_OR_PARTITION = 3
 
 __all__ = [
     "BrokerConfig",
+    "BrokerError",
     "LocalBroker",
     "add_arguments",
-    "committed_offsets",
-    "consume_committed",
-    "create_topics",
     "default_data_dir",
-    "delete_topics",
-    "end_offsets",
-    "free_port",
     "main",
-    "produce",
     "run",
 ]
 
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the usual race applies; fine for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
+class BrokerError(LLMStreamError, RuntimeError):
+    """The local broker could not be started, stopped or found; the message says why (log tail included)."""
 
 
 def default_data_dir() -> Path:
@@ -141,7 +116,7 @@ class BrokerConfig:
 
 
 _LOG4J2 = """\
-# Written by jobs/local_kafka.py: the broker logs to a rolling file only, never stdout.
+# Written by jobs/dev/local_kafka.py: the broker logs to a rolling file only, never stdout.
 status = warn
 name = llmstream-local-kafka
 # Kafka logs its own shutdown from a JVM hook; log4j's hook would close the file first.
@@ -172,7 +147,7 @@ def _java() -> str:
         return str(Path(home) / "bin" / "java")
     found = shutil.which("java")
     if found is None:
-        raise RuntimeError("java not found (need Java 17+ on PATH or JAVA_HOME)")
+        raise BrokerError("java not found (need Java 17+ on PATH or JAVA_HOME)")
     return found
 
 
@@ -233,13 +208,13 @@ class LocalBroker:
 
     def is_ready(self, timeout_s: float = 3.0) -> bool:
         """True if our process is alive and the broker answers a metadata request."""
-        return self.pid() is not None and _answers(self.bootstrap_servers, timeout_s)
+        return self.pid() is not None and answers(self.bootstrap_servers, timeout_s)
 
     def status(self) -> dict[str, Any]:
         pid = self.pid()
         return {
             "running": pid is not None,
-            "ready": pid is not None and _answers(self.bootstrap_servers, 3.0),
+            "ready": pid is not None and answers(self.bootstrap_servers, 3.0),
             "pid": pid,
             "bootstrap": self.bootstrap_servers,
             "controller": f"127.0.0.1:{self.config.controller_port}",
@@ -252,7 +227,7 @@ class LocalBroker:
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
         lines = [f"{k}={v}" for k, v in self.config.server_properties().items()]
         self.properties_file.write_text(
-            "# Written by jobs/local_kafka.py on every start; edits are overwritten.\n" + "\n".join(lines) + "\n"
+            "# Written by jobs/dev/local_kafka.py on every start; edits are overwritten.\n" + "\n".join(lines) + "\n"
         )
         self.log4j_file.write_text(_LOG4J2.format(log=self.log_file))
 
@@ -274,13 +249,13 @@ class LocalBroker:
         uuid_proc = subprocess.run([*base, "random-uuid"], check=False, capture_output=True, text=True, timeout=120)
         cluster_id = uuid_proc.stdout.strip().splitlines()[-1] if uuid_proc.stdout.strip() else ""
         if uuid_proc.returncode != 0 or not cluster_id:
-            raise RuntimeError(f"kafka StorageTool random-uuid failed:\n{uuid_proc.stdout}{uuid_proc.stderr}")
+            raise BrokerError(f"kafka StorageTool random-uuid failed:\n{uuid_proc.stdout}{uuid_proc.stderr}")
         fmt = subprocess.run(
             [*base, "format", "-t", cluster_id, "-c", str(self.properties_file), "--standalone"],
             check=False, capture_output=True, text=True, timeout=120,
         )
         if fmt.returncode != 0:
-            raise RuntimeError(f"kafka StorageTool format failed:\n{fmt.stdout}{fmt.stderr}")
+            raise BrokerError(f"kafka StorageTool format failed:\n{fmt.stdout}{fmt.stderr}")
 
     def start(self, timeout: float = 60) -> None:
         """Start the broker and wait until it answers; a no-op if it already runs.
@@ -291,14 +266,14 @@ class LocalBroker:
         if self.pid() is not None:
             running = self._written_listeners()
             if running != self.config.server_properties()["listeners"]:
-                raise RuntimeError(
+                raise BrokerError(
                     f"a broker for {self.data_dir} already runs with listeners {running}; stop it first"
                 )
             self._wait_ready(timeout)
             return
         for port in (self.config.port, self.config.controller_port):
-            if _port_in_use(port):
-                raise RuntimeError(f"port {port} on 127.0.0.1 is already in use; pick another (--port)")
+            if port_in_use(port):
+                raise BrokerError(f"port {port} on 127.0.0.1 is already in use; pick another (--port)")
         jars.ensure("broker")
         self._write_config()
         self._format_storage()
@@ -335,16 +310,16 @@ class LocalBroker:
         deadline = time.monotonic() + timeout
         while True:
             if not self._alive():
-                raise RuntimeError(
+                raise BrokerError(
                     f"kafka broker exited during startup; last lines of {self.log_file}:\n{self._log_tail()}"
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(
+                raise BrokerError(
                     f"kafka broker not ready after {timeout:g}s at {self.bootstrap_servers}; "
                     f"last lines of {self.log_file}:\n{self._log_tail()}"
                 )
-            if _answers(self.bootstrap_servers, min(3.0, max(remaining, 0.5))):
+            if answers(self.bootstrap_servers, min(3.0, max(remaining, 0.5))):
                 return
             time.sleep(0.3)
 
@@ -353,24 +328,11 @@ class LocalBroker:
         stdout = _tail(self.stdout_file).strip()
         return tail + (f"\n--- {self.stdout_file.name}:\n{stdout}" if stdout else "")
 
-    def _kill(self, sig: signal.Signals, timeout: float) -> bool:
-        """Send ``sig`` to the pid-file process and wait; True once it is gone."""
-        pid = self.pid()
-        if pid is None:
-            return True
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not pid_alive(pid):
-                return True
-            time.sleep(0.1)
-        return not pid_alive(pid)
-
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM for a clean controlled shutdown, SIGKILL if it does not finish in time."""
-        if not self._kill(signal.SIGTERM, timeout) and not self._kill(signal.SIGKILL, 10):
-            raise RuntimeError(f"kafka broker pid {self.pid()} survived SIGKILL")
+        pid = self.pid()
+        if pid is not None and terminate([pid], timeout, "kafka broker"):
+            raise BrokerError(f"kafka broker pid {pid} survived SIGKILL")
         self._reap()
         self.pid_file.unlink(missing_ok=True)
 
@@ -386,165 +348,6 @@ class LocalBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _answers(bootstrap: str, timeout_s: float) -> bool:
-    ms = max(int(timeout_s * 1000), 500)
-    try:
-        with KafkaAdminClient(
-            bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms,
-            reconnect_backoff_max_ms=200,
-        ) as admin:
-            admin.describe_cluster()
-            admin.list_topics()
-        return True
-    except Exception:  # noqa: BLE001 - any failure just means "not ready yet"
-        return False
-
-
-@contextlib.contextmanager
-def _admin(bootstrap: str, timeout_s: float = 30.0) -> Iterator[KafkaAdminClient]:
-    ms = int(timeout_s * 1000)
-    with KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms) as admin:
-        yield admin
-
-
-def _raise_for(code: int, message: str | None, what: str) -> None:
-    err = for_code(code)
-    raise err(f"{what}: {message or err.__name__}")
-
-
-def create_topics(
-    bootstrap: str,
-    names: Sequence[str],
-    partitions: int = 1,
-    exist_ok: bool = True,
-    *,
-    configs: dict[str, str] | None = None,
-    timeout_s: float = 30.0,
-) -> None:
-    """Create topics (replication factor 1) and wait until every partition has a leader."""
-    if not names:
-        return
-    spec = {n: {"num_partitions": partitions, "replication_factor": 1, "configs": dict(configs or {})} for n in names}
-    with _admin(bootstrap, timeout_s) as admin:
-        result = admin.create_topics(spec, timeout_ms=int(timeout_s * 1000), raise_errors=False)
-        for topic in result["topics"]:
-            code = topic["error_code"]
-            if code and not (exist_ok and code == _TOPIC_ALREADY_EXISTS):
-                _raise_for(code, topic.get("error_message"), f"create topic {topic['name']}")
-        admin.wait_for_topics(list(names), timeout_ms=int(timeout_s * 1000))
-
-
-def delete_topics(bootstrap: str, names: Sequence[str], missing_ok: bool = True, *, timeout_s: float = 30.0) -> None:
-    if not names:
-        return
-    with _admin(bootstrap, timeout_s) as admin:
-        result = admin.delete_topics(list(names), timeout_ms=int(timeout_s * 1000), raise_errors=False)
-        for topic in result["topics"]:
-            code = topic["error_code"]
-            if code and not (missing_ok and code == _UNKNOWN_TOPIC_OR_PARTITION):
-                _raise_for(code, topic.get("error_message"), f"delete topic {topic['name']}")
-
-
-def produce(
-    bootstrap: str,
-    topic: str,
-    records: Iterable[tuple[bytes | None, bytes | None]],
-    *,
-    partition: int | None = None,
-    timeout_s: float = 30.0,
-) -> int:
-    """Send ``(key, value)`` pairs with acks=all, flush, and raise if any send failed; returns the count."""
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
-    try:
-        futures = [producer.send(topic, key=k, value=v, partition=partition) for k, v in records]
-        producer.flush(timeout=timeout_s)
-        for fut in futures:
-            fut.get(timeout=timeout_s)
-        return len(futures)
-    finally:
-        producer.close(timeout=timeout_s)
-
-
-def _partitions(bootstrap: str, topic: str, timeout_s: float) -> list[int]:
-    with _admin(bootstrap, timeout_s) as admin:
-        described = admin.describe_topics([topic])
-    if not described or described[0].get("error_code"):
-        code = described[0]["error_code"] if described else _UNKNOWN_TOPIC_OR_PARTITION
-        _raise_for(code, None, f"describe topic {topic}")
-    return sorted(p["partition_index"] for p in described[0]["partitions"])
-
-
-def consume_committed(
-    bootstrap: str,
-    topic: str,
-    *,
-    expected: int | None = None,
-    timeout_s: float,
-    group_id: str | None = None,
-) -> list[ConsumerRecord]:
-    """Read ``topic`` with ``read_committed``, as a downstream exactly-once consumer would.
-
-    Without ``group_id`` it reads every partition from the beginning and commits
-    nothing. With one, it starts from that group's committed offsets (the beginning
-    for a new group) and commits what it read, so a caller can resume; partitions are
-    assigned directly, so there is no group membership or rebalance to wait for.
-    Stops once ``expected`` records are seen, or, if ``expected`` is None, once
-    every partition reaches its last stable offset as of the call; returns what it
-    has when ``timeout_s`` passes rather than raising, so callers assert on counts.
-    """
-    deadline = time.monotonic() + timeout_s
-    parts = [TopicPartition(topic, p) for p in _partitions(bootstrap, topic, timeout_s)]
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap,
-        group_id=group_id,
-        isolation_level="read_committed",
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-    )
-    records: list[ConsumerRecord] = []
-    try:
-        consumer.assign(parts)
-        if group_id is None:
-            consumer.seek_to_beginning(*parts)
-        targets = consumer.end_offsets(parts) if expected is None else {}
-        while time.monotonic() < deadline:
-            if expected is not None and len(records) >= expected:
-                break
-            if expected is None and all(consumer.position(tp) >= end for tp, end in targets.items()):
-                break
-            wait_ms = int(max(0.0, min(0.5, deadline - time.monotonic())) * 1000)
-            for batch in consumer.poll(timeout_ms=wait_ms).values():
-                records.extend(batch)
-        if group_id is not None:
-            consumer.commit()
-    finally:
-        consumer.close()
-    return sorted(records, key=lambda r: (r.partition, r.offset))
-
-
-def end_offsets(bootstrap: str, topic: str, *, committed_only: bool = False, timeout_s: float = 30.0) -> dict[int, int]:
-    """Per-partition end offsets: the high watermark, or with ``committed_only`` the last stable offset."""
-    parts = _partitions(bootstrap, topic, timeout_s)
-    isolation = IsolationLevel.READ_COMMITTED if committed_only else IsolationLevel.READ_UNCOMMITTED
-    with _admin(bootstrap, timeout_s) as admin:
-        result = admin.list_partition_offsets(
-            {TopicPartition(topic, p): OffsetSpec.LATEST for p in parts}, isolation_level=isolation,
-        )
-    return {tp.partition: int(o.offset) for tp, o in sorted(result.items())}
-
-
-def committed_offsets(bootstrap: str, group: str, topic: str, *, timeout_s: float = 30.0) -> dict[int, int]:
-    """The group's committed offsets for ``topic``; partitions without a commit are left out."""
-    with _admin(bootstrap, timeout_s) as admin:
-        result = admin.list_group_offsets({group: None})
-    offsets = result.get(group, {})
-    return {
-        tp.partition: int(meta.offset)
-        for tp, meta in sorted(offsets.items())
-        if tp.topic == topic and meta.offset is not None and meta.offset >= 0
-    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -592,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"kafka: not running (data dir {status['data_dir']})")
         return 0 if status["running"] else 1
-    except (RuntimeError, KafkaError, OSError) as exc:
+    except (BrokerError, KafkaError, OSError) as exc:
         print(f"kafka: error: {exc}", file=sys.stderr)
         return 1
 

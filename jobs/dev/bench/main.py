@@ -27,9 +27,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from jobs import jars, local_kafka, model_server
-from jobs.bench import report
-from jobs.bench.harness import (
+from jobs import jars
+from jobs.dev import local_kafka
+from jobs.dev.bench import report
+from jobs.dev.bench.harness import (
     APPROACHES,
     BenchContext,
     RunResult,
@@ -37,7 +38,8 @@ from jobs.bench.harness import (
     run_approach,
     wait_for_quiet,
 )
-from jobs.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
+from jobs.dev.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
+from jobs.dev.simulator import spawn as spawn_simulator
 
 TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "checkpoint_interval_ms", "checkpoint_timeout_ms",
                 "parallelism", "cache")
@@ -54,10 +56,12 @@ def _parse_list(text: str, allowed: list[str] | tuple[str, ...], what: str) -> l
     return items
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmstream bench", description=" ".join(__doc__.split("\n\n")[0].split()),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
+DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split())
+EPILOG = "\n".join(__doc__.splitlines()[2:])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``llmstream bench`` flags."""
     parser.add_argument("--scenarios", default="a,b,c,d",
                         type=lambda t: _parse_list(t, list(SCENARIOS), "--scenarios"),
                         help="comma-separated: " + "; ".join(f"{s.key} = {s.name}" for s in SCENARIOS.values()))
@@ -86,7 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
         "llmstream settings (default: derived per scenario as the README recommends, see LlmstreamSettings)")
     for flag in TUNING_FLAGS:
         tuning.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
-    return parser
 
 
 def _say(text: str) -> None:
@@ -100,7 +103,7 @@ def _scenario(key: str, args: argparse.Namespace) -> Scenario:
     return scenario
 
 
-def run(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[str, Path], list[str]]:
+def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[str, Path], list[str]]:
     overrides = {flag: getattr(args, flag) for flag in TUNING_FLAGS if getattr(args, flag) is not None}
     load_before = os.getloadavg()[0]
     if args.wait_for_quiet is not None:
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[s
             _say(f"bench: scenario {scenario.summary()}")
             if "llmstream" in args.approaches:
                 _say(f"bench: llmstream settings for ({key}): {ctx.settings_for(scenario).describe()}")
-            simulator = model_server.spawn(scenario.simulator_args())
+            simulator = spawn_simulator(scenario.simulator_args())
             try:
                 for approach in args.approaches:
                     try:
@@ -187,10 +190,17 @@ def _drop_all_but(workdir: Path, keep: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmstream bench", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # `llmstream bench --smoke`: the separator is for the llmstream parser
-        argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
+    args.command_line = "llmstream bench " + shlex.join(argv)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute parsed `add_arguments` flags: 0 if every run saw output with 0 lost and 0 duplicated."""
     if args.render:
         paths = report.render(args.out or RESULTS_DIR)
         print("bench: re-rendered " + ", ".join(str(p) for p in paths.values()))
@@ -202,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS
         args.max_seconds = min(args.max_seconds, SMOKE_MAX_SECONDS)
-    command = "llmstream bench " + shlex.join(argv)
+    command = getattr(args, "command_line", "llmstream bench")
     started = time.monotonic()
-    results, paths, failures = run(args, command.strip())
+    results, paths, failures = run_all(args, command.strip())
     print()
     print(report.table(results))
     print()

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 Z99 = 2.3263478740408408
-"""The standard normal's 99th percentile, as in `jobs/model_server.py`."""
+"""The standard normal's 99th percentile, as in `jobs/dev/simulator/config.py`."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Ceilings of the parts of llmstream's hot path, each alone against the same simulator.
 
-    python -m jobs.bench.probes http|client --endpoint URL [--seconds S] [--concurrency N]
+    python -m jobs.dev.bench.probes http|client --endpoint URL [--seconds S] [--concurrency N]
 
 `http` is bare aiohttp posting the benchmark's request back to back; `client` is the
 per-record Python work of the job without Flink: decode the Kafka value, `InferenceClient.
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from jobs.bench.workload import (
+from jobs.dev.bench.workload import (
     MAX_TOKENS,
     MODEL,
     SYSTEM_PROMPT,
@@ -86,7 +86,7 @@ async def client_ceiling(endpoint: str, seconds: float, concurrency: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench.probes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.dev.bench.probes", description=__doc__.splitlines()[0])
     parser.add_argument("probe", choices=PROBES)
     parser.add_argument("--endpoint", required=True, help="the model server's base URL, ending in /v1")
     parser.add_argument("--seconds", type=float, default=5.0)

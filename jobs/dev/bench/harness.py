@@ -3,7 +3,7 @@
 Each run gets its own input, output and dead-letter topics and consumer group, so runs
 never see each other's records. The approach runs in a child process (its own session,
 so its whole tree can be sampled and, at the end, cleaned up): the baselines as
-`python -m jobs.bench.baselines`, llmstream as `llmstream run --config <generated yaml>`,
+`python -m jobs.dev.bench.baselines`, llmstream as `llmstream run --config <generated yaml>`,
 exactly what a user runs. Meanwhile a read_committed observer, an RSS sampler and a
 simulator-stats sampler watch from this process.
 """
@@ -26,8 +26,9 @@ from typing import Any
 
 import yaml
 
-from jobs import local_kafka
-from jobs.bench.measure import (
+from jobs import kafka_admin
+from jobs.dev import local_kafka
+from jobs.dev.bench.measure import (
     CheckpointSampler,
     Latencies,
     Observer,
@@ -37,8 +38,8 @@ from jobs.bench.measure import (
     outcome,
     steady_window,
 )
-from jobs.bench.scenarios import Scenario
-from jobs.bench.workload import (
+from jobs.dev.bench.scenarios import Scenario
+from jobs.dev.bench.workload import (
     MAX_TOKENS,
     MODEL,
     SYSTEM_PROMPT,
@@ -204,7 +205,7 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]
-    return [sys.executable, "-m", "jobs.bench.baselines", approach, "--bootstrap", bootstrap,
+    return [sys.executable, "-m", "jobs.dev.bench.baselines", approach, "--bootstrap", bootstrap,
             "--input", topics.input, "--output", topics.output, "--dead-letter", topics.dead_letter,
             "--group", topics.group, "--endpoint", endpoint, "--records", str(records),
             "--max-seconds", f"{max_seconds:g}"]
@@ -254,7 +255,7 @@ class ApproachProcess:
 
 def _committed(bootstrap: str, group: str, topic: str) -> int:
     try:
-        return sum(local_kafka.committed_offsets(bootstrap, group, topic).values())
+        return sum(kafka_admin.committed_offsets(bootstrap, group, topic).values())
     except Exception:  # noqa: BLE001 - a group that never committed has no offsets
         return 0
 
@@ -276,7 +277,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     bootstrap = ctx.broker.bootstrap_servers
     label = f"[{scenario.key}/{approach}]"
     topics = Topics.fresh(scenario, approach)
-    local_kafka.create_topics(bootstrap, [topics.input, topics.output, topics.dead_letter], partitions=1)
+    kafka_admin.create_topics(bootstrap, [topics.input, topics.output, topics.dead_letter], partitions=1)
     producer = InputProducer(bootstrap, topics.input)
     overload = scenario.overload_rate_per_s
     if overload is None:
@@ -367,7 +368,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
         ctx.say(f"{label} exit code {proc.process.returncode}, {result.outcome.seen} results; "
                 f"last lines of {log_file}:\n{proc.tail()}")
     with contextlib.suppress(Exception):
-        local_kafka.delete_topics(bootstrap, [topics.input, topics.output, topics.dead_letter])
+        kafka_admin.delete_topics(bootstrap, [topics.input, topics.output, topics.dead_letter])
     return result
 
 
@@ -376,7 +377,7 @@ def _catch_up(observer: Observer, bootstrap: str, topics: Topics) -> None:
     deadline = time.monotonic() + CATCH_UP_S
     while time.monotonic() < deadline:
         try:
-            ends = {t: sum(local_kafka.end_offsets(bootstrap, t, committed_only=True).values())
+            ends = {t: sum(kafka_admin.end_offsets(bootstrap, t, committed_only=True).values())
                     for t in (topics.output, topics.dead_letter)}
         except Exception:  # noqa: BLE001 - ask again
             ends = {}
@@ -446,10 +447,10 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
 
 
 def probe(kind: str, endpoint: str, seconds: float = 5.0, concurrency: int = 64) -> dict[str, Any] | None:
-    """One of `jobs.bench.probes` (http, client) against `endpoint`, in a process of its own."""
+    """One of `jobs.dev.bench.probes` (http, client) against `endpoint`, in a process of its own."""
     import json
 
-    command = [sys.executable, "-m", "jobs.bench.probes", kind, "--endpoint", endpoint,
+    command = [sys.executable, "-m", "jobs.dev.bench.probes", kind, "--endpoint", endpoint,
                "--seconds", f"{seconds:g}", "--concurrency", str(concurrency)]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -1,0 +1,81 @@
+"""Process and port facts shared by the services llmstream starts (broker, Flink cluster, model
+servers), on psutil rather than /proc parsing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Iterable
+
+import psutil
+
+log = logging.getLogger("llmstream.processes")
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the usual race applies; fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``host:port`` cannot be bound (something listens there or holds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie; reaps it if it is our exited child."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return True
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            proc.wait(timeout=0)
+        return False
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line of ``pid`` (empty if it is gone), to tell our process from a reused pid."""
+    try:
+        return list(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """All descendants of ``pid`` (e.g. a TaskManager's Python workers)."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def terminate(pids: Iterable[int], timeout: float, what: str = "process") -> list[int]:
+    """SIGTERM ``pids``, wait up to ``timeout`` s, SIGKILL the rest; returns the pids still alive
+    after the SIGKILL (normally none)."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        log.warning("%s %d did not stop within %g s; killing it", what, proc.pid, timeout)
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    _, survivors = psutil.wait_procs(alive, timeout=10)
+    return [p.pid for p in survivors]

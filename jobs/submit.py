@@ -1,0 +1,237 @@
+"""`llmstream submit`, `stop` and `upgrade`: the job on a Flink cluster, resuming from its own state.
+
+A job is submitted with Flink's own ``bin/flink run -d -py jobs/inference_job.py`` (the apache-flink
+wheel is a complete FLINK_HOME) after `jobs.preflight.check`, to ``--jobmanager HOST:PORT`` or by
+default to the local cluster of ``llmstream cluster`` (`jobs/dev/local_cluster.py`). Every submit
+restores the newest snapshot in the job's state directory (`jobs/state.py`); ``stop`` and
+``upgrade`` go through a savepoint, so no restart writes output twice or skips input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jobs import jars
+from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
+from jobs.kafka_admin import GroupProgress
+from jobs.state import StateDir, check_identity, resume_point
+
+if TYPE_CHECKING:
+    from jobs.pipeline import RunOptions
+    from udfs.config import JobConfig
+
+log = logging.getLogger("llmstream.submit")
+
+JOB_SCRIPT = "jobs/inference_job.py"
+_JOB_ID = re.compile(r"JobID\s+([0-9a-f]{32})")
+
+__all__ = ["flink_home", "python_jar", "run_job_script", "stop_job", "submit", "upgrade"]
+
+
+def flink_home() -> Path:
+    """The pip package's FLINK_HOME (``<site-packages>/pyflink``), found without importing PyFlink."""
+    spec = importlib.util.find_spec("pyflink")
+    if spec is None or not spec.submodule_search_locations:
+        raise ClusterError("apache-flink is not installed in this Python (no 'pyflink' package)")
+    home = Path(next(iter(spec.submodule_search_locations)))
+    if not (home / "bin" / "flink").is_file():
+        raise ClusterError(f"{home} has no bin/flink; is apache-flink installed completely?")
+    return home
+
+
+def python_jar() -> Path:
+    """``opt/flink-python-*.jar``: the JVM side of PyFlink, which a stock Flink ``lib/`` lacks."""
+    found = sorted((flink_home() / "opt").glob("flink-python-*.jar"))
+    if not found:
+        raise ClusterError(f"no flink-python jar in {flink_home() / 'opt'}")
+    return found[-1]
+
+
+def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Mapping[str, str],
+                   savepoint: str | None = None, state_dir: str | None = None, timeout: float = 180.0) -> str:
+    """Runs ``bin/flink run -d ... -py jobs/inference_job.py --config FILE``; returns the job id.
+
+    ``-pyexec``/``-pyclientexec`` are this interpreter, so the client and the Python workers
+    use the same venv; the job ships ``udfs/`` and the connector jar itself. The cluster must
+    have flink-python on its classpath (`write_lib_dir`; the docker-compose image does too),
+    because the job's own ``pipeline.jars`` replaces the list ``flink run -py`` would ship it in.
+    ``savepoint`` (``-s``) resumes from a savepoint or a retained checkpoint; ``state_dir`` is
+    where the job keeps its checkpoints and savepoints (default: from the job config).
+    """
+    config = Path(config_path).expanduser().resolve()
+    cmd = [str(flink_home() / "bin" / "flink"), "run", "-d", "-m", address,
+           "-pyexec", sys.executable, "-pyclientexec", sys.executable]
+    if savepoint:
+        cmd += ["-s", savepoint]
+    cmd += ["-py", str(jars.repo_root() / JOB_SCRIPT), "--config", str(config)]
+    if state_dir:
+        cmd += ["--state-dir", state_dir]
+    log.info("submitting: %s", " ".join(cmd))
+    proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, cwd=str(jars.repo_root()), check=False)
+    output = proc.stdout + proc.stderr
+    match = _JOB_ID.search(output)
+    if proc.returncode != 0 or match is None:
+        raise ClusterError(f"flink run failed (exit {proc.returncode}):\n{output[-4000:]}")
+    return match.group(1)
+
+
+def _target(jobmanager: str | None) -> tuple[str, dict[str, str], FlinkRest]:
+    """(``flink run -m`` address, environment for Flink's CLI, REST client) of the cluster to use."""
+    from jobs.dev.local_cluster import (
+        ClusterConfig,
+        LocalCluster,
+        conf_source_dir,
+        default_work_dir,
+    )
+
+    local = LocalCluster(ClusterConfig.existing())
+    if not jobmanager:
+        if not local.is_running():
+            raise ClusterError(f"no local Flink cluster answers at {local.rest_url}; start one with "
+                               "`llmstream cluster start` or pass --jobmanager HOST:PORT")
+        return local.address, local.env(), local
+    env = dict(os.environ)
+    conf_dir = local.conf_dir if local.conf_dir.is_dir() else conf_source_dir()
+    log_dir = default_work_dir() / "log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env.update(FLINK_HOME=str(flink_home()), FLINK_CONF_DIR=str(conf_dir), FLINK_LOG_DIR=str(log_dir))
+    return jobmanager, env, FlinkRest(f"http://{jobmanager}")
+
+
+def _load(config_path: str | None) -> tuple[Path, JobConfig]:
+    from udfs.config import DEFAULT_CONFIG, load_config
+
+    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    return path, load_config(path)
+
+
+def _live_job(rest: FlinkRest, config: JobConfig) -> str:
+    live = rest.live_jobs(config.name)
+    if not live:
+        raise ClusterError(f"no running job called {config.name!r} at {rest.rest_url}")
+    return str(live[0]["jid"])
+
+
+def submit(config_path: str | None, jobmanager: str | None = None, options: RunOptions | None = None) -> int:
+    """``llmstream submit``: preflight, then submit to ``jobmanager`` (HOST:PORT; default the local
+    cluster), resuming from the newest snapshot in the job's state directory (`jobs/state.py`).
+
+    Refuses while a job of the same name is live: two jobs committing the same state and
+    transactional ids would duplicate output. With ``until_end`` it then waits until the group
+    has committed the records present at submission and stops the job with a draining
+    savepoint. Returns 0, or 1 if the cluster refused. A `ConfigError` propagates (exit 2).
+    """
+    from jobs import preflight
+    from jobs.pipeline import RunOptions
+
+    options = options or RunOptions()
+    path, config = _load(config_path)
+    preflight.check(config)
+    jars.ensure("connector")
+    try:
+        address, env, rest = _target(jobmanager)
+        live = rest.live_jobs(config.name)
+        if live:
+            raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
+                               "use `llmstream upgrade` to change it or `llmstream stop` first")
+        state = StateDir.for_job(config, options.state_dir)
+        check_identity(state, config, fresh=options.fresh)
+        restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
+        print(f"llmstream: {how}")
+        targets = _end_offsets(config) if options.until_end else None
+        job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location)
+        print(f"llmstream: submitted job {config.name} as {job_id}")
+        print(f"llmstream: web UI {rest.rest_url}/#/job/running/{job_id}/overview")
+        if targets is not None:
+            return _finish_backfill(rest, job_id, config, state, targets)
+        return 0
+    except ClusterError as err:
+        print(f"llmstream: {err}", file=sys.stderr)
+        return 1
+
+
+def _end_offsets(config: JobConfig) -> dict[int, int]:
+    with contextlib.closing(GroupProgress(config)) as progress:
+        return progress.end_offsets()
+
+
+def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: StateDir,
+                     targets: dict[int, int], poll_s: float = 1.0) -> int:
+    """Waits until the group has committed ``targets``, then stops the job with a draining savepoint."""
+    print(f"llmstream: backfill: waiting until the group has committed {sum(targets.values())} input records")
+    with contextlib.closing(GroupProgress(config)) as progress:
+        while not progress.reached(targets):
+            status = rest.job_status(job_id)
+            if status in TERMINAL_STATES:
+                raise ClusterError(f"job {job_id} ended {status} before the backfill was done: {rest.failure(job_id)}")
+            time.sleep(poll_s)
+    savepoint = _stop_when_running(rest, job_id, state, drain=True)
+    print(f"llmstream: backfill done; stopped with savepoint {savepoint}")
+    return 0
+
+
+def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: bool,
+                       timeout_s: float = 180.0) -> str:
+    """Stop-with-savepoint into the job's state directory, retried while Flink refuses it because
+    a task is still starting or restarting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return rest.stop_with_savepoint(job_id, state.savepoints_uri, drain=drain, timeout=timeout_s)
+        except ClusterError:
+            if time.monotonic() > deadline or rest.job_status(job_id) in TERMINAL_STATES:
+                raise
+            time.sleep(1.0)
+
+
+def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
+    """``llmstream stop``: stop the config's running job with a savepoint in its state directory."""
+    _, config = _load(config_path)
+    try:
+        _, _, rest = _target(jobmanager)
+        job_id = _live_job(rest, config)
+        state = StateDir.for_job(config, state_dir)
+        print(f"llmstream: stopping job {config.name} ({job_id}) with a savepoint ...")
+        savepoint = _stop_when_running(rest, job_id, state, drain=False)
+    except ClusterError as err:
+        print(f"llmstream: {err}", file=sys.stderr)
+        return 1
+    print(f"llmstream: stopped; savepoint {savepoint}")
+    print("llmstream: `llmstream submit` resumes from it")
+    return 0
+
+
+def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
+    """``llmstream upgrade``: stop the running job with a savepoint and resubmit it from there with
+    the (changed) config: capacity, retries, endpoint, parallelism. The config is checked first,
+    so a broken one never stops a healthy job."""
+    from jobs import preflight
+
+    path, config = _load(config_path)
+    preflight.check(config)
+    jars.ensure("connector")
+    try:
+        address, env, rest = _target(jobmanager)
+        job_id = _live_job(rest, config)
+        state = StateDir.for_job(config, state_dir)
+        check_identity(state, config, fresh=False)
+        print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")
+        savepoint = _stop_when_running(rest, job_id, state, drain=False)
+        print(f"llmstream: savepoint {savepoint}; resubmitting with {path}")
+        new_id = run_job_script(path, address, env=env, savepoint=savepoint, state_dir=state.location)
+    except ClusterError as err:
+        print(f"llmstream: {err}", file=sys.stderr)
+        return 1
+    print(f"llmstream: upgraded: job {config.name} runs as {new_id}, restored from {savepoint}")
+    return 0
