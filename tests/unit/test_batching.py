@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import pytest
 from aiohttp import web
 
+from jobs.dev.simulator import ThreadedSimulator, embedding_vector
 from udfs.batching import Batcher, is_rejection, share_usage, split_on_rejection
 from udfs.client import InferenceClient
 from udfs.config import JobConfig, config_from_dict
@@ -314,3 +315,32 @@ def test_without_batching_each_record_is_one_request() -> None:
     results, _ = run(lambda: complete_all(server, texts, {}))
     assert [len(batch) for batch in server.inputs] == [1] * 5
     assert [r.output for r in results if isinstance(r, Completion)] == [vector_of(t) for t in texts]
+
+
+# ------------------------------------------------------------------ against the simulator
+
+
+def test_the_simulator_embeds_a_batch_with_per_input_latency_and_refuses_long_inputs(
+        make_sim: Callable[..., ThreadedSimulator]) -> None:
+    sim = make_sim(latency="fixed:20", per_input_ms=5.0, max_input_tokens=50)
+    texts = [f"sentence {n}" for n in range(8)]
+
+    async def go() -> tuple[float, list[Completion | BaseException]]:
+        config = job_config(sim.url, model={"batch": {"max_size": 8, "max_wait_ms": 1000}})
+        async with InferenceClient(config) as client:
+            started = time.monotonic()
+            batch = await asyncio.gather(*(client.complete(embedding_request(n, t)) for n, t in enumerate(texts)))
+            took = time.monotonic() - started
+            mixed = await asyncio.gather(*(client.complete(embedding_request(n, t)) for n, t in
+                                           enumerate([*texts[:3], "long " * 100])), return_exceptions=True)
+        return took, [*batch, *mixed]
+
+    took, results = run(go)
+    assert took >= 0.020 + 8 * 0.005 - 0.002  # base latency + 8 inputs x 5 ms, in one request
+    for n, result in enumerate(results[:8]):
+        assert isinstance(result, Completion) and result.output == embedding_vector(texts[n], 16)
+    refused = results[11]
+    assert isinstance(refused, PermanentError) and refused.status == 400 and "maximum of 50" in refused.detail
+    assert all(isinstance(r, Completion) for r in results[8:11])
+    # 1 batch of 8; 1 batch of 4, refused; then its 4 inputs alone.
+    assert sim.stats()["requests_total"] == 6

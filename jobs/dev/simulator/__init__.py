@@ -55,6 +55,8 @@ with ``-`` or ``_``)::
 
     latency            "0" | "instant" | "fixed:MS" | "lognormal:MEDIAN_MS:P99_MS"
     per_token_ms       extra latency per completion token
+    per_input_ms       extra latency per input of an embeddings request
+    max_input_tokens   embeddings inputs over this many tokens answer 400, 0 = no limit
     concurrency        requests processed at once, 0 = unlimited
     reject_over_limit  over the limit answer 429 at once instead of queueing
     retry_after_s      Retry-After seconds of those 429s
@@ -62,7 +64,8 @@ with ``-`` or ``_``)::
     embedding_dim, default_max_tokens, max_output_tokens, hang_max_s, seed
 
 Latency is the time a request holds a concurrency slot: a sample of the latency model
-plus ``per_token_ms`` times the completion tokens, slept with the event loop (never
+plus ``per_token_ms`` times the completion tokens (``per_input_ms`` times the inputs of an
+embeddings request), slept with the event loop (never
 blocking it). Lognormal uses ``mu = ln(median)``, ``sigma = ln(p99 / median) / 2.3263``.
 Rate limits count one request and ``prompt_tokens + max_tokens * choices`` tokens per
 admitted request, and answer 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*``

@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="0 | instant | fixed:MS | lognormal:MEDIAN_MS:P99_MS (default %(default)s)")
     perf.add_argument("--per-token-ms", type=float, default=d.per_token_ms,
                       help="extra latency per completion token (default %(default)s)")
+    perf.add_argument("--per-input-ms", type=float, default=d.per_input_ms,
+                      help="extra latency per input of an embeddings request (default %(default)s)")
+    perf.add_argument("--max-input-tokens", type=int, default=d.max_input_tokens,
+                      help="embeddings inputs longer than this are refused with 400, 0 = no limit "
+                           "(default %(default)s)")
     perf.add_argument("--seed", type=int, default=None, help="seed for latency and fault sampling")
     perf.add_argument("--concurrency", type=int, default=d.concurrency,
                       help="requests processed at once, 0 = unlimited (default %(default)s)")
@@ -85,6 +90,8 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
         models=tuple(args.models or (DEFAULT_MODEL,)),
         latency=args.latency,
         per_token_ms=args.per_token_ms,
+        per_input_ms=args.per_input_ms,
+        max_input_tokens=args.max_input_tokens,
         seed=args.seed,
         concurrency=args.concurrency,
         reject_over_limit=args.reject_over_limit,

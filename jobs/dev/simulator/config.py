@@ -150,7 +150,7 @@ def _integral(defaults: Any, values: dict[str, Any]) -> dict[str, Any]:
 
 
 _RUNTIME_CONFIG_KEYS = (
-    "latency", "per_token_ms", "concurrency", "reject_over_limit", "retry_after_s", "rpm", "tpm",
+    "latency", "per_token_ms", "per_input_ms", "max_input_tokens", "concurrency", "reject_over_limit", "retry_after_s", "rpm", "tpm",
     "embedding_dim", "default_max_tokens", "max_output_tokens", "hang_max_s", "seed",
 )
 
@@ -164,6 +164,8 @@ class SimulatorConfig:
     models: tuple[str, ...] = (DEFAULT_MODEL,)
     latency: str = "0"
     per_token_ms: float = 0.0
+    per_input_ms: float = 0.0
+    max_input_tokens: int = 0
     seed: int | None = None
     concurrency: int = 0
     reject_over_limit: bool = False
@@ -182,6 +184,8 @@ class SimulatorConfig:
         parse_latency(self.latency)
         check_number("port", self.port, maximum=65535, integer=True)
         check_number("per_token_ms", self.per_token_ms)
+        check_number("per_input_ms", self.per_input_ms)
+        check_number("max_input_tokens", self.max_input_tokens, integer=True)
         check_number("concurrency", self.concurrency, integer=True)
         check_number("retry_after_s", self.retry_after_s, integer=True)
         check_number("rpm", self.rpm, integer=True)

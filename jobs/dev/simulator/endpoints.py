@@ -154,6 +154,10 @@ class Call:
         """The 200 body; ``next_id(prefix)`` numbers it."""
         raise NotImplementedError
 
+    def extra_latency_s(self, config: SimulatorConfig) -> float:
+        """Latency on top of the latency model that depends on the request's size."""
+        return 0.0
+
 
 class _Generation(Call):
     """Chat and text completions: the same options and the same OpenAI-shaped body."""
@@ -248,8 +252,18 @@ class Embeddings(Call):
         self.encoding = payload.get("encoding_format") or "float"
         if self.encoding not in ("float", "base64"):
             raise BadRequest("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+        limit = config.max_input_tokens
+        for index, (_, tokens) in enumerate(inputs):
+            if limit and tokens > limit:
+                raise BadRequest(f"input {index} is {tokens} tokens, over this model's maximum of {limit} "
+                                 "(simulator --max-input-tokens)", "input")
         self.prompt_tokens = self.token_cost = sum(tokens for _, tokens in inputs)
         self.completion_tokens = 0
+
+    def extra_latency_s(self, config: SimulatorConfig) -> float:
+        """``per_input_ms`` per input: a batch costs the server more than one input, less than one
+        request per input."""
+        return config.per_input_ms * len(self.inputs) / 1000.0
 
     def respond(self, next_id: Callable[[str], str]) -> dict[str, Any]:
         dim = self.dim

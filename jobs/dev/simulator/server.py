@@ -115,10 +115,12 @@ _QUEUED, _RUNNING, _DONE = 0, 1, 2
 class _Job:
     """A request holding (or waiting for) a concurrency slot."""
 
-    __slots__ = ("completion_tokens", "conn", "handle", "keep_alive", "response", "state")
+    __slots__ = ("completion_tokens", "conn", "extra_s", "handle", "keep_alive", "response", "state")
 
-    def __init__(self, conn: _Connection, response: bytes, completion_tokens: int, keep_alive: bool) -> None:
+    def __init__(self, conn: _Connection, response: bytes, completion_tokens: int, keep_alive: bool,
+                 extra_s: float = 0.0) -> None:
         self.conn = conn
+        self.extra_s = extra_s
         self.response = response
         self.completion_tokens = completion_tokens
         self.keep_alive = keep_alive
@@ -708,7 +710,8 @@ class SimulatorServer:
             if early is not None:
                 return early or None
             body = call.respond(self._next_id)
-            return self._admit(conn, req, body, call.prompt_tokens, call.completion_tokens)
+            return self._admit(conn, req, body, call.prompt_tokens, call.completion_tokens,
+                               call.extra_latency_s(self.config))
 
         return handle
 
@@ -780,7 +783,7 @@ class SimulatorServer:
         return headers
 
     def _admit(self, conn: _Connection, req: _Request, body: dict[str, Any], prompt_tokens: int,
-               completion_tokens: int) -> bytes | None:
+               completion_tokens: int, extra_s: float = 0.0) -> bytes | None:
         config = self.config
         limit = config.concurrency
         if limit and self.in_flight >= limit and config.reject_over_limit:
@@ -791,12 +794,12 @@ class SimulatorServer:
                 req.conn_header, self._rl_headers + f"Retry-After: {config.retry_after_s}\r\n")
         self.prompt_tokens += prompt_tokens
         response = self._json(200, body, req, self._rl_headers)
-        if self._instant and not (limit and self.in_flight >= limit):
+        if self._instant and extra_s <= 0 and not (limit and self.in_flight >= limit):
             self.served += 1
             self.completion_tokens += completion_tokens
             self.max_in_flight = max(self.max_in_flight, 1)
             return response
-        job = _Job(conn, response, completion_tokens, req.keep_alive)
+        job = _Job(conn, response, completion_tokens, req.keep_alive, extra_s)
         conn.job = job
         conn.busy = True
         if limit and self.in_flight >= limit:
@@ -812,7 +815,7 @@ class SimulatorServer:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         job.state = _RUNNING
-        delay = self._latency.sample_ms(self._rng) / 1000.0 + self._per_token_s * job.completion_tokens
+        delay = self._latency.sample_ms(self._rng) / 1000.0 + self._per_token_s * job.completion_tokens + job.extra_s
         if delay > 0:
             job.handle = self._loop.call_later(delay, self._finish, job)
         else:
