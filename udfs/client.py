@@ -24,6 +24,8 @@ The API key is read from the environment for each call and put only in the reque
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import gc
 import json
 import logging
@@ -39,6 +41,7 @@ from udfs.config import JobConfig
 from udfs.errors import (
     BadInput,
     InferenceError,
+    InvalidModelOutput,
     PermanentError,
     RateLimited,
     RetryableError,
@@ -49,6 +52,7 @@ from udfs.prompts import build_payload, estimate_tokens, input_tokens
 from udfs.ratelimit import AdaptiveConcurrency, RateLimiter
 from udfs.records import Completion, Request
 from udfs.retry import Deadline, RetryPolicy, classify, parse_retry_after
+from udfs.structured import Invalid, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,7 @@ class InferenceClient:
         self.metrics.concurrency_limit = self.concurrency.limit
         self.cache = open_cache(config, self.metrics)
         self.budget = SpendBudget(config.budget, config.model.prices, subtasks, on_pause=self._on_budget_pause)
+        self.structured = StructuredOutput.from_config(config.model)
         self._leaders: dict[str, asyncio.Future[dict[str, Any] | None]] = {}
         batch = config.model.batch
         self._batcher: Batcher[tuple[Request, dict[str, Any]], Completion] | None = None
@@ -206,7 +211,9 @@ class InferenceClient:
         clean = self._redact(err.detail)
         if clean == err.detail:
             return err
-        return type(err)(clean, status=err.status, retry_after_s=err.retry_after_s, attempts=err.attempts)
+        redacted = copy.copy(err)  # keeps every attribute, e.g. an invalid answer's last output
+        redacted.detail, redacted.args = clean, (clean,)
+        return redacted
 
     async def _complete(self, request: Request) -> Completion:
         """The answer from the result cache when it has one (see `udfs/cache.py`), else from the
@@ -215,7 +222,7 @@ class InferenceClient:
         payload = build_payload(request, self._config.model)
         api = self._config.model.api
         if self.cache is None or not cacheable(self._config.cache, api, payload):
-            return await self._call(request, payload)
+            return await self._answer(request, payload)
         key = cache_key(api, payload)
         looked_up = time.perf_counter()
         leader = self._leaders.get(key)
@@ -224,7 +231,7 @@ class InferenceClient:
             if shared is not None:
                 self.metrics.cache_hits.inc()
                 return self._from_cache(payload, shared, looked_up)
-            return await self._call(request, payload)
+            return await self._answer(request, payload)
         future: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
         self._leaders[key] = future
         stored: dict[str, Any] | None = None
@@ -234,7 +241,7 @@ class InferenceClient:
                 self.metrics.cache_hits.inc()
                 return self._from_cache(payload, stored, looked_up)
             self.metrics.cache_misses.inc()
-            completion = await self._call(request, payload)
+            completion = await self._answer(request, payload)
             stored = {"output": completion.output, "model": completion.model,
                       "finish_reason": completion.finish_reason, "prompt_tokens": completion.prompt_tokens,
                       "completion_tokens": completion.completion_tokens}
@@ -244,8 +251,25 @@ class InferenceClient:
             del self._leaders[key]
             future.set_result(stored)
 
+    async def _answer(self, request: Request, payload: dict[str, Any]) -> Completion:
+        """The model's answer; with `model.response_format`, a valid one (`StructuredOutput.until_valid`
+        asks again, above the retry layer, when an answer does not validate)."""
+        if self.structured is None:
+            return await self._call(request, payload)
+        return await self.structured.until_valid(lambda: self._call(request, payload))
+
     def _from_cache(self, payload: dict[str, Any], stored: dict[str, Any], looked_up: float) -> Completion:
-        """A stored answer as this record's completion: no attempt made, nothing paid."""
+        """A stored answer as this record's completion: no attempt made, nothing paid. Only valid
+        answers are stored, under a key that covers the schema; a structured one is parsed again."""
+        completion = self._stored_completion(payload, stored, looked_up)
+        if self.structured is None:
+            return completion
+        checked = self.structured.check(completion.output)
+        if isinstance(checked, Invalid):
+            raise InvalidModelOutput(f"cached answer: {checked.message}", last_output=completion.output, attempts=0)
+        return dataclasses.replace(completion, output_json=checked, structured=True)
+
+    def _stored_completion(self, payload: dict[str, Any], stored: dict[str, Any], looked_up: float) -> Completion:
         now = _epoch_ms()
         return Completion(
             output=stored["output"], model=str(stored.get("model") or payload["model"]),

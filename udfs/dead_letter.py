@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any
 
-from udfs.errors import BadInput, InferenceError
+from udfs.errors import BadInput, InferenceError, InvalidModelOutput
 from udfs.records import SinkRow, SourceRef
 
 ORIGINAL_LIMIT_BYTES = 256 * 1024
@@ -45,8 +45,10 @@ def dead_letter_value(
     job: str,
     attempts: int = 0,
     last_status: int | None = None,
+    last_output: Any = None,
 ) -> bytes:
-    """The dead-letter record's JSON value (see README, "Record contract")."""
+    """The dead-letter record's JSON value (see README, "Record contract"). `last_output`: the
+    model's last answer, for `invalid_model_output` (the key is absent otherwise)."""
     body = {
         "reason": reason,
         "error": error,
@@ -58,6 +60,9 @@ def dead_letter_value(
         "dead_lettered_at": int(time.time() * 1000),
         "job": job,
     }
+    if last_output is not None:
+        cut = isinstance(last_output, str) and len(last_output) > ORIGINAL_LIMIT_BYTES
+        body["last_output"] = last_output[:ORIGINAL_LIMIT_BYTES] if cut else last_output
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
@@ -66,8 +71,11 @@ def for_error(
     record_id: str | None, job: str, topic: str,
 ) -> SinkRow:
     """The dead-letter row for a record that got no result: bad input never reached the model
-    (0 attempts); an inference error carries its attempts and the last HTTP status."""
+    (0 attempts); an inference error carries its attempts and the last HTTP status, and an
+    invalid answer (`invalid_model_output`) the answer itself, beside the validator's message."""
     attempts, status = (err.attempts, err.status) if isinstance(err, InferenceError) else (0, None)
+    last_output = err.last_output if isinstance(err, InvalidModelOutput) else None
     payload = dead_letter_value(reason=err.reason, error=err.detail, source=source, original=value,
-                                record_id=record_id, job=job, attempts=attempts, last_status=status)
+                                record_id=record_id, job=job, attempts=attempts, last_status=status,
+                                last_output=last_output)
     return SinkRow(key, payload, topic)

@@ -32,6 +32,9 @@ def result_value(request: Request, completion: Completion) -> bytes:
         },
         "source": request.source.as_json(),
     }
+    if completion.structured:  # model.response_format is set: the answer, parsed and validated
+        body["output_json"] = completion.output_json
+        body["invalid_answers"] = completion.invalid_answers
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from udfs.config import ModelConfig
 from udfs.errors import BadInput, ContextTooLong
 from udfs.records import Request
+from udfs.structured import prompt_instruction, response_format_field
 
 CHARS_PER_TOKEN = 4
 
@@ -73,10 +74,19 @@ def _fit(text: str, budget_tokens: int, model: ModelConfig, used_elsewhere: int)
     return text[: budget_tokens * CHARS_PER_TOKEN]
 
 
+def _system_text(model: ModelConfig) -> str | None:
+    """The system prompt, with the schema instruction of `response_format_mode: prompt` after it."""
+    if not isinstance(model.response_format, dict) or model.response_format_mode != "prompt":
+        return model.system_prompt
+    instruction = prompt_instruction(model.response_format)
+    return f"{model.system_prompt}\n\n{instruction}" if model.system_prompt else instruction
+
+
 def _chat_messages(request: Request, model: ModelConfig) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
-    if model.system_prompt:
-        messages.append({"role": "system", "content": model.system_prompt})
+    system = _system_text(model)
+    if system:
+        messages.append({"role": "system", "content": system})
     if request.messages is not None:
         messages.extend(dict(m) for m in request.messages)
     else:
@@ -103,17 +113,26 @@ def _settings(request: Request, model: ModelConfig) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if v is not None}
 
 
+def _native_format(model: ModelConfig) -> dict[str, Any]:
+    """`response_format` for `response_format_mode: native`, else nothing."""
+    if isinstance(model.response_format, dict) and model.response_format_mode == "native":
+        return {"response_format": response_format_field(model.response_format)}
+    return {}
+
+
 def build_payload(request: Request, model: ModelConfig) -> dict[str, Any]:
-    """The request body for `model.api`; raises `BadInput` or `ContextTooLong` before any call."""
+    """The request body for `model.api`; raises `BadInput` or `ContextTooLong` before any call.
+    With `model.response_format` the body asks for the schema (see udfs/structured.py)."""
     if model.api == "chat":
-        return {**_settings(request, model), "messages": _chat_messages(request, model)}
+        return {**_settings(request, model), "messages": _chat_messages(request, model), **_native_format(model)}
     if request.messages is not None:
         raise BadInput("messages_unsupported", f"model.api '{model.api}' takes a prompt, not chat messages")
     text = fill_template(request, model.prompt_template)
     if model.api == "embeddings":
         model_name = request.params.get("model") or model.model
         return {"model": model_name, "input": _fit(text, model.max_input_tokens, model, 0)}
-    prefix = f"{model.system_prompt}\n\n" if model.system_prompt else ""
+    system = _system_text(model)
+    prefix = f"{system}\n\n" if system else ""
     prefix_tokens = estimate_tokens(prefix) if prefix else 0
     text = _fit(text, model.max_input_tokens - prefix_tokens, model, prefix_tokens)
-    return {**_settings(request, model), "prompt": prefix + text}
+    return {**_settings(request, model), "prompt": prefix + text, **_native_format(model)}

@@ -87,6 +87,16 @@ def schema_name(schema: dict[str, Any]) -> str:
     return name or "output"
 
 
+def response_format_field(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI `response_format` request field of `native` mode."""
+    return {"type": "json_schema", "json_schema": {"name": schema_name(schema), "schema": schema}}
+
+
+def prompt_instruction(schema: dict[str, Any]) -> str:
+    """The instruction of `prompt` mode, with the schema as compact JSON."""
+    return PROMPT_INSTRUCTION.format(schema=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+
+
 def extract_json_text(output: str) -> str:
     """The JSON text of an answer: stripped, without a Markdown code fence around it (models
     asked by prompt often add one; nothing else is forgiven)."""
@@ -119,16 +129,6 @@ class StructuredOutput:
         schema = load_schema(model.response_format, "model.response_format")
         return cls(schema, mode=model.response_format_mode, max_invalid_retries=model.max_invalid_retries)
 
-    # ------------------------------------------------------------------ requests
-    def response_format(self) -> dict[str, Any]:
-        """The OpenAI `response_format` field of `native` mode."""
-        return {"type": "json_schema", "json_schema": {"name": schema_name(self.schema), "schema": self.schema}}
-
-    def instruction(self) -> str:
-        """The prompt instruction of `prompt` mode."""
-        return PROMPT_INSTRUCTION.format(schema=json.dumps(self.schema, separators=(",", ":"), ensure_ascii=False))
-
-    # ------------------------------------------------------------------ answers
     def check(self, output: Any) -> Any:
         """The answer's parsed JSON when it is valid against the schema, else an `Invalid`."""
         if not isinstance(output, str):

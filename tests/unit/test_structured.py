@@ -5,20 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 
-from udfs.config import DEFAULT_CONFIG, config_from_dict
+from tests.unit.test_client import job_config, request, run, serve_app
+from udfs import dead_letter
+from udfs.client import InferenceClient
+from udfs.config import DEFAULT_CONFIG, config_from_dict, with_overrides
+from udfs.encode import result_value
 from udfs.errors import ConfigError, InvalidModelOutput, RetryableError
-from udfs.records import Completion
+from udfs.prompts import build_payload
+from udfs.records import Completion, Request, SourceRef
 from udfs.structured import (
     Invalid,
     StructuredOutput,
     extract_json_text,
     load_schema,
+    prompt_instruction,
     schema_name,
 )
 
@@ -124,11 +132,39 @@ def test_fence_stripping_only_strips_a_whole_fence() -> None:
     assert extract_json_text('text ```json\n{"a": 1}\n```') == 'text ```json\n{"a": 1}\n```'
 
 
-def test_native_and_prompt_requests() -> None:
-    structured = StructuredOutput(SCHEMA)
-    assert structured.response_format() == {
+def _request(**fields: Any) -> Request:
+    return Request(id="r1", key=None, source=SourceRef("in", 0, 1), prompt="I loved the soup", fields=fields)
+
+
+def test_native_mode_sends_openai_response_format() -> None:
+    model = _config(response_format=SCHEMA, system_prompt=None).model
+    payload = build_payload(_request(), model)
+    assert payload["response_format"] == {
         "type": "json_schema", "json_schema": {"name": "Sentiment_and_topic", "schema": SCHEMA}}
-    assert json.dumps(SCHEMA, separators=(",", ":")) in structured.instruction()
+    assert payload["messages"] == [{"role": "user", "content": "I loved the soup"}]
+    completions = build_payload(_request(), replace(model, api="completions"))
+    assert completions["response_format"]["json_schema"]["schema"] == SCHEMA
+
+
+def test_prompt_mode_asks_in_the_prompt_and_sends_no_response_format() -> None:
+    model = _config(response_format=SCHEMA, response_format_mode="prompt", system_prompt="Be brief.").model
+    payload = build_payload(_request(), model)
+    assert "response_format" not in payload
+    system = payload["messages"][0]
+    assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n")
+    assert system["content"].endswith(prompt_instruction(SCHEMA))
+    assert json.dumps(SCHEMA, separators=(",", ":")) in system["content"]
+    no_system = build_payload(_request(), replace(model, system_prompt=None))
+    assert no_system["messages"][0] == {"role": "system", "content": prompt_instruction(SCHEMA)}
+    completions = build_payload(_request(), replace(model, api="completions"))
+    assert completions["prompt"].startswith("Be brief.\n\n" + prompt_instruction(SCHEMA))
+    assert completions["prompt"].endswith("I loved the soup")
+
+
+def test_no_schema_leaves_the_request_alone() -> None:
+    payload = build_payload(_request(), _config(system_prompt=None).model)
+    assert "response_format" not in payload
+    assert payload["messages"] == [{"role": "user", "content": "I loved the soup"}]
 
 
 def _completion(output: str, attempts: int = 1) -> Completion:
@@ -193,3 +229,82 @@ def test_a_transport_failure_in_a_later_round_keeps_its_own_reason_and_all_attem
 
 def test_no_schema_means_no_structured_output() -> None:
     assert StructuredOutput.from_config(_config().model) is None
+
+
+# ------------------------------------------------------------------ through the client, over HTTP
+
+
+class ScriptedServer:
+    """A chat endpoint that answers the scripted contents in turn (an int is an HTTP error status)
+    and keeps every request body it got."""
+
+    def __init__(self, *script: str | int) -> None:
+        self.script = list(script)
+        self.bodies: list[dict[str, Any]] = []
+
+    async def handle(self, req: web.Request) -> web.Response:
+        self.bodies.append(await req.json())
+        item = self.script[min(len(self.bodies), len(self.script)) - 1]
+        if isinstance(item, int):
+            return web.json_response({"error": {"message": "busy"}}, status=item)
+        return web.json_response({"model": "m", "choices": [{"message": {"role": "assistant", "content": item},
+                                                             "finish_reason": "stop"}]})
+
+    async def complete(self, model: dict[str, Any], *reqs: Request, **sections: Any) -> list[Any]:
+        runner, url = await serve_app([web.post("/v1/chat/completions", self.handle)])
+        outcomes: list[Any] = []
+        try:
+            config = with_overrides(job_config(url, model={"response_format": SCHEMA, **model}), **sections)
+            async with InferenceClient(config) as client:
+                for req in reqs:
+                    try:
+                        outcomes.append(await client.complete(req))
+                    except Exception as err:  # noqa: BLE001 - the test inspects whatever was raised
+                        outcomes.append(err)
+        finally:
+            await runner.cleanup()
+        return outcomes
+
+
+def test_the_client_asks_again_until_an_answer_validates_and_http_retries_stay_separate() -> None:
+    server = ScriptedServer("nope", 503, '{"sentiment": "meh", "topic": "x"}', VALID)
+    [completion] = run(lambda: server.complete({"max_invalid_retries": 2}, request()))
+    assert isinstance(completion, Completion), completion
+    assert completion.output_json == json.loads(VALID) and completion.invalid_answers == 2
+    assert completion.attempts == 4  # 3 answers + the 503's retry, which used no invalid-answer allowance
+    assert len(server.bodies) == 4
+    assert all(body["response_format"]["json_schema"]["schema"] == SCHEMA for body in server.bodies)
+    value = json.loads(result_value(request(), completion))
+    assert value["output_json"] == json.loads(VALID) and value["output"] == VALID and value["invalid_answers"] == 2
+
+
+def test_the_client_dead_letters_the_last_invalid_answer_with_the_validators_message() -> None:
+    server = ScriptedServer('{"sentiment": "meh", "topic": "x"}')
+    [err] = run(lambda: server.complete({"max_invalid_retries": 1}, request()))
+    assert isinstance(err, InvalidModelOutput), err
+    assert len(server.bodies) == 2 and err.attempts == 2
+    row = dead_letter.for_error(err, key=b"k", value=b'{"prompt": "p"}', source=SourceRef("in", 0, 42),
+                                record_id="r-1", job="j", topic="dlq")
+    body = json.loads(row.value)
+    assert row.topic == "dlq" and body["reason"] == "invalid_model_output"
+    assert body["last_output"] == '{"sentiment": "meh", "topic": "x"}'
+    assert "$.sentiment" in body["error"] and "'meh' is not one of" in body["error"]
+    assert body["attempts"] == 2 and body["last_status"] == 200
+
+
+def test_no_schema_means_no_output_json_in_the_record() -> None:
+    server = ScriptedServer("plain text")
+    [completion] = run(lambda: server.complete({"response_format": None}, request()))
+    assert isinstance(completion, Completion) and not completion.structured
+    assert "output_json" not in json.loads(result_value(request(), completion))
+    assert "response_format" not in server.bodies[0]
+
+
+def test_the_cache_never_stores_an_invalid_answer(tmp_path: Path) -> None:
+    server = ScriptedServer("nope", VALID, '{"sentiment": "meh", "topic": "x"}')
+    cache = {"cache": {"backend": "local", "path": str(tmp_path / "cache.sqlite")}}
+    first, second = run(lambda: server.complete({"temperature": 0.0, "max_invalid_retries": 1}, request(), request(),
+                                                **cache))
+    assert isinstance(first, Completion) and first.output_json == json.loads(VALID) and not first.cached
+    assert isinstance(second, Completion) and second.cached and second.output_json == json.loads(VALID)
+    assert len(server.bodies) == 2  # the second record was answered from the cache: the valid answer
