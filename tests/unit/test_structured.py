@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
-from aiohttp import web
+from aiohttp import ClientSession, web
 
+from jobs.dev.simulator import ThreadedSimulator
 from tests.unit.test_client import job_config, request, run, serve_app
 from udfs import dead_letter
 from udfs.client import InferenceClient
@@ -308,3 +309,78 @@ def test_the_cache_never_stores_an_invalid_answer(tmp_path: Path) -> None:
     assert isinstance(first, Completion) and first.output_json == json.loads(VALID) and not first.cached
     assert isinstance(second, Completion) and second.cached and second.output_json == json.loads(VALID)
     assert len(server.bodies) == 2  # the second record was answered from the cache: the valid answer
+
+
+# ------------------------------------------------------------------ the simulator's schema-shaped answers
+
+
+def _ask_sim(url: str, prompts: list[str], response_format: Any) -> list[tuple[int, dict[str, Any]]]:
+    async def go() -> list[tuple[int, dict[str, Any]]]:
+        out = []
+        async with ClientSession() as session:
+            for prompt in prompts:
+                body = {"model": "m", "messages": [{"role": "user", "content": prompt}],
+                        "response_format": response_format}
+                async with session.post(url + "/chat/completions", json=body) as response:
+                    out.append((response.status, await response.json()))
+        return out
+
+    return run(go)
+
+
+NATIVE = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+
+
+def test_the_simulator_answers_valid_instances_of_the_schema_by_default(sim: ThreadedSimulator) -> None:
+    answers = _ask_sim(sim.url, [f"review number {i}: the soup was cold" for i in range(30)], NATIVE)
+    structured = StructuredOutput(SCHEMA)
+    for status, body in answers:
+        assert status == 200
+        value = structured.check(body["choices"][0]["message"]["content"])
+        assert not isinstance(value, Invalid), value
+        assert value["sentiment"] in ("positive", "neutral", "negative") and value["topic"]
+    stats = sim.stats()
+    assert stats["structured_answers"] == 30 and stats["invalid_answers"] == 0
+
+
+def test_the_simulators_invalid_share_is_what_its_stats_say(make_sim: Any) -> None:
+    sim = make_sim(invalid_json_rate=0.3, seed=7)
+    answers = _ask_sim(sim.url, [f"ticket {i} about billing" for i in range(200)], NATIVE)
+    structured = StructuredOutput(SCHEMA)
+    invalid = sum(isinstance(structured.check(body["choices"][0]["message"]["content"]), Invalid)
+                  for _, body in answers)
+    stats = sim.stats()
+    assert stats["structured_answers"] == 200 and stats["invalid_answers"] == invalid
+    assert 30 <= invalid <= 90  # 30% of 200, with a wide margin for chance
+
+
+def test_the_simulator_refuses_a_malformed_response_format(sim: ThreadedSimulator) -> None:
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+                {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": 5}}}):
+        [(status, body)] = _ask_sim(sim.url, ["x"], bad)
+        assert status == 400 and body["error"]["param"] == "response_format"
+
+
+def test_counts_agree_between_client_outcomes_and_the_simulator(make_sim: Any) -> None:
+    """Each valid output used one valid answer and its `invalid_answers` invalid ones; each
+    dead letter used 1 + max_invalid_retries invalid ones: the simulator's counters must match."""
+    sim = make_sim(invalid_json_rate=0.5, seed=3)
+    config = job_config(sim.url, model={"response_format": SCHEMA, "max_invalid_retries": 1})
+
+    async def go() -> list[Any]:
+        outcomes: list[Any] = []
+        async with InferenceClient(config) as client:
+            for i in range(60):
+                try:
+                    outcomes.append(await client.complete(request(f"message {i}")))
+                except InvalidModelOutput as err:
+                    outcomes.append(err)
+        return outcomes
+
+    outcomes = run(go)
+    done = [o for o in outcomes if isinstance(o, Completion)]
+    dead = [o for o in outcomes if isinstance(o, InvalidModelOutput)]
+    assert len(done) + len(dead) == 60 and done and dead
+    stats = sim.stats()
+    assert stats["structured_answers"] - stats["invalid_answers"] == len(done)
+    assert stats["invalid_answers"] == 2 * len(dead) + sum(c.invalid_answers for c in done)

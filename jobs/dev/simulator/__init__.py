@@ -57,11 +57,17 @@ with ``-`` or ``_``)::
     per_token_ms       extra latency per completion token
     per_input_ms       extra latency per input of an embeddings request
     max_input_tokens   embeddings inputs over this many tokens answer 400, 0 = no limit
+    invalid_json_rate  share of schema-shaped answers made invalid on purpose (below)
     concurrency        requests processed at once, 0 = unlimited
     reject_over_limit  over the limit answer 429 at once instead of queueing
     retry_after_s      Retry-After seconds of those 429s
     rpm, tpm           requests / tokens per minute (token buckets), 0 = unlimited
     embedding_dim, default_max_tokens, max_output_tokens, hang_max_s, seed
+
+A chat or completions request with ``response_format`` (``json_schema`` or ``json_object``)
+is answered with JSON built from the schema (``schema_answers``); ``invalid_json_rate`` of
+those answers are deliberately invalid, and ``/stats`` counts ``structured_answers`` and
+``invalid_answers`` (checked with ``jsonschema``, so the count is what was really sent).
 
 Latency is the time a request holds a concurrency slot: a sample of the latency model
 plus ``per_token_ms`` times the completion tokens (``per_input_ms`` times the inputs of an

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="extra latency per completion token (default %(default)s)")
     perf.add_argument("--per-input-ms", type=float, default=d.per_input_ms,
                       help="extra latency per input of an embeddings request (default %(default)s)")
+    perf.add_argument("--invalid-json-rate", type=float, default=d.invalid_json_rate,
+                      help="share of answers to requests with a response_format schema made invalid on "
+                           "purpose (prose around the JSON, a missing or wrong property) (default %(default)s)")
     perf.add_argument("--max-input-tokens", type=int, default=d.max_input_tokens,
                       help="embeddings inputs longer than this are refused with 400, 0 = no limit "
                            "(default %(default)s)")
@@ -91,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
         latency=args.latency,
         per_token_ms=args.per_token_ms,
         per_input_ms=args.per_input_ms,
+        invalid_json_rate=args.invalid_json_rate,
         max_input_tokens=args.max_input_tokens,
         seed=args.seed,
         concurrency=args.concurrency,

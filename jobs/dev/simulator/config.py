@@ -151,7 +151,7 @@ def _integral(defaults: Any, values: dict[str, Any]) -> dict[str, Any]:
 
 _RUNTIME_CONFIG_KEYS = (
     "latency", "per_token_ms", "per_input_ms", "max_input_tokens", "concurrency", "reject_over_limit", "retry_after_s", "rpm", "tpm",
-    "embedding_dim", "default_max_tokens", "max_output_tokens", "hang_max_s", "seed",
+    "embedding_dim", "default_max_tokens", "max_output_tokens", "hang_max_s", "seed", "invalid_json_rate",
 )
 
 
@@ -179,6 +179,8 @@ class SimulatorConfig:
     api_key: str | None = field(default=None, repr=False)
     faults: FaultSettings = field(default_factory=FaultSettings)
     stats_log_interval_s: float = 60.0
+    # Share of schema-shaped answers (requests with response_format) made invalid on purpose.
+    invalid_json_rate: float = 0.0
 
     def __post_init__(self) -> None:
         parse_latency(self.latency)
@@ -196,6 +198,7 @@ class SimulatorConfig:
         check_number("default_max_tokens", self.default_max_tokens, minimum=1, integer=True)
         check_number("hang_max_s", self.hang_max_s)
         check_number("stats_log_interval_s", self.stats_log_interval_s)
+        check_number("invalid_json_rate", self.invalid_json_rate, maximum=1.0)
         if self.seed is not None:
             check_number("seed", self.seed, minimum=-(2**63), integer=True)
         if not isinstance(self.reject_over_limit, bool):

@@ -22,6 +22,8 @@ from jobs.dev.simulator.config import (
     SIMULATOR_FINGERPRINT,
     SimulatorConfig,
 )
+from jobs.dev.simulator.schema_answers import answer as schema_answer
+from jobs.dev.simulator.schema_answers import requested_schema
 
 _WORDS = (
     "the", "stream", "of", "tokens", "flows", "through", "a", "simulated", "model", "and",
@@ -160,17 +162,36 @@ class Call:
 
 
 class _Generation(Call):
-    """Chat and text completions: the same options and the same OpenAI-shaped body."""
+    """Chat and text completions: the same options and the same OpenAI-shaped body.
 
-    __slots__ = ("n", "out_tokens")
+    With a ``response_format`` schema the answer is schema-shaped (``schema_answers``); the
+    server sets ``spoil`` to make it deliberately invalid, and ``respond`` leaves in
+    ``schema_answers`` how many of its answers (choices) did and did not validate."""
+
+    __slots__ = ("n", "out_tokens", "schema", "schema_answers", "spoil")
 
     def _options(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
         if payload.get("stream"):
             raise BadRequest("stream=true is not supported by the simulator", "stream")
+        try:
+            self.schema = requested_schema(payload)
+        except ValueError as err:
+            raise BadRequest(str(err), "response_format") from None
+        self.spoil = False
+        self.schema_answers = (0, 0)
         self.model = _model_name(payload, config.models[0])
         requested = _positive_int(payload, "max_completion_tokens") or _positive_int(payload, "max_tokens")
         self.out_tokens = min(requested or config.default_max_tokens, config.max_output_tokens)
         self.n = _positive_int(payload, "n", MAX_CHOICES) or 1
+
+    def _answer(self, prompt: str) -> str:
+        """Filler text, or a schema-shaped answer (counted in ``schema_answers`` per choice)."""
+        if self.schema is None:
+            return completion_text(prompt, self.out_tokens)
+        text, valid = schema_answer(self.schema, prompt, self.spoil)
+        ok, bad = self.schema_answers
+        self.schema_answers = (ok + self.n, bad) if valid else (ok, bad + self.n)
+        return text
 
     def _body(self, next_id: Callable[[str], str], id_prefix: str, kind: str, choices: list[dict[str, Any]],
               completion_tokens: int) -> dict[str, Any]:
@@ -215,7 +236,7 @@ class Chat(_Generation):
 
     def respond(self, next_id: Callable[[str], str]) -> dict[str, Any]:
         n = self.n
-        text = completion_text(self.prompt, self.out_tokens)
+        text = self._answer(self.prompt)
         message = {"role": "assistant", "content": text}
         choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": "stop"} for i in range(n)]
         return self._body(next_id, "chatcmpl", "chat.completion", choices, approx_tokens(text) * n)
@@ -231,11 +252,11 @@ class Completions(_Generation):
         self.token_cost = self.prompt_tokens + self.out_tokens * self.n * len(prompts)
 
     def respond(self, next_id: Callable[[str], str]) -> dict[str, Any]:
-        n, out_tokens = self.n, self.out_tokens
+        n = self.n
         choices: list[dict[str, Any]] = []
         completion_tokens = 0
         for text, _ in self.prompts:
-            answer = completion_text(text, out_tokens)
+            answer = self._answer(text)
             completion_tokens += approx_tokens(answer) * n
             for _ in range(n):
                 choices.append({"text": answer, "index": len(choices), "logprobs": None, "finish_reason": "stop"})

@@ -575,6 +575,8 @@ class SimulatorServer:
         self.requests_total = 0
         self.completion_tokens = 0
         self.prompt_tokens = 0
+        self.structured_answers = 0
+        self.invalid_answers = 0
         self._since = now
         self._area = 0.0
         self._area_stamp = now
@@ -592,7 +594,9 @@ class SimulatorServer:
         error statuses; ``resets``/``hangs`` injected drops and hangs; ``cancelled``
         requests whose client left while queued or in flight. ``in_flight`` counts
         requests holding a concurrency slot, ``queued`` those waiting for one, and
-        ``mean_in_flight`` is the time-weighted mean of ``in_flight``.
+        ``mean_in_flight`` is the time-weighted mean of ``in_flight``. ``structured_answers``
+        counts answers sent to requests with a ``response_format`` schema, ``invalid_answers``
+        those of them that do not validate against it (``invalid_json_rate``).
         """
         now = time.monotonic()
         self._account(now)
@@ -616,6 +620,8 @@ class SimulatorServer:
             "requests_total": self.requests_total,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "structured_answers": self.structured_answers,
+            "invalid_answers": self.invalid_answers,
             "open_connections": len(self._conns),
             "uptime_s": round(now - self.started, 3),
             "since_reset_s": round(window, 3),
@@ -709,9 +715,18 @@ class SimulatorServer:
             early = self._gate(conn, req, call.token_cost)
             if early is not None:
                 return early or None
+            shaped = call if isinstance(call, (Chat, Completions)) and call.schema is not None else None
+            if shaped is not None:
+                shaped.spoil = self._rng.random() < self.config.invalid_json_rate
             body = call.respond(self._next_id)
-            return self._admit(conn, req, body, call.prompt_tokens, call.completion_tokens,
-                               call.extra_latency_s(self.config))
+            over_limit = self.over_limit
+            response = self._admit(conn, req, body, call.prompt_tokens, call.completion_tokens,
+                                   call.extra_latency_s(self.config))
+            if shaped is not None and self.over_limit == over_limit:  # sent (now or after its latency)
+                valid, invalid = shaped.schema_answers
+                self.structured_answers += valid + invalid
+                self.invalid_answers += invalid
+            return response
 
         return handle
 
