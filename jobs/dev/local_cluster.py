@@ -48,8 +48,8 @@ from jobs.dev.processes import (
     port_in_use,
     terminate,
 )
+from jobs.flink_cli import flink_home, python_jar, run_job_script
 from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
-from jobs.submit import flink_home, python_jar, run_job_script
 
 log = logging.getLogger("llmstream.cluster")
 
