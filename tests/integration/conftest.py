@@ -1,28 +1,55 @@
-"""Fixtures for tests that need a real Kafka broker.
+"""Fixtures of the integration tests: a real broker, a real standalone Flink cluster, simulators.
 
-One broker per test session (starting one costs a few seconds and ~0.5 GB), on free
-ports and a temp data dir so parallel checkouts and a developer's own
-``llmstream kafka start`` on 9092 never collide.
+Session fixtures start once whichever module asks first: one Kafka broker and one standalone
+cluster (each costs seconds and ~0.5 GB), on free ports and temp dirs so parallel checkouts and
+a developer's own ``llmstream kafka start`` on 9092 never collide. Each simulator fixture has its
+own name because each means one pace:
+
+- ``fast_simulator``: 5 ms a call, shared by the session (jobs in the mini cluster); faults reset per test;
+- ``paced_simulator``: 40 ms a call, per test, so a fault injected after a few seconds hits mid-stream;
+- ``slow_simulator``: 2 s a call, per test, so a checkpoint holds a full capacity of calls in flight;
+- ``spawn_simulator``: a factory for any other flags, every simulator stopped after the test.
+
+Plain helpers (job configs on uuid topics, the committed reader, the exactly-once tally, the
+fault report) are in ``tests/integration/helpers.py``.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from jobs.local_kafka import BrokerConfig, LocalBroker, delete_topics
+pytest.register_assert_rewrite("tests.integration.helpers")  # before its import: its asserts explain themselves
+
+from jobs.dev import simulator
+from jobs.dev.local_cluster import ClusterConfig, LocalCluster
+from jobs.dev.local_kafka import BrokerConfig, LocalBroker
+from jobs.dev.simulator import SpawnedSimulator
+from jobs.kafka_admin import create_topics, delete_topics
+from tests.integration.helpers import (
+    SIM_ARGS,
+    FaultReport,
+    JobConfigFactory,
+    SpawnSimulator,
+    heal,
+)
+from udfs.config import JobConfig, load_config, with_overrides
+
+log = logging.getLogger("llmstream.tests")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "integration: needs Java and a local Kafka broker")
-    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+# ---------------------------------------------------------------------- Kafka
 
 
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
     broker = LocalBroker(BrokerConfig.ephemeral(tmp_path_factory.mktemp("kafka"), heap="512m"))
-    broker.start(timeout=90)
+    broker.start(timeout=180)
     try:
         yield broker
     finally:
@@ -47,3 +74,112 @@ def topic_names(kafka_broker: LocalBroker) -> Iterator[Callable[..., list[str]]]
     yield make
     if made:
         delete_topics(kafka_broker.bootstrap_servers, made, missing_ok=True)
+
+
+# ---------------------------------------------------------------------- the standalone cluster
+
+
+@pytest.fixture(scope="session")
+def flink_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """One standalone cluster (JobManager + one 2-slot TaskManager) for the whole session."""
+    cluster = LocalCluster(ClusterConfig.ephemeral(tmp_path_factory.mktemp("flink")))
+    started = time.monotonic()
+    cluster.start(taskmanagers=1, timeout=180)
+    log.info("flink cluster up at %s in %.1f s", cluster.rest_url, time.monotonic() - started)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster(flink_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """The shared cluster, healed before the test; jobs the test leaves running are cancelled after it."""
+    heal(flink_cluster)
+    yield flink_cluster
+    for job in flink_cluster.jobs():
+        if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
+            with contextlib.suppress(Exception):
+                flink_cluster.cancel(job["jid"], timeout=60)
+
+
+@pytest.fixture(scope="session")
+def fault_report() -> FaultReport:
+    return FaultReport()
+
+
+# ---------------------------------------------------------------------- simulators
+
+
+@pytest.fixture
+def spawn_simulator() -> Iterator[SpawnSimulator]:
+    """Factory ``spawn_simulator(flags)`` of simulator processes, all stopped after the test."""
+    started: list[SpawnedSimulator] = []
+
+    def spawn(args: list[str]) -> SpawnedSimulator:
+        handle = simulator.spawn(args)
+        started.append(handle)
+        return handle
+
+    yield spawn
+    for handle in started:
+        handle.stop()
+
+
+@pytest.fixture
+def paced_simulator(spawn_simulator: SpawnSimulator) -> SpawnedSimulator:
+    """The simulator at ~40 ms per call (`SIM_ARGS`), for the tests on the standalone cluster."""
+    return spawn_simulator(SIM_ARGS)
+
+
+@pytest.fixture
+def slow_simulator(spawn_simulator: SpawnSimulator) -> SpawnedSimulator:
+    """The simulator at 2 s per call, unlimited concurrency."""
+    return spawn_simulator(["--latency", "fixed:2000", "--seed", "7"])
+
+
+@pytest.fixture(scope="session")
+def fast_simulator() -> Iterator[SpawnedSimulator]:
+    """The simulator at 5 ms per call, shared by the session; `job_config` resets its faults per test."""
+    handle = simulator.spawn(["--latency", "fixed:5", "--concurrency", "256"])
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+# ---------------------------------------------------------------------- jobs in the mini cluster
+
+
+@pytest.fixture
+def job_config(kafka_broker: LocalBroker, fast_simulator: SpawnedSimulator,
+               tmp_path_factory: pytest.TempPathFactory) -> JobConfigFactory:
+    """Factory of job configs against `fast_simulator`, on fresh uuid topics (created here), group,
+    transactional prefix and state directory; keyword sections override."""
+    fast_simulator.admin({})
+
+    def make(**sections: dict[str, Any]) -> JobConfig:
+        run = uuid.uuid4().hex[:10]
+        base = with_overrides(
+            load_config(),
+            kafka={
+                "bootstrap_servers": kafka_broker.bootstrap_servers,
+                "input_topic": f"requests-{run}",
+                "output_topic": f"results-{run}",
+                "dead_letter_topic": f"dead-{run}",
+                "group_id": f"group-{run}",
+                "transactional_id_prefix": f"tx-{run}",
+                "create_topics": True,
+                "topic_partitions": 2,
+            },
+            model={"endpoint": fast_simulator.url},
+            checkpointing={"interval_ms": 1000, "directory": str(tmp_path_factory.mktemp(f"state-{run}"))},
+            retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.5},
+        )
+        config = with_overrides(base, **sections) if sections else base
+        k = config.kafka
+        create_topics(k.bootstrap_servers, [k.input_topic, k.output_topic, k.dead_letter_topic],
+                      partitions=k.topic_partitions)
+        return config
+
+    return make

@@ -9,16 +9,14 @@ the report files exist with one table row per approach. Speed is never asserted.
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from jobs.bench.harness import APPROACHES
-from jobs.bench.measure import percentile, steady_window
-from jobs.bench.scenarios import SCENARIOS, SMOKE_RECORDS
+from jobs.dev.bench.harness import APPROACHES
+from jobs.dev.bench.scenarios import SMOKE_RECORDS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,20 +64,3 @@ def test_smoke_bench_writes_the_report(smoke: tuple[subprocess.CompletedProcess[
     png = (out / "latest.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     assert "bench: 3 runs" in proc.stdout
-
-
-def test_limits_follow_littles_law() -> None:
-    assert SCENARIOS["a"].limit_per_s == pytest.approx(64 / 0.050)
-    sigma = math.log(2000 / 200) / 2.3263478740408408
-    assert SCENARIOS["b"].mean_latency_ms == pytest.approx(200 * math.exp(sigma**2 / 2))
-    assert SCENARIOS["b"].limit_per_s == pytest.approx(196, abs=1)
-    assert SCENARIOS["d"].limit_per_s is None
-
-
-def test_steady_window_leaves_out_start_up_and_drain() -> None:
-    # 10 s of start-up with nothing, then 100 completions per second for 10 s.
-    completions = [10_000 + i * 10 for i in range(1000)]
-    window = steady_window(completions)
-    assert window is not None
-    assert window.rate == pytest.approx(100, rel=0.02)
-    assert percentile([1, 2, 3, 4], 50) == 2 and percentile([], 99) is None

@@ -19,22 +19,20 @@ import psutil
 import pytest
 from kafka import KafkaProducer
 
-from jobs import cluster as cluster_mod
-from jobs import local_kafka
-from jobs.cluster import ClusterConfig, LocalCluster
-from jobs.model_server import SpawnedSimulator
+from jobs import kafka_admin
+from jobs import submit as submit_mod
+from jobs.dev import local_cluster as cluster_mod
+from jobs.dev import local_kafka
+from jobs.dev.local_cluster import ClusterConfig, LocalCluster
+from jobs.dev.simulator import SpawnedSimulator
 from jobs.pipeline import RunOptions
-
-pytest.register_assert_rewrite("tests.integration.cluster_fixtures")
-from tests.integration.cluster_fixtures import (
+from tests.integration.helpers import (
     FaultReport,
     FaultResult,
     make_job,
     unique_records,
+    wait_for_checkpoints,
 )
-
-# The cluster, simulator and report fixtures; registered once per session however many modules ask.
-pytest_plugins = ["tests.integration.cluster_fixtures"]
 
 pytestmark = pytest.mark.integration
 
@@ -105,15 +103,15 @@ def test_generated_conf_is_flink_conf_with_only_ports_and_paths_changed(tmp_path
 
 
 def test_submit_honours_the_configured_parallelism(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path,
         kafka_broker: local_kafka.LocalBroker, capsys: pytest.CaptureFixture[str]) -> None:
-    """`llmstream submit` (jobs.cluster.submit) against the cluster: preflight passes, the job id
+    """`llmstream submit` (jobs.submit.submit) against the cluster: preflight passes, the job id
     and web UI are printed, the vertices run with `parallelism.inference: 2`, records flow."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="parallel",
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="parallel",
                      parallelism={"default": 1, "source": 1, "inference": 2, "sink": 1})
     records = unique_records(200, "par")
-    local_kafka.produce(setup.bootstrap, setup.input_topic, records)
-    assert cluster_mod.submit(str(setup.path), jobmanager=cluster.address) == 0
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+    assert submit_mod.submit(str(setup.path), jobmanager=cluster.address) == 0
     out = capsys.readouterr().out
     match = re.search(r"submitted job \S+ as ([0-9a-f]{32})", out)
     assert match, out
@@ -125,7 +123,7 @@ def test_submit_honours_the_configured_parallelism(
     inference = [p for name, p in parallelism.items() if re.search(r"(^|-> )inference( ->|$)", name)]
     assert inference == [2], parallelism
     assert any("Source: kafka_requests" in name and p == 1 for name, p in parallelism.items()), parallelism
-    got = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, expected=len(records), timeout_s=120)
+    got = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, expected=len(records), timeout_s=120)
     assert sorted(json.loads(r.value)["id"] for r in got) == sorted(k.decode() for k, _ in records)
     subtasks = {json.loads(r.value)["source"]["partition"] for r in got}
     assert subtasks == {0, 1}
@@ -134,17 +132,17 @@ def test_submit_honours_the_configured_parallelism(
 
 
 def test_submit_until_end_finishes_a_backfill(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path,
         kafka_broker: local_kafka.LocalBroker, capsys: pytest.CaptureFixture[str]) -> None:
     """`llmstream submit --until-end` on the cluster: the job FINISHES (stopped with a draining
     savepoint) once the records present at its start are answered and committed."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="backfill")
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="backfill")
     records = unique_records(300, "fill")
-    local_kafka.produce(setup.bootstrap, setup.input_topic, records)
-    assert cluster_mod.submit(str(setup.path), jobmanager=cluster.address, options=RunOptions(until_end=True)) == 0
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+    assert submit_mod.submit(str(setup.path), jobmanager=cluster.address, options=RunOptions(until_end=True)) == 0
     job_id = re.findall(r"as ([0-9a-f]{32})", capsys.readouterr().out)[0]
     assert cluster.wait_for_job_state(job_id, "FINISHED", timeout=240) == "FINISHED"
-    got = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=30)
+    got = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=30)
     assert sorted(json.loads(r.value)["id"] for r in got) == sorted(k.decode() for k, _ in records)
 
 
@@ -199,13 +197,13 @@ def bad_input_corpus() -> list[tuple[str, bytes | None, str]]:
 
 
 def test_bad_input_corpus_is_dead_lettered_without_restarts(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path,
         kafka_broker: local_kafka.LocalBroker, fault_report: FaultReport) -> None:
     """Malformed records of 30+ kinds between good ones: each bad one is dead-lettered once with
     its reason (matched by the Kafka key, which the dead letter keeps), each good one answered
     once, and the job never restarts."""
     started = time.monotonic()
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="bad-input",
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="bad-input",
                      topic_configs={"max.message.bytes": str(12 * 1024 * 1024)})
     corpus = bad_input_corpus()
     good = unique_records(20 * len(corpus), "good")
@@ -224,12 +222,12 @@ def test_bad_input_corpus_is_dead_lettered_without_restarts(
 
     job_id = cluster.submit(setup.path)
     cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
-    dead = local_kafka.consume_committed(setup.bootstrap, setup.dead_letter_topic, expected=len(corpus),
+    dead = kafka_admin.consume_committed(setup.bootstrap, setup.dead_letter_topic, expected=len(corpus),
                                          timeout_s=180)
-    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, expected=len(good), timeout_s=120)
-    time.sleep(5)  # a few more checkpoints: anything duplicated or late would show now
-    dead = local_kafka.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=60)
-    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=60)
+    out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, expected=len(good), timeout_s=120)
+    wait_for_checkpoints(cluster, job_id, 3)  # anything duplicated or late would show now
+    dead = kafka_admin.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=60)
+    out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=60)
     restarts = cluster.num_restarts(job_id)
     state = cluster.job_status(job_id)
     cluster.cancel(job_id)

@@ -115,12 +115,12 @@ def test_command_line_overrides_name_real_flink_keys(compose: dict[str, Any]) ->
 
 def test_llmstream_commands_exist(compose: dict[str, Any]) -> None:
     """The commands parse as `llmstream` would parse them (model-server owns its arguments)."""
-    from jobs import model_server
     from jobs.cli import DELEGATED
+    from jobs.dev import simulator
 
     server = compose["services"]["model-server"]["command"]
-    assert server[:2] == ["llmstream", "model-server"] and DELEGATED["model-server"][0] == "jobs.model_server"
-    parsed = model_server.build_parser().parse_args(server[2:])
+    assert server[:2] == ["llmstream", "model-server"] and DELEGATED["model-server"][0] == "jobs.dev.simulator"
+    parsed = simulator.build_parser().parse_args(server[2:])
     assert parsed.host == "0.0.0.0" and parsed.port == 8000
     submit = compose["services"]["submitter"]["command"]
     assert submit[0] == "llmstream"
@@ -234,5 +234,5 @@ def test_prometheus_and_grafana_are_provisioned(compose: dict[str, Any]) -> None
         targets += [f"{n}:{c['port']}" for c in job.get("dns_sd_configs", []) for n in c["names"]]
     assert sorted(targets) == sorted(f"{service}:{first_port}" for service in FLINK_SERVICES)
     assert all(t.split(":")[0] in services for t in targets)
-    # The image puts the reporter jar on the Flink classpath, like jobs/cluster.py's lib/.
+    # The image puts the reporter jar on the Flink classpath, like jobs/dev/local_cluster.py's lib/.
     assert "pom-free/cache/metrics/*.jar" in _dockerfile(compose)

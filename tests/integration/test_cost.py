@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs import local_kafka
-from jobs.cluster import LocalCluster
-from jobs.model_server import SpawnedSimulator
-
-pytest.register_assert_rewrite("tests.integration.cluster_fixtures")
-from tests.integration.cluster_fixtures import (
+from jobs import kafka_admin
+from jobs.dev import local_kafka
+from jobs.dev.local_cluster import LocalCluster
+from jobs.dev.simulator import SpawnedSimulator
+from tests.integration.helpers import (
     FaultReport,
     FaultResult,
     JobSetup,
@@ -36,8 +35,6 @@ from tests.integration.test_faults import RECORDS, Run, start_run
 from tests.redis_server import RedisServer
 from udfs.config import JobConfig
 from udfs.prompts import build_payload, input_tokens
-
-pytest_plugins = ["tests.integration.cluster_fixtures"]
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -67,19 +64,19 @@ def kill_taskmanager_mid_stream(cluster: LocalCluster, run: Run) -> None:
 
 @pytest.mark.parametrize("backend", ["local", "none"])
 def test_a_taskmanager_kill_costs_almost_no_extra_calls_with_the_cache(
-        backend: str, cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path,
+        backend: str, cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path,
         kafka_broker: local_kafka.LocalBroker, fault_report: FaultReport) -> None:
     """5,000 unique ids, TaskManager SIGKILL mid-stream: the replay since the last checkpoint finds
     its answers in the cache (written before they entered Flink), so at most the calls in flight at
     the kill are paid twice. Without the cache every replayed record is paid again."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name=f"cost-kill-{backend}",
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"cost-kill-{backend}",
                      model=DETERMINISTIC, cache={"backend": backend})
     run = start_run(cluster, setup, f"cost{backend}")
     kill_taskmanager_mid_stream(cluster, run)
     result = run.finish()
     check_exactly_once(result)
     assert run.restarts() >= 1
-    served = report(fault_report, f"k. TaskManager SIGKILL, cache {backend}", run, result, simulator,
+    served = report(fault_report, f"k. TaskManager SIGKILL, cache {backend}", run, result, paced_simulator,
                     notes=f"cache.backend {backend}, temperature 0")
     if backend == "local":
         assert served <= 1.01 * RECORDS, f"{served} calls for {RECORDS} records with the cache on"
@@ -106,27 +103,27 @@ def records_with_repeats(n: int, prefix: str, repeat_share: float = 0.3) -> tupl
 
 
 def test_exact_repeats_are_answered_once(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
     """5,000 ids, 30% of them exact repeats of another request: one call per distinct request
     (repeats in flight at the same time share the call), every id's output exactly once."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-repeats",
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-repeats",
                      model=DETERMINISTIC, cache={"backend": "local"})
     records, distinct = records_with_repeats(RECORDS, "rep")
     run = start_records(cluster, setup, records)
     result = run.finish()
     check_exactly_once(result)
     assert result.dead == 0, result.dead_reasons
-    served = report(fault_report, "l. 30% exact repeats, cache local", run, result, simulator,
+    served = report(fault_report, "l. 30% exact repeats, cache local", run, result, paced_simulator,
                     notes=f"{distinct} distinct requests among {RECORDS}")
     assert served == distinct
     assert result.cached == RECORDS - distinct
 
 
 def start_records(cluster: LocalCluster, setup: JobSetup, records: list[tuple[bytes, bytes]]) -> Run:
-    from tests.integration.cluster_fixtures import CommittedReader
+    from tests.integration.helpers import CommittedReader
 
-    local_kafka.produce(setup.bootstrap, setup.input_topic, records)
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
     reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
     reader.start()
     run = Run(cluster, setup, [k.decode() for k, _ in records], reader)
@@ -182,17 +179,17 @@ class ServedSampler(threading.Thread):
 
 
 def test_past_the_token_budget_the_job_pauses_and_resumes_on_its_own(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
     """max_tokens_per_hour at a tenth of what the input needs, per 3 s window: the job waits for
     each window (a paused stage back-pressures the source), loses nothing, never restarts."""
     n, window_s = 1500, 3.0
     records = unique_records(n, "budget")
-    probe = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-budget-probe")
+    probe = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-budget-probe")
     need = estimated_tokens(probe.config, records)
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-budget",
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-budget",
                      budget={"max_tokens_per_hour": need / 10, "window_s": window_s})
-    sampler = ServedSampler(simulator)
+    sampler = ServedSampler(paced_simulator)
     sampler.start()
     try:
         run = start_records(cluster, setup, records)
@@ -205,7 +202,7 @@ def test_past_the_token_budget_the_job_pauses_and_resumes_on_its_own(
     flat = sampler.longest_flat(n)
     first = next(t for t, s in sampler.samples if s > 0)
     last = next(t for t, s in sampler.samples if s >= n)
-    report(fault_report, "m. token budget at 1/10 of the input per 3 s window", run, result, simulator,
+    report(fault_report, "m. token budget at 1/10 of the input per 3 s window", run, result, paced_simulator,
            notes=f"budget {need / 10:.0f} of {need} estimated tokens per {window_s:g} s window",
            longest_pause_s=round(flat, 1), calls_spread_over_s=round(last - first, 1))
     assert flat >= 0.5 * window_s, f"no pause seen (longest stretch without calls {flat:.1f} s)"
@@ -216,14 +213,14 @@ def test_past_the_token_budget_the_job_pauses_and_resumes_on_its_own(
 
 
 def test_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
     """The Redis cache is SIGKILLed mid-stream and started again later: the client calls the model
     meanwhile; no failure, no restart, no dead letter, every id exactly once."""
     redis = RedisServer(tmp_path / "redis")
     redis.start()
     try:
-        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="cost-redis",
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-redis",
                          model=DETERMINISTIC, cache={"backend": "redis", "redis_url": redis.url})
         run = start_run(cluster, setup, "redis")
         run.wait_mid_stream(0.2)
@@ -238,7 +235,7 @@ def test_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
     check_exactly_once(result)
     assert result.dead == 0, result.dead_reasons
     assert run.restarts() == 0
-    served = report(fault_report, "n. redis cache SIGKILL mid-stream, restarted", run, result, simulator,
+    served = report(fault_report, "n. redis cache SIGKILL mid-stream, restarted", run, result, paced_simulator,
                     notes="cache.backend redis; the model is called while the cache is out",
                     committed_at_cache_kill=at_kill)
     assert served >= RECORDS

@@ -13,20 +13,17 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
 
-from jobs import local_kafka, model_server
-from jobs.cluster import LocalCluster
-from jobs.model_server import SpawnedSimulator
-
-pytest.register_assert_rewrite("tests.integration.cluster_fixtures")
-from tests.integration.cluster_fixtures import (
-    CHECKPOINT_INTERVAL_MS,
+from jobs import kafka_admin
+from jobs.dev import local_kafka, simulator
+from jobs.dev.local_cluster import LocalCluster
+from jobs.dev.simulator import SpawnedSimulator
+from tests.integration.helpers import (
     CommittedReader,
     FaultReport,
     FaultResult,
@@ -36,15 +33,12 @@ from tests.integration.cluster_fixtures import (
     final_tally,
     make_job,
     unique_records,
+    wait_for_checkpoints,
 )
-
-# The cluster, simulator and report fixtures; registered once per session however many modules ask.
-pytest_plugins = ["tests.integration.cluster_fixtures"]
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 RECORDS = 5000
-SETTLE_S = 3 * CHECKPOINT_INTERVAL_MS / 1000  # after the last id: time for late duplicates to show
 
 
 @dataclass
@@ -82,9 +76,9 @@ class Run:
         return sum(self.cluster.num_restarts(j) for j in self.job_ids)
 
     def finish(self, timeout: float = 300) -> Tally:
-        """Wait for every id, give late duplicates a few checkpoints to appear, then count independently."""
+        """Wait for every id, give late duplicates three more checkpoints to appear, then count independently."""
         done = self.reader.wait_for(len(self.ids), timeout, check=self.not_failed)
-        time.sleep(SETTLE_S)
+        wait_for_checkpoints(self.cluster, self.job_id, 3)
         self.reader.stop()
         result = final_tally(self.setup, self.ids)
         assert done, f"not every id arrived within {timeout} s: {result}"
@@ -93,7 +87,7 @@ class Run:
 
 def start_run(cluster: LocalCluster, setup: JobSetup, prefix: str, n: int = RECORDS) -> Run:
     records = unique_records(n, prefix)
-    local_kafka.produce(setup.bootstrap, setup.input_topic, records)
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
     reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
     reader.start()
     run = Run(cluster, setup, [k.decode() for k, _ in records], reader)
@@ -119,11 +113,11 @@ def _since(t: float | None, origin: float) -> float | None:
 
 
 def test_taskmanager_sigkill_mid_stream_then_a_new_one(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
     """SIGKILL the only TaskManager mid-stream, start a fresh one: the job restarts from the last
     checkpoint, aborts the dead TaskManager's open transactions, and nothing is lost or doubled."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="tm-kill")
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="tm-kill")
     run = start_run(cluster, setup, "tmkill")
     run.wait_mid_stream(0.2)
     committed_at_kill = run.reader.unique_ids()
@@ -149,19 +143,19 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one(
 
 
 def test_model_server_down_30s_holds_back_then_catches_up_without_restart(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
     """The model server refuses connections for 30 s: in-flight calls back off and retry within
     their deadline, the bounded operator stops taking input, and the job never restarts."""
     setup = make_job(
-        tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="model-down",
+        tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="model-down",
         retry={"max_attempts": 30, "initial_backoff_s": 0.5, "max_backoff_s": 5},
         async_={"record_deadline_s": 300}, kafka={"transaction_timeout_ms": 900_000})
     run = start_run(cluster, setup, "down")
     run.wait_mid_stream(0.2)
     before = run.reader.unique_ids()
     down_at = time.monotonic()
-    simulator.admin({"down_for_s": 30})
+    paced_simulator.admin({"down_for_s": 30})
     up_at = down_at + 30
     time.sleep(30)
     during = run.reader.unique_ids()
@@ -174,25 +168,25 @@ def test_model_server_down_30s_holds_back_then_catches_up_without_restart(
            notes="recovery counted from the server's return; retries back off up to 5 s",
            committed_before=before, committed_while_down=during - before,
            longest_output_gap_s=round(run.reader.longest_gap(), 1),
-           simulator_requests=simulator.stats().get("requests_total"))
+           simulator_requests=paced_simulator.stats().get("requests_total"))
 
 
 # ---------------------------------------------------------------------- c. model server errors
 
 
 def test_model_server_500_on_20_percent_for_60s_no_restart_nothing_lost(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
     """HTTP 500 on a fifth of the calls for 60 s: retried in the client, no job restart, every
     record answered (or dead-lettered with its reason if all its attempts failed)."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="model-500",
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="model-500",
                      retry={"max_attempts": 10, "initial_backoff_s": 0.2, "max_backoff_s": 2})
     run = start_run(cluster, setup, "err500")
     run.wait_mid_stream(0.1)
     fault_at = time.monotonic()
-    simulator.admin({"error_rate": 0.2, "error_status": 500, "until_s": 60})
+    paced_simulator.admin({"error_rate": 0.2, "error_status": 500, "until_s": 60})
     result = run.finish()
-    stats = simulator.stats()
+    stats = paced_simulator.stats()
     check_exactly_once(result)
     assert stats["errors"] > 100, f"the fault did not take: {stats}"
     assert run.restarts() == 0
@@ -236,13 +230,13 @@ def restart_broker(broker: local_kafka.LocalBroker) -> None:
 
 
 def test_broker_stopped_20s_then_restarted(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, fault_report: FaultReport) -> None:
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, fault_report: FaultReport) -> None:
     """The only Kafka broker stops (clean shutdown) for 20 s and comes back on the same ports and
     data: the job may fail and restart, but every id ends up exactly once."""
     broker = local_kafka.LocalBroker(local_kafka.BrokerConfig.ephemeral(tmp_path / "kafka", heap="384m"))
     broker.start(timeout=90)
     try:
-        setup = make_job(tmp_path, broker.bootstrap_servers, simulator.url, name="broker-down")
+        setup = make_job(tmp_path, broker.bootstrap_servers, paced_simulator.url, name="broker-down")
         run = start_run(cluster, setup, "brk")
         run.wait_mid_stream(0.2)
         before = run.reader.unique_ids()
@@ -268,7 +262,7 @@ def test_broker_stopped_20s_then_restarted(
 
 
 def test_cancel_then_resubmit_from_retained_checkpoint_and_stop_with_savepoint(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
     """Cancel mid-stream and resubmit from the retained last checkpoint; later stop with a
     savepoint and resubmit from it. Both resume exactly where the committed output ends.
@@ -277,7 +271,7 @@ def test_cancel_then_resubmit_from_retained_checkpoint_and_stop_with_savepoint(
     offsets and transactions are committed by different operators after a checkpoint, so a
     cancel between the two can replay one checkpoint's worth of records: not exactly once.)
     """
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="resubmit")
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="resubmit")
     run = start_run(cluster, setup, "resub")
     run.wait_mid_stream(0.15)
     cancelled_at = time.monotonic()
@@ -308,19 +302,8 @@ def test_cancel_then_resubmit_from_retained_checkpoint_and_stop_with_savepoint(
 
 # ---------------------------------------------------------------------- f, g. calls in flight at a fault
 
-SLOW_CALL_ARGS = ["--latency", "fixed:2000", "--seed", "7"]
 SLOW_CAPACITY = 24
 SLOW_RECORDS = 480  # 24 calls / 2 s = 12 records/s: ~40 s of work
-
-
-@pytest.fixture
-def slow_simulator() -> Iterator[SpawnedSimulator]:
-    """The simulator at 2 s per call, unlimited concurrency, stopped after the test."""
-    sim = model_server.spawn(SLOW_CALL_ARGS)
-    try:
-        yield sim
-    finally:
-        sim.stop()
 
 
 def _wait_for_full_capacity(run: Run, sim: SpawnedSimulator, capacity: int, committed: int,
@@ -444,7 +427,7 @@ def test_memory_stays_flat_with_a_200k_backlog_and_a_slow_model(
     """200,000 requests waiting, a model at 200 ms: the bounded async operator backpressures the
     source, so TaskManager JVM and Python worker RSS stay flat (`LLMSTREAM_MEMORY_TEST_SECONDS`,
     default 300; after a warm-up, the max of the second half within 15% of the first half's)."""
-    sim = model_server.spawn(["--latency", "fixed:200"])
+    sim = simulator.spawn(["--latency", "fixed:200"])
     try:
         setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="memory",
                          async_={"capacity": 64})
@@ -465,7 +448,7 @@ def test_memory_stays_flat_with_a_200k_backlog_and_a_slow_model(
             time.sleep(2)
         restarts = cluster.num_restarts(job_id)
         metaspace_mb = _metaspace_mb(cluster)
-        committed = sum(local_kafka.committed_offsets(setup.bootstrap, setup.config.kafka.group_id,
+        committed = sum(kafka_admin.committed_offsets(setup.bootstrap, setup.config.kafka.group_id,
                                                       setup.input_topic).values())
         cluster.cancel(job_id)
     finally:

@@ -25,20 +25,18 @@ import pytest
 import requests
 
 from jobs import jars
-from jobs.local_kafka import consume_committed, free_port, produce
+from jobs.dev.processes import free_port
+from jobs.kafka_admin import consume_committed, produce
 from jobs.pipeline import RunOptions
 from jobs.run import StopRequest, run_job
 from tests.conftest import SHELL_ENV
-from tests.integration.pipeline_fixtures import (
+from tests.integration.helpers import (
     JobConfigFactory,
-    job_config,
-    simulator,
     write_config,
 )
 from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-__all__ = ["job_config", "simulator"]
 
 LLMSTREAM = Path(sys.executable).parent / "llmstream"
 SERVED_METRICS = jars.repo_root() / "grafana" / "served-metrics.txt"
@@ -123,12 +121,12 @@ def running(config: JobConfig) -> Iterator[dict[str, Any]]:
     assert outcome["state"] == "FINISHED", outcome["lines"][-5:]
 
 
-def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobConfigFactory, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobConfigFactory, fast_simulator) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     config = job_config(metrics={"prometheus_port": port}, async_={"capacity": 8})
     records = good_records(600, "p") + BAD_RECORDS
     produce(config.kafka.bootstrap_servers, config.kafka.input_topic, records)
-    simulator.configure({"latency": "fixed:20"})
+    fast_simulator.configure({"latency": "fixed:20"})
     url = f"http://127.0.0.1:{port}/metrics"
     prefix = "flink_taskmanager_job_task_operator_llmstream_"
     try:
@@ -142,7 +140,7 @@ def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobC
 
             samples = wait_for("every record counted and a checkpoint completed", worked)
     finally:
-        simulator.configure({"latency": "fixed:5"})
+        fast_simulator.configure({"latency": "fixed:5"})
 
     names = set(samples)
     for metric in ("records_in", "bad_input", "requests", "retries", "rate_limited", "dead_lettered",
@@ -181,20 +179,20 @@ def _status_json(config_file: Path) -> dict[str, Any]:
 
 
 def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[no-untyped-def]
-        job_config: JobConfigFactory, simulator, tmp_path: Path) -> None:
+        job_config: JobConfigFactory, fast_simulator, tmp_path: Path) -> None:
     config = job_config(async_={"capacity": 8})
     config_file = write_config(config, tmp_path)
     good = 300
     produce(config.kafka.bootstrap_servers, config.kafka.input_topic, good_records(good, "s") + BAD_RECORDS)
-    simulator.configure({"latency": "fixed:20"})
-    simulator.reset_stats()
+    fast_simulator.configure({"latency": "fixed:20"})
+    fast_simulator.reset_stats()
     seen: list[dict[str, Any]] = []
     try:
         with running(config) as outcome:
             def caught_up() -> dict[str, Any] | None:
                 figures = _status_json(config_file)
                 seen.append(figures)
-                calls = simulator.stats()["requests_total"]
+                calls = fast_simulator.stats()["requests_total"]
                 done = (figures["job"]["state"] == "RUNNING"
                         and figures["records"]["processed"] == good + len(BAD_RECORDS)
                         and figures["calls"]["requests"] == calls == good
@@ -208,11 +206,11 @@ def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[n
                                   interval=1.0)
             except AssertionError as err:
                 last = seen[-1] if seen else {}
-                raise AssertionError(f"{err}; simulator {simulator.stats()['requests_total']} calls; last status: "
+                raise AssertionError(f"{err}; simulator {fast_simulator.stats()['requests_total']} calls; last status: "
                                      + json.dumps({k: last.get(k) for k in ("job", "records", "calls", "dead_letters",
                                                                              "checkpoint")})) from None
     finally:
-        simulator.configure({"latency": "fixed:5"})
+        fast_simulator.configure({"latency": "fixed:5"})
     lines = [line for line in outcome["lines"] if line.startswith("llmstream: ") and "s  " in line]
     assert lines and "committed" not in lines[-1], lines[-3:]
     assert during["calls"]["capacity"] == 8 and during["calls"]["concurrency_limit"] == 8
@@ -223,7 +221,7 @@ def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[n
 
     after = _status_json(config_file)
     assert after["job"]["state"] == "ENDED" and after["job"]["id"] == during["job"]["id"]
-    assert after["calls"]["requests"] == simulator.stats()["requests_total"] == good
+    assert after["calls"]["requests"] == fast_simulator.stats()["requests_total"] == good
     out = consume_committed(config.kafka.bootstrap_servers, config.kafka.output_topic, expected=good, timeout_s=60)
     dead = consume_committed(config.kafka.bootstrap_servers, config.kafka.dead_letter_topic, timeout_s=60)
     assert after["records"]["results"] == len(out) == good

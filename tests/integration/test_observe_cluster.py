@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import requests
 
-from jobs import local_kafka
-from jobs.cluster import LocalCluster
-from jobs.model_server import SpawnedSimulator
+from jobs import kafka_admin
+from jobs.dev import local_kafka
+from jobs.dev.local_cluster import LocalCluster
+from jobs.dev.simulator import SpawnedSimulator
 from tests.conftest import SHELL_ENV
-from tests.integration.cluster_fixtures import make_job, unique_records
+from tests.integration.helpers import make_job, unique_records
 from tests.integration.test_observe import (
     BAD_RECORDS,
     LLMSTREAM,
@@ -25,7 +26,6 @@ from tests.integration.test_observe import (
 )
 
 # The cluster and simulator fixtures, registered once per session (as test_cluster.py does).
-pytest_plugins = ["tests.integration.cluster_fixtures"]
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,11 +52,11 @@ def _scrape_job(job_id: str) -> dict[str, float] | None:
 
 
 def test_cluster_reporter_and_status_of_a_submitted_job(
-        cluster: LocalCluster, simulator: SpawnedSimulator, tmp_path: Path,
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path,
         kafka_broker: local_kafka.LocalBroker) -> None:
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="observe")
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="observe")
     good = 300
-    local_kafka.produce(setup.bootstrap, setup.input_topic, unique_records(good, "obs") + BAD_RECORDS)
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, unique_records(good, "obs") + BAD_RECORDS)
     job_id = cluster.submit(setup.path)
     cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
 
@@ -71,7 +71,7 @@ def test_cluster_reporter_and_status_of_a_submitted_job(
     def done() -> dict[str, Any] | None:
         figures = status()
         ok = (figures["job"]["id"] == job_id and figures["records"]["processed"] == good + len(BAD_RECORDS)
-              and figures["calls"]["requests"] == simulator.stats()["requests_total"] == good
+              and figures["calls"]["requests"] == paced_simulator.stats()["requests_total"] == good
               and sum(figures["dead_letters"]["by_reason"].values()) == len(BAD_RECORDS))
         return figures if ok else None
 

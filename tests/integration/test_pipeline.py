@@ -14,20 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from jobs.local_kafka import committed_offsets, consume_committed, end_offsets, produce
+from jobs.kafka_admin import committed_offsets, consume_committed, end_offsets, produce
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
 from tests.conftest import SHELL_ENV
-from tests.integration.pipeline_fixtures import (
+from tests.integration.helpers import (
     JobConfigFactory,
-    job_config,
-    simulator,
     write_config,
 )
 from udfs.config import JobConfig
 
 pytestmark = pytest.mark.integration
-__all__ = ["job_config", "simulator"]
 
 
 def _good(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
@@ -111,14 +108,14 @@ def test_bad_records_are_dead_lettered_good_ones_answered(job_config: JobConfigF
 
 
 def test_model_rejection_is_dead_lettered_without_restart(job_config: JobConfigFactory,
-                                                          simulator) -> None:  # type: ignore[no-untyped-def]
+                                                          fast_simulator) -> None:  # type: ignore[no-untyped-def]
     config = job_config(retry={"max_attempts": 3, "initial_backoff_s": 0.01, "max_backoff_s": 0.05})
-    simulator.admin({"error_rate": 1.0, "error_status": 503})
+    fast_simulator.admin({"error_rate": 1.0, "error_status": 503})
     try:
         produce(config.kafka.bootstrap_servers, config.kafka.input_topic, _good(20, "m"))
         _run_until_end(config)
     finally:
-        simulator.admin({})
+        fast_simulator.admin({})
     dead = _read(config, config.kafka.dead_letter_topic, 20)
     assert len(dead) == 20
     body = json.loads(dead[0].value)

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs import cli, local_kafka, preflight
-from jobs.local_kafka import BrokerConfig, LocalBroker, free_port
+from jobs import cli, kafka_admin, preflight
+from jobs.dev.local_kafka import BrokerConfig, LocalBroker
+from jobs.dev.processes import free_port
 from udfs.config import load_config, to_dict, with_overrides
 from udfs.errors import ConfigError
 
@@ -76,7 +77,7 @@ def test_transaction_timeout_above_the_brokers_maximum_fails_fast(
               checkpointing=short_checkpoints, **{"async": {"record_deadline_s": 30}})
     config = load_config(ok)
     preflight.check(config)
-    assert local_kafka.end_offsets(strict_broker.bootstrap_servers, config.kafka.input_topic) == {0: 0, 1: 0, 2: 0}
+    assert kafka_admin.end_offsets(strict_broker.bootstrap_servers, config.kafka.input_topic) == {0: 0, 1: 0, 2: 0}
 
 
 @pytest.mark.integration
@@ -93,7 +94,7 @@ def test_missing_topics_without_create_topics_fail_fast_naming_the_key(
     assert code == 2 and "kafka.input_topic" in stderr
 
     # the input exists but the dead-letter topic does not: named as such
-    local_kafka.create_topics(kafka_broker.bootstrap_servers, [config.kafka.input_topic, config.kafka.output_topic])
+    kafka_admin.create_topics(kafka_broker.bootstrap_servers, [config.kafka.input_topic, config.kafka.output_topic])
     with pytest.raises(ConfigError) as err:
         preflight.check(config)
     assert err.value.key == "kafka.dead_letter_topic"

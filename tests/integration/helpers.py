@@ -1,13 +1,9 @@
-"""Fixtures and helpers for tests on a real standalone Flink cluster (test_cluster, test_faults, ...).
+"""Plain helpers for the integration tests (the fixtures themselves live in conftest.py).
 
-Import the fixtures a test module uses (``from tests.integration.cluster_fixtures import
-flink_cluster, cluster, simulator``). The cluster itself is created once per session whichever
-module asks first: it is kept on ``config.stash`` and stopped by a config cleanup, because a
-session fixture imported into two modules is two fixtures to pytest.
-
-What a test sees is what a user would: records in topics read with ``read_committed``
-(`CommittedReader`), job state and restarts from the REST API, and the numbers written to
-``var/fault-report.md`` / ``.json`` (`FaultReport`) for the README.
+Jobs on a standalone cluster with their own uuid topics (`make_job`), the records they read
+(`unique_records`), what a downstream consumer sees (`CommittedReader`, read_committed, with
+arrival times), the exactly-once tally over output and dead letters, and the numbers the fault
+tests write to ``var/fault-report.md`` / ``.json`` (`FaultReport`) for the README.
 """
 
 from __future__ import annotations
@@ -20,22 +16,27 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-import pytest
 import yaml
 from kafka import KafkaConsumer, TopicPartition
 
-from jobs import jars, local_kafka, model_server
-from jobs.cluster import ClusterConfig, LocalCluster
+from jobs import jars, kafka_admin
+from jobs.dev.local_cluster import LocalCluster
+from jobs.dev.simulator import SpawnedSimulator
+from jobs.flink_rest import TERMINAL_STATES, FlinkRest
 from udfs.config import JobConfig, config_from_dict, load_config, to_dict
+
+JobConfigFactory = Callable[..., JobConfig]
+"""The `job_config` fixture: job configs on fresh uuid topics against the shared simulator."""
+SpawnSimulator = Callable[[list[str]], SpawnedSimulator]
+"""The `spawn_simulator` fixture: a simulator process started with the given flags."""
 
 log = logging.getLogger("llmstream.tests.cluster")
 
-_CLUSTER_KEY = pytest.StashKey[LocalCluster]()
 REPORT_DIR = jars.repo_root() / "var"
 CHECKPOINT_INTERVAL_MS = 2000
 
@@ -46,25 +47,6 @@ FAULT_CAPACITY = 6
 
 
 # ---------------------------------------------------------------------- cluster
-
-
-def _shared_cluster(request: pytest.FixtureRequest) -> LocalCluster:
-    config = request.config
-    if _CLUSTER_KEY not in config.stash:
-        work = request.getfixturevalue("tmp_path_factory").mktemp("flink")
-        cluster = LocalCluster(ClusterConfig.ephemeral(work))
-        started = time.monotonic()
-        cluster.start(taskmanagers=1, timeout=180)
-        log.info("flink cluster up at %s in %.1f s", cluster.rest_url, time.monotonic() - started)
-        config.stash[_CLUSTER_KEY] = cluster
-        config.add_cleanup(cluster.stop)
-    return config.stash[_CLUSTER_KEY]
-
-
-@pytest.fixture(scope="session")
-def flink_cluster(request: pytest.FixtureRequest) -> LocalCluster:
-    """One standalone cluster (JobManager + one 2-slot TaskManager) for the whole session."""
-    return _shared_cluster(request)
 
 
 def heal(cluster: LocalCluster, taskmanagers: int = 1, timeout: float = 180) -> None:
@@ -86,25 +68,19 @@ def heal(cluster: LocalCluster, taskmanagers: int = 1, timeout: float = 180) -> 
         time.sleep(1)
 
 
-@pytest.fixture
-def cluster(flink_cluster: LocalCluster) -> Iterator[LocalCluster]:
-    """The shared cluster, healed before the test; jobs the test leaves running are cancelled after it."""
-    heal(flink_cluster)
-    yield flink_cluster
-    for job in flink_cluster.jobs():
-        if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
-            with contextlib.suppress(Exception):
-                flink_cluster.cancel(job["jid"], timeout=60)
-
-
-@pytest.fixture
-def simulator() -> Iterator[model_server.SpawnedSimulator]:
-    """The model-server simulator at ~40 ms per call, stopped after the test."""
-    sim = model_server.spawn(SIM_ARGS)
-    try:
-        yield sim
-    finally:
-        sim.stop()
+def wait_for_checkpoints(cluster: FlinkRest, job_id: str, n: int = 3, timeout: float = 240) -> int:
+    """Until ``n`` more checkpoints of ``job_id`` completed, counted from the call, as the REST API
+    reports them: what the job had written is then committed, and anything late or duplicated would
+    show. Returns the number seen, early if the job stopped running (no checkpoint will come)."""
+    start = cluster.completed_checkpoints(job_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        done = cluster.completed_checkpoints(job_id) - start
+        if done >= n or cluster.job_status(job_id) in TERMINAL_STATES:
+            return done
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{done} of {n} more checkpoints of job {job_id} completed in {timeout:g} s")
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------- jobs and records
@@ -156,11 +132,18 @@ def make_job(directory: Path, bootstrap: str, endpoint: str, *, name: str, parti
         data[key] = {**(data.get(key) or {}), **values}
     config = config_from_dict(data)
     kafka = config.kafka
-    local_kafka.create_topics(bootstrap, [kafka.input_topic], partitions=partitions, configs=topic_configs)
-    local_kafka.create_topics(bootstrap, [kafka.output_topic, kafka.dead_letter_topic], partitions=partitions)
+    kafka_admin.create_topics(bootstrap, [kafka.input_topic], partitions=partitions, configs=topic_configs)
+    kafka_admin.create_topics(bootstrap, [kafka.output_topic, kafka.dead_letter_topic], partitions=partitions)
     path = directory / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return JobSetup(config, path)
+
+
+def write_config(config: JobConfig, directory: Path) -> Path:
+    """The config as a YAML file, for tests that go through the CLI."""
+    path = directory / "job.yaml"
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    return path
 
 
 def unique_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
@@ -205,7 +188,7 @@ class CommittedReader(threading.Thread):
         )
         parts = []
         for topic in self._topics:
-            parts += [TopicPartition(topic, p) for p in local_kafka._partitions(bootstrap, topic, 30.0)]
+            parts += [TopicPartition(topic, p) for p in kafka_admin._partitions(bootstrap, topic, 30.0)]
         self._consumer.assign(parts)
         self._consumer.seek_to_beginning(*parts)
         self.errors = 0
@@ -324,8 +307,8 @@ def check_exactly_once(result: Tally) -> None:
 
 def final_tally(setup: JobSetup, expected_ids: Iterable[str], *, timeout_s: float = 60) -> Tally:
     """An independent read_committed pass over both topics, to the last stable offset."""
-    out = local_kafka.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=timeout_s)
-    dead = local_kafka.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=timeout_s)
+    out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=timeout_s)
+    dead = kafka_admin.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=timeout_s)
     bodies = [json.loads(r.value) for r in out]
     result = tally(expected_ids, [b.get("id") for b in bodies], [json.loads(r.value) for r in dead])
     result.cached = sum(1 for b in bodies if b.get("cached") is True)
@@ -413,8 +396,3 @@ def render_report(data: dict[str, dict[str, Any]]) -> str:
         for name, extra in extras:
             lines.append(f"- **{name}**: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
     return "\n".join(lines) + "\n"
-
-
-@pytest.fixture(scope="session")
-def fault_report() -> FaultReport:
-    return FaultReport()
