@@ -39,11 +39,12 @@ from udfs.budget import SpendBudget
 from udfs.cache import cache_key, cacheable, open_cache
 from udfs.config import JobConfig
 from udfs.errors import (
-    BadInput,
     InferenceError,
+    InternalError,
     InvalidModelOutput,
     PermanentError,
     RateLimited,
+    RecordError,
     RetryableError,
     UnsupportedResponse,
 )
@@ -92,7 +93,7 @@ class InferenceClient:
     `subtasks` is the parallelism of the inference operator: each subtask paces itself to
     its share of the job-wide rate limits. `complete` raises only `InferenceError`
     subclasses (call failures) and `BadInput` (a record that cannot become a request, e.g.
-    a template field it lacks); anything unexpected becomes a `PermanentError`. Token
+    a template field it lacks); anything unexpected is a bug, an `InternalError`. Token
     counts come from the response's `usage`, estimated (chars / 4) when a server omits it.
     Use it from one event loop; `close()` may come from another (see there).
     """
@@ -200,12 +201,11 @@ class InferenceClient:
         except InferenceError as err:
             log.debug("request %s failed after %d attempt(s): %s", request.id, err.attempts, err.reason)
             raise self._redacted(err) from None
-        except BadInput:
+        except RecordError:  # bad input, or already a known kind
             raise
         except Exception as err:
             log.debug("request %s: unexpected %s", request.id, type(err).__name__, exc_info=True)
-            detail = self._redact(f"unexpected {type(err).__name__}: {err}")[:MAX_DETAIL_CHARS]
-            raise PermanentError(detail, attempts=0) from None
+            raise InternalError(self._redact(InternalError.from_exception(err).detail)) from None
 
     def _redacted(self, err: InferenceError) -> InferenceError:
         clean = self._redact(err.detail)

@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any
 
-from udfs.errors import BadInput, InferenceError, InvalidModelOutput
+from udfs.errors import InvalidModelOutput, RecordError
 from udfs.records import SinkRow, SourceRef
 
 ORIGINAL_LIMIT_BYTES = 256 * 1024
@@ -67,15 +67,14 @@ def dead_letter_value(
 
 
 def for_error(
-    err: BadInput | InferenceError, *, key: bytes | None, value: bytes | None, source: SourceRef,
+    err: RecordError, *, key: bytes | None, value: bytes | None, source: SourceRef,
     record_id: str | None, job: str, topic: str,
 ) -> SinkRow:
     """The dead-letter row for a record that got no result: bad input never reached the model
     (0 attempts); an inference error carries its attempts and the last HTTP status, and an
     invalid answer (`invalid_model_output`) the answer itself, beside the validator's message."""
-    attempts, status = (err.attempts, err.status) if isinstance(err, InferenceError) else (0, None)
     last_output = err.last_output if isinstance(err, InvalidModelOutput) else None
     payload = dead_letter_value(reason=err.reason, error=err.detail, source=source, original=value,
-                                record_id=record_id, job=job, attempts=attempts, last_status=status,
+                                record_id=record_id, job=job, attempts=err.attempts, last_status=err.status,
                                 last_output=last_output)
     return SinkRow(key, payload, topic)

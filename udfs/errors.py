@@ -1,9 +1,19 @@
 """The one exception tree of llmstream.
 
 Everything a record can go through ends in one of three ways: a result, a retry, or a
-dead letter. The tree mirrors that: `RetryableError` may succeed on another attempt,
-`PermanentError` will not, `BadInput` never reached the model at all. Configuration
-problems are `ConfigError` and stop the job before it starts.
+dead letter. Every error that ends a record is a `RecordError` with a stable `reason` code
+(the dead letter's `reason`, see README "Record contract"), in one of four kinds:
+
+- `BadInput`: the record never reached the model (malformed, a template it cannot fill,
+  over the token budget); sending it again cannot help.
+- `RetryableError`: a call failed and another attempt may succeed (the retry layer's business;
+  what reaches a dead letter has used up its attempts or its deadline, `DeadlineExceeded`).
+- `PermanentError`: the model server refused or answered with something unusable.
+- `InternalError`: a bug in llmstream. It still becomes a dead letter (`internal_error`) and
+  is logged with its traceback: data never restarts the job.
+
+Configuration problems are `ConfigError` and stop the job before it starts; the development
+and operations tools in `jobs/` raise their own subclasses of `LLMStreamError`.
 """
 
 from __future__ import annotations
@@ -22,8 +32,21 @@ class ConfigError(LLMStreamError, ValueError):
         self.problem = problem
 
 
-class BadInput(LLMStreamError):
-    """An input record cannot become a request; `reason` is a stable machine-readable code."""
+class RecordError(LLMStreamError):
+    """A record gets no result: it becomes a dead letter saying `reason` (a stable machine-readable
+    code) and `detail` (for a human), with the `attempts` made and the last HTTP `status`."""
+
+    reason: str
+    attempts: int = 0
+    status: int | None = None
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class BadInput(RecordError):
+    """An input record cannot become a request; it never reaches the model (0 attempts)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -31,10 +54,26 @@ class BadInput(LLMStreamError):
         self.detail = detail
 
 
-class InferenceError(LLMStreamError):
-    """A call to the model server failed; carries what the dead letter needs to explain it."""
+class ContextTooLong(BadInput):
+    """The prompt exceeds `model.max_input_tokens` and `on_context_overflow` is not `truncate`."""
 
-    reason = "inference_failed"
+    def __init__(self, detail: str) -> None:
+        super().__init__("context_too_long", detail)
+
+
+class InternalError(RecordError):
+    """A bug: something llmstream's own code did not expect. `detail` names the exception."""
+
+    reason = "internal_error"
+
+    @classmethod
+    def from_exception(cls, err: BaseException) -> InternalError:
+        return cls(f"{type(err).__name__}: {err}"[:500])
+
+
+class InferenceError(RecordError):
+    """A call to the model server failed; carries what the dead letter needs to explain it.
+    Abstract: what is raised is one of its subclasses, each with its own `reason`."""
 
     def __init__(
         self,
@@ -45,7 +84,6 @@ class InferenceError(LLMStreamError):
         attempts: int = 1,
     ) -> None:
         super().__init__(detail)
-        self.detail = detail
         self.status = status
         self.retry_after_s = retry_after_s
         self.attempts = attempts
@@ -86,12 +124,6 @@ class ResultTooLarge(PermanentError):
     to the sink it would exceed the producer's max.request.size and fail the job instead."""
 
     reason = "result_too_large"
-
-
-class ContextTooLong(PermanentError):
-    """The prompt exceeds the configured input-token budget and truncation is off."""
-
-    reason = "context_too_long"
 
 
 class InvalidModelOutput(PermanentError):

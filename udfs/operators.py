@@ -26,7 +26,8 @@ only so that keyed state and timers exist; they have no meaning. Per bucket:
 
 A result leaves state in the same call that emits it, so a snapshot never holds a request
 whose answer is already downstream. Nothing raises out of the function: an unexpected
-exception becomes an `internal_error` dead letter and is logged.
+exception is a bug, an `InternalError`; it becomes an `internal_error` dead letter and is
+logged with its traceback (tests/unit/test_operators.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from udfs import dead_letter
 from udfs.config import JobConfig
 from udfs.decode import decode, record_id
 from udfs.encode import result_row
-from udfs.errors import BadInput, InferenceError
+from udfs.errors import BadInput, InternalError, RecordError
 from udfs.records import Request, SinkRow, SourceRef
 
 log = logging.getLogger("llmstream.udfs")
@@ -81,10 +82,6 @@ def epoch_ms(ts: Any) -> int | None:
 
 def _row(row: SinkRow) -> Row:
     return Row(row.key, row.value, row.topic)
-
-
-def _internal(err: Exception) -> BadInput:
-    return BadInput("internal_error", f"{type(err).__name__}: {err}"[:500])
 
 
 class InferenceStage(KeyedProcessFunction):
@@ -134,7 +131,7 @@ class InferenceStage(KeyedProcessFunction):
             stored: Stored = (value[0], value[1], value[2], value[3], value[4], epoch_ms(value[5]))
         except Exception as err:
             log.exception("unexpected error reading an input row")
-            yield self._dead_letter_row(_internal(err), value)
+            yield self._dead_letter_row(InternalError.from_exception(err), value)
             return
         yield from self._start(bucket, stored, reissue=False)
         yield from self._emit(bucket)
@@ -162,7 +159,7 @@ class InferenceStage(KeyedProcessFunction):
             stored = list(self._pending.values())
         except Exception as err:  # pragma: no cover - a state backend failure
             log.exception("reading the pending requests of bucket %r failed", bucket)
-            yield self._dead_letter_row(_internal(err), None)
+            yield self._dead_letter_row(InternalError.from_exception(err), None)
             return
         if stored:
             log.info("bucket %r: starting %d pending request(s) again after a restore", bucket, len(stored))
@@ -189,7 +186,7 @@ class InferenceStage(KeyedProcessFunction):
             self._metrics.bad_input.inc()
             if reissue:
                 self._pending.remove(handle)
-            yield _row(self._dead_letter(_internal(err), key, raw, source, record_id(raw)))
+            yield _row(self._dead_letter(InternalError.from_exception(err), key, raw, source, record_id(raw)))
             return
         if not reissue:
             self._pending.put(handle, stored)
@@ -206,16 +203,19 @@ class InferenceStage(KeyedProcessFunction):
     async def _call(self, request: Request) -> tuple[SinkRow, str | None]:
         """The output row of `request`, or its dead letter and reason; never raises. Runs on the
         runner's loop, so the dead letter is counted when it is emitted, on the operator thread."""
-        failure: InferenceError | BadInput
+        failure: RecordError
         try:
             completion = await self._client.complete(request)
             return result_row(request, completion, self._config.kafka.output_topic,
                               self._config.limits.max_result_bytes), None
-        except (InferenceError, BadInput) as err:
+        except InternalError as err:
+            log.error("internal error in inference for id=%s: %s", request.id, err.detail)
+            failure = err
+        except RecordError as err:
             failure = err
         except Exception as err:
             log.exception("unexpected error in inference for id=%s", request.id)
-            failure = _internal(err)
+            failure = InternalError.from_exception(err)
         return self._dead_letter_value(failure, request.key, request.raw, request.source, request.id), failure.reason
 
     def _emit(self, bucket: Any) -> Iterator[Row]:
@@ -250,18 +250,18 @@ class InferenceStage(KeyedProcessFunction):
         self._timer_at[bucket] = at
 
     # ------------------------------------------------------------------ dead letters
-    def _dead_letter(self, err: BadInput | InferenceError, key: bytes | None, raw: bytes | None,
+    def _dead_letter(self, err: RecordError, key: bytes | None, raw: bytes | None,
                      source: SourceRef, rid: str | None) -> SinkRow:
         """A dead letter written on the operator thread, counted by reason."""
         self._metrics.dead_letter(err.reason)
         return self._dead_letter_value(err, key, raw, source, rid)
 
-    def _dead_letter_value(self, err: BadInput | InferenceError, key: bytes | None, raw: bytes | None,
+    def _dead_letter_value(self, err: RecordError, key: bytes | None, raw: bytes | None,
                            source: SourceRef, rid: str | None) -> SinkRow:
         return dead_letter.for_error(err, key=key, value=raw, source=source, record_id=rid,
                                      job=self._config.name, topic=self._config.kafka.dead_letter_topic)
 
-    def _dead_letter_row(self, err: BadInput, value: Any) -> Row:
+    def _dead_letter_row(self, err: RecordError, value: Any) -> Row:
         """A dead letter for a row that could not even be read."""
         try:
             key, raw = value[0], value[1]
@@ -274,5 +274,5 @@ class InferenceStage(KeyedProcessFunction):
         stored = self._pending.get(handle)
         key, raw, topic, partition, offset, ts = stored
         source = SourceRef(topic, partition, offset, ts)
-        return self._dead_letter(BadInput("internal_error", "the inference call raised"), key, raw, source,
+        return self._dead_letter(InternalError("the inference call raised"), key, raw, source,
                                  record_id(raw))

@@ -70,7 +70,7 @@ def _fit(text: str, budget_tokens: int, model: ModelConfig, used_elsewhere: int)
     total = used_elsewhere + estimate_tokens(text)
     if model.on_context_overflow != "truncate" or budget_tokens < 1:
         raise ContextTooLong(
-            f"input is ~{total} tokens, over model.max_input_tokens={model.max_input_tokens}", attempts=0)
+            f"input is ~{total} tokens, over model.max_input_tokens={model.max_input_tokens}")
     return text[: budget_tokens * CHARS_PER_TOKEN]
 
 
@@ -98,7 +98,7 @@ def _chat_messages(request: Request, model: ModelConfig) -> list[dict[str, Any]]
                    if messages[i].get("role") == "user" and isinstance(messages[i].get("content"), str)), None)
     if target is None:
         raise ContextTooLong(
-            f"input is ~{total} tokens, over model.max_input_tokens={model.max_input_tokens}", attempts=0)
+            f"input is ~{total} tokens, over model.max_input_tokens={model.max_input_tokens}")
     content = messages[target]["content"]
     others = total - estimate_tokens(content)
     messages[target] = {**messages[target],

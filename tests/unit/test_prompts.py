@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from udfs.config import ModelConfig
-from udfs.errors import BadInput, ContextTooLong, PermanentError
+from udfs.errors import BadInput, ContextTooLong
 from udfs.prompts import build_payload, estimate_tokens, input_tokens
 from udfs.records import Request, SourceRef
 
@@ -96,7 +96,7 @@ def test_chat_messages_cannot_go_to_a_prompt_api(api: str) -> None:
 def test_input_over_the_token_budget_is_dead_lettered_as_context_too_long() -> None:
     with pytest.raises(ContextTooLong) as caught:
         build_payload(prompt_request("x" * 400), model(max_input_tokens=50))
-    assert isinstance(caught.value, PermanentError)
+    assert isinstance(caught.value, BadInput)  # it never reaches the model
     assert caught.value.reason == "context_too_long"
     assert caught.value.attempts == 0
 
