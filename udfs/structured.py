@@ -145,23 +145,37 @@ class StructuredOutput:
 
     async def until_valid(self, answer: Callable[[], Awaitable[Completion]]) -> Completion:
         """Calls `answer()` (one whole HTTP-retried call) until its output validates, at most
-        `1 + max_invalid_retries` times. Returns the valid completion with `output_json` set and
-        `attempts` summed over every round; raises `InvalidModelOutput` with the last answer and
-        the validator's message when none validated. An `InferenceError` from a later round
-        passes through with the earlier rounds' attempts added."""
-        attempts = 0
-        for invalid_so_far in range(self.max_invalid_retries + 1):
+        `1 + max_invalid_retries` times. Returns the valid completion with `output_json` set;
+        its `attempts`, token counts, cost and latency cover every round, since the invalid
+        answers were paid for too. Raises `InvalidModelOutput` with the last answer and the
+        validator's message when none validated. An `InferenceError` from a later round passes
+        through with the earlier rounds' attempts added."""
+        rounds: list[Completion] = []
+        for _ in range(self.max_invalid_retries + 1):
             try:
                 completion = await answer()
             except InferenceError as err:
-                err.attempts += attempts
+                err.attempts += sum(r.attempts for r in rounds)
                 raise
-            attempts += completion.attempts
+            rounds.append(completion)
             checked = self.check(completion.output)
             if not isinstance(checked, Invalid):
-                return replace(completion, output_json=checked, structured=True, attempts=attempts,
-                               invalid_answers=invalid_so_far)
-            last, message = completion, checked.message
+                return _over_rounds(rounds, checked)
+            message = checked.message
         raise InvalidModelOutput(
-            f"{self.max_invalid_retries + 1} answer(s), none valid against model.response_format; last: {message}",
-            last_output=last.output, attempts=attempts, status=200)
+            f"{len(rounds)} answer(s), none valid against model.response_format; last: {message}",
+            last_output=rounds[-1].output, attempts=sum(r.attempts for r in rounds), status=200)
+
+
+def _over_rounds(rounds: list[Completion], value: Any) -> Completion:
+    """The last (valid) completion, its usage, cost, attempts and latency summed over `rounds`."""
+    first, last = rounds[0], rounds[-1]
+    costs = [r.cost for r in rounds if r.cost is not None]
+    return replace(
+        last, output_json=value, structured=True, invalid_answers=len(rounds) - 1,
+        attempts=sum(r.attempts for r in rounds),
+        prompt_tokens=sum(r.prompt_tokens for r in rounds),
+        completion_tokens=sum(r.completion_tokens for r in rounds),
+        cost=sum(costs) if costs else last.cost,
+        started_ms=first.started_ms,
+        latency_ms=last.latency_ms + max(0, last.started_ms - first.started_ms))

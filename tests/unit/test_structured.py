@@ -17,7 +17,7 @@ from jobs.dev.simulator import ThreadedSimulator
 from tests.unit.test_client import job_config, request, run, serve_app
 from udfs import dead_letter
 from udfs.client import InferenceClient
-from udfs.config import DEFAULT_CONFIG, config_from_dict, with_overrides
+from udfs.config import DEFAULT_CONFIG, config_from_dict, load_config, with_overrides
 from udfs.encode import result_value
 from udfs.errors import ConfigError, InvalidModelOutput, RetryableError
 from udfs.prompts import build_payload
@@ -31,6 +31,7 @@ from udfs.structured import (
     schema_name,
 )
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "jobs" / "examples" / "structured-sentiment.yaml"
 SCHEMA: dict[str, Any] = {
     "title": "Sentiment and topic",
     "type": "object",
@@ -168,9 +169,10 @@ def test_no_schema_leaves_the_request_alone() -> None:
     assert payload["messages"] == [{"role": "user", "content": "I loved the soup"}]
 
 
-def _completion(output: str, attempts: int = 1) -> Completion:
-    return Completion(output=output, model="m", finish_reason="stop", prompt_tokens=1, completion_tokens=1,
-                      latency_ms=1.0, attempts=attempts, endpoint="http://x", started_ms=0, completed_ms=0)
+def _completion(output: str, attempts: int = 1, started_ms: int = 0, cost: float | None = None) -> Completion:
+    return Completion(output=output, model="m", finish_reason="stop", prompt_tokens=10, completion_tokens=5,
+                      latency_ms=100.0, attempts=attempts, endpoint="http://x", started_ms=started_ms,
+                      completed_ms=started_ms + 100, cost=cost)
 
 
 class Answers:
@@ -199,12 +201,17 @@ def test_a_valid_first_answer_is_taken() -> None:
     assert completion.invalid_answers == 0 and completion.attempts == 1
 
 
-def test_invalid_answers_are_retried_and_attempts_summed() -> None:
-    answers = Answers("nope", _completion('{"sentiment": "x"}', attempts=3), VALID)
+def test_invalid_answers_are_retried_and_paid_rounds_summed() -> None:
+    answers = Answers(_completion("nope", started_ms=1000, cost=0.5),
+                      _completion('{"sentiment": "x"}', attempts=3, started_ms=1200, cost=0.5),
+                      _completion(VALID, started_ms=1900, cost=0.25))
     completion = asyncio.run(StructuredOutput(SCHEMA, max_invalid_retries=2).until_valid(answers))
     assert answers.calls == 3
-    assert completion.output_json == json.loads(VALID)
+    assert completion.output_json == json.loads(VALID) and completion.output == VALID
     assert completion.invalid_answers == 2 and completion.attempts == 5
+    assert (completion.prompt_tokens, completion.completion_tokens) == (30, 15)
+    assert completion.cost == 1.25
+    assert completion.started_ms == 1000 and completion.latency_ms == 1000.0
 
 
 @pytest.mark.parametrize("retries", [0, 1, 3])
@@ -384,3 +391,12 @@ def test_counts_agree_between_client_outcomes_and_the_simulator(make_sim: Any) -
     stats = sim.stats()
     assert stats["structured_answers"] - stats["invalid_answers"] == len(done)
     assert stats["invalid_answers"] == 2 * len(dead) + sum(c.invalid_answers for c in done)
+
+
+def test_the_structured_example_config_loads_with_its_schema() -> None:
+    config = load_config(EXAMPLE)
+    structured = StructuredOutput.from_config(config.model)
+    assert structured is not None and structured.max_invalid_retries == 2
+    assert structured.schema["required"] == ["sentiment", "topic", "confidence"]
+    assert not isinstance(structured.check('{"sentiment": "negative", "topic": "delivery", "confidence": 0.9}'),
+                          Invalid)
