@@ -26,9 +26,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     out = tmp_path_factory.mktemp("bench-smoke")
     script = Path(sys.executable).with_name("llmstream")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jobs.cli"]
-    # `--` keeps `llmstream`'s own parser from reading the bench flags (see jobs/cli.py).
     proc = subprocess.run(
-        [*command, "bench", "--", "--smoke", "--out", str(out)],
+        [*command, "bench", "--smoke", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
     )
     return proc, out
