@@ -13,7 +13,13 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
+from udfs.errors import LLMStreamError
+
 _FETCHER_NAME = "llmstream_pom_free_fetch"
+
+
+class JarsError(LLMStreamError, RuntimeError):
+    """A pinned jar set is missing, or cannot be fetched or verified; the message says how to get it."""
 
 
 def repo_root() -> Path:
@@ -25,10 +31,10 @@ def repo_root() -> Path:
 @lru_cache(maxsize=4)
 def _load_fetcher(path: Path) -> ModuleType:
     if not path.is_file():
-        raise RuntimeError(f"pom-free fetcher not found at {path}; set LLMSTREAM_HOME to the repo root")
+        raise JarsError(f"pom-free fetcher not found at {path}; set LLMSTREAM_HOME to the repo root")
     spec = importlib.util.spec_from_file_location(_FETCHER_NAME, path)
     if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load {path}")
+        raise JarsError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[_FETCHER_NAME] = module
     spec.loader.exec_module(module)
@@ -51,7 +57,7 @@ def _entries(set_name: str) -> list:
         raise ValueError(f"unknown jar set {set_name!r}; known: {', '.join(mod.SETS)}")
     entries = mod.entries_for(set_name, mod.read_manifest(repo_root() / "pom-free" / "manifest.tsv"))
     if not entries:
-        raise RuntimeError(f"pom-free/manifest.tsv has no rows for set {set_name!r}")
+        raise JarsError(f"pom-free/manifest.tsv has no rows for set {set_name!r}")
     return entries
 
 
@@ -67,7 +73,7 @@ def jars(set_name: str) -> list[Path]:
     paths = [directory / e.filename for e in _entries(set_name)]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
-        raise RuntimeError(
+        raise JarsError(
             f"{len(missing)} jar(s) of set {set_name!r} missing from {directory} (e.g. {missing[0]}); "
             f"call jobs.jars.ensure({set_name!r}) or run `python pom-free/fetch.py --set {set_name}`"
         )
@@ -95,6 +101,6 @@ def ensure(set_name: str) -> None:
     try:
         mod.fetch_set(set_name, entries, cache_root())
     except mod.FetchError as exc:
-        raise RuntimeError(f"fetching jar set {set_name!r} failed: {exc}") from exc
+        raise JarsError(f"fetching jar set {set_name!r} failed: {exc}") from exc
     except OSError as exc:
-        raise RuntimeError(f"fetching jar set {set_name!r} into {cache_root()} failed: {exc}") from exc
+        raise JarsError(f"fetching jar set {set_name!r} into {cache_root()} failed: {exc}") from exc

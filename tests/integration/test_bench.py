@@ -28,7 +28,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     command = [str(script)] if script.exists() else [sys.executable, "-m", "jobs.cli"]
     proc = subprocess.run(
         [*command, "bench", "--smoke", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
     )
     return proc, out
 

@@ -219,7 +219,7 @@ def restart_broker(broker: local_kafka.LocalBroker) -> None:
     try:
         broker.start(timeout=90)
         return
-    except RuntimeError as err:
+    except local_kafka.BrokerError as err:
         running = _broker_processes(broker)
         if not running:
             raise

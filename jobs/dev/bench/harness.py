@@ -54,6 +54,7 @@ from udfs.config import (
     to_dict,
     with_overrides,
 )
+from udfs.errors import LLMStreamError
 
 APPROACHES = ("sequential", "semaphore-gather", "llmstream")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,10 @@ STOP_GRACE_S = 45.0
 """How long an approach may take to stop after SIGTERM (llmstream cancels its job) before SIGKILL."""
 CATCH_UP_S = 20.0
 """How long the observer may take, after the approach exits, to read what it committed."""
+
+
+class BenchError(LLMStreamError, RuntimeError):
+    """A benchmark run could not be carried out; the message says which step failed."""
 
 
 @dataclass(frozen=True)
@@ -346,7 +351,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
             paced.stop()
             paced.join(30)
             if paced.error is not None:
-                raise RuntimeError(f"input producer failed: {paced.error}") from paced.error
+                raise BenchError(f"input producer failed: {paced.error}") from paced.error
         elapsed = time.monotonic() - started
         _catch_up(observer, bootstrap, topics)
     finally:

@@ -45,7 +45,9 @@ TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "checkpoint_interva
                 "parallelism", "cache")
 PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, no Flink"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SMOKE_MAX_SECONDS = 45.0
+SMOKE_MAX_SECONDS = 300.0
+"""A deadline for each smoke run, not a pace: 100 records end every run on its own within seconds,
+but on a loaded 2-core machine the job's start-up alone once took longer than the old 45 s cap."""
 
 
 def _parse_list(text: str, allowed: list[str] | tuple[str, ...], what: str) -> list[str]:
@@ -171,7 +173,7 @@ def _start_broker(workdir: Path, attempts: int = 2) -> local_kafka.LocalBroker:
         try:
             broker.start(timeout=90)
             return broker
-        except RuntimeError as err:
+        except local_kafka.BrokerError as err:
             if attempt == attempts:
                 raise
             _say(f"bench: broker start failed ({str(err).splitlines()[0]}); trying again on new ports")
@@ -211,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if args.smoke:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS
-        args.max_seconds = min(args.max_seconds, SMOKE_MAX_SECONDS)
+        args.max_seconds = max(args.max_seconds, SMOKE_MAX_SECONDS)
     command = getattr(args, "command_line", "llmstream bench")
     started = time.monotonic()
     results, paths, failures = run_all(args, command.strip())

@@ -21,6 +21,11 @@ from typing import Any, Self
 from jobs.dev.simulator.cli import FINAL_STATS_PREFIX, LISTENING_PREFIX
 from jobs.dev.simulator.config import SimulatorConfig
 from jobs.dev.simulator.server import SimulatorServer, serve
+from udfs.errors import LLMStreamError
+
+
+class SimulatorError(LLMStreamError, RuntimeError):
+    """The simulator process could not be started; the message says how it ended."""
 
 
 class ThreadedSimulator:
@@ -184,7 +189,7 @@ def spawn(args: Iterable[str] = (), timeout: float = 10.0, python: str | None = 
                 if line.startswith(LISTENING_PREFIX) and not found.done():
                     found.set_result(line[len(LISTENING_PREFIX):].strip())
         if not found.done():
-            found.set_exception(RuntimeError(f"model-server exited with {process.wait()} before listening"))
+            found.set_exception(SimulatorError(f"model-server exited with {process.wait()} before listening"))
 
     reader = threading.Thread(target=read, name="llmstream-simulator-stdout", daemon=True)
     reader.start()
