@@ -49,9 +49,10 @@ MAX_MESSAGE_CHARS = 300
 _FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(?P<body>.*?)\n?```$", re.DOTALL)
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
 
+PROMPT_SCHEMA_MARKER = "It must be valid against this JSON Schema:\n"
+"""Precedes the schema in the instruction; the simulator finds the schema by it."""
 PROMPT_INSTRUCTION = (
-    "Answer with one JSON value and nothing else (no prose, no code fence). "
-    "It must be valid against this JSON Schema:\n{schema}"
+    "Answer with one JSON value and nothing else (no prose, no code fence). " + PROMPT_SCHEMA_MARKER + "{schema}"
 )
 """The instruction of `response_format_mode: prompt`; `{schema}` is the schema as compact JSON."""
 

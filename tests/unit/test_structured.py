@@ -400,3 +400,18 @@ def test_the_structured_example_config_loads_with_its_schema() -> None:
     assert structured.schema["required"] == ["sentiment", "topic", "confidence"]
     assert not isinstance(structured.check('{"sentiment": "negative", "topic": "delivery", "confidence": 0.9}'),
                           Invalid)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_prompt_mode_against_the_simulator_which_follows_the_instruction(sim: ThreadedSimulator, api: str) -> None:
+    config = job_config(sim.url, model={"response_format": SCHEMA, "response_format_mode": "prompt", "api": api,
+                                        "max_tokens": 64})
+
+    async def go() -> Completion:
+        async with InferenceClient(config) as client:
+            return await client.complete(request("The soup was cold"))
+
+    completion = run(go)
+    assert completion.structured and completion.invalid_answers == 0
+    assert completion.output_json["sentiment"] in ("positive", "neutral", "negative")
+    assert sim.stats()["structured_answers"] == 1

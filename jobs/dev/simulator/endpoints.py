@@ -23,7 +23,7 @@ from jobs.dev.simulator.config import (
     SimulatorConfig,
 )
 from jobs.dev.simulator.schema_answers import answer as schema_answer
-from jobs.dev.simulator.schema_answers import requested_schema
+from jobs.dev.simulator.schema_answers import requested_schema, schema_in_prompt
 
 _WORDS = (
     "the", "stream", "of", "tokens", "flows", "through", "a", "simulated", "model", "and",
@@ -170,11 +170,11 @@ class _Generation(Call):
 
     __slots__ = ("n", "out_tokens", "schema", "schema_answers", "spoil")
 
-    def _options(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
+    def _options(self, config: SimulatorConfig, payload: dict[str, Any], texts: list[str]) -> None:
         if payload.get("stream"):
             raise BadRequest("stream=true is not supported by the simulator", "stream")
         try:
-            self.schema = requested_schema(payload)
+            self.schema = requested_schema(payload) or schema_in_prompt(texts)
         except ValueError as err:
             raise BadRequest(str(err), "response_format") from None
         self.spoil = False
@@ -222,14 +222,16 @@ class Chat(_Generation):
         chars = 0
         echo: str | None = None
         last = ""
+        texts = []
         for message in messages:
             if not isinstance(message, dict):
                 raise BadRequest("each message must be an object with 'role' and 'content'", "messages")
             last = _content_text(message.get("content"))
+            texts.append(last)
             chars += len(last)
             if message.get("role") == "user":
                 echo = last
-        self._options(config, payload)
+        self._options(config, payload, texts)
         self.prompt = echo if echo is not None else last
         self.prompt_tokens = max(1, (chars + 3) // 4)
         self.token_cost = self.prompt_tokens + self.out_tokens * self.n
@@ -247,7 +249,7 @@ class Completions(_Generation):
 
     def __init__(self, config: SimulatorConfig, payload: dict[str, Any]) -> None:
         self.prompts = prompts = _prompt_list(payload.get("prompt"), "prompt")
-        self._options(config, payload)
+        self._options(config, payload, [text for text, _ in prompts])
         self.prompt_tokens = sum(tokens for _, tokens in prompts)
         self.token_cost = self.prompt_tokens + self.out_tokens * self.n * len(prompts)
 

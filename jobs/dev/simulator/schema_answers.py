@@ -21,6 +21,8 @@ from typing import Any
 
 import jsonschema
 
+from udfs.structured import PROMPT_SCHEMA_MARKER
+
 _MAX_DEPTH = 8
 
 
@@ -67,6 +69,24 @@ def _validator(schema: dict[str, Any]) -> Any:
             _VALIDATORS.clear()
         validator = _VALIDATORS[key] = cls(schema)
     return validator
+
+
+def schema_in_prompt(texts: list[str]) -> dict[str, Any] | None:
+    """The schema of llmstream's `response_format_mode: prompt` instruction, if one of `texts`
+    (system prompt, messages or prompt) carries it: the simulator then answers schema-shaped
+    too, as a model following the instruction would."""
+    for text in texts:
+        at = text.find(PROMPT_SCHEMA_MARKER)
+        if at < 0:
+            continue
+        try:
+            schema, _ = json.JSONDecoder().raw_decode(text, at + len(PROMPT_SCHEMA_MARKER))
+        except ValueError:
+            continue
+        if isinstance(schema, dict):
+            _validator(schema)
+            return schema
+    return None
 
 
 class _Builder:
