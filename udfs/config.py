@@ -2,7 +2,9 @@
 
 Every section is a frozen dataclass; `load_config` walks the YAML against the field types
 and fails at start with a `ConfigError` naming the key path (`kafka.group_id: required`),
-so a typo never reaches a running job. The objects are pickled to the Python workers
+so a typo never reaches a running job. A rule on one value sits in its field's type
+(`capacity: PositiveInt`, see `Rule`); a rule relating several fields is the section's
+`validate` method. The objects are pickled to the Python workers
 with the functions that use them, so they live in `udfs/`. Secrets are never in the file:
 `model.api_key_env` names the environment variable that holds the key.
 """
@@ -13,9 +15,10 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -26,27 +29,82 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "inference.yaml"
 
 
 @dataclass(frozen=True)
+class Rule:
+    """A constraint on one config value, carried in the field's type (`Annotated[int, POSITIVE]`):
+    `holds(value)`, or the load fails at the key's path with `problem`, a text with `{value}`
+    filled in, or a function of the value."""
+
+    holds: Callable[[Any], bool]
+    problem: str | Callable[[Any], str]
+
+    def check(self, value: Any, path: str) -> None:
+        if not self.holds(value):
+            problem = self.problem(value) if callable(self.problem) else self.problem.format(value=value)
+            raise ConfigError(path, problem)
+
+
+class _FieldProbe(dict[str, str]):
+    """Accepts any field name so a template can be checked for syntax alone."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def _template_error(text: str) -> str | None:
+    """Why `text` is not a `str.format` template (fields are not checked, only the syntax)."""
+    try:
+        text.format_map(_FieldProbe())
+    except (ValueError, IndexError) as err:
+        return str(err)
+    return None
+
+
+POSITIVE = Rule(lambda v: v > 0, "must be > 0, got {value}")
+NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0, got {value}")
+NOT_EMPTY = Rule(lambda v: v.strip() != "", "must not be empty")
+TCP_PORT = Rule(lambda v: v < 65536, "must be a TCP port (1-65535), got {value}")
+HTTP_URL = Rule(lambda v: v.startswith(("http://", "https://")), "must be an http(s) URL, got {value!r}")
+REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://")),
+                 "must be a redis://, rediss:// or unix:// URL, got {value!r}")
+TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
+
+PositiveInt = Annotated[int, POSITIVE]
+PositiveFloat = Annotated[float, POSITIVE]
+NonNegativeInt = Annotated[int, NON_NEGATIVE]
+NonNegativeFloat = Annotated[float, NON_NEGATIVE]
+Name = Annotated[str, NOT_EMPTY]
+"""A name, topic, id or address: a string with something in it."""
+Port = Annotated[int, POSITIVE, TCP_PORT]
+
+
+@dataclass(frozen=True)
 class KafkaConfig:
     """Where requests come from and where results and dead letters go."""
 
-    bootstrap_servers: str
-    input_topic: str
-    output_topic: str
-    dead_letter_topic: str
-    group_id: str
-    transactional_id_prefix: str
-    transaction_timeout_ms: int = 900_000
+    bootstrap_servers: Name
+    input_topic: Name
+    output_topic: Name
+    dead_letter_topic: Name
+    group_id: Name
+    transactional_id_prefix: Name
+    transaction_timeout_ms: PositiveInt = 900_000
     create_topics: bool = False
-    topic_partitions: int = 1
+    topic_partitions: PositiveInt = 1
     properties: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        _require(self.output_topic != self.input_topic, _join(path, "output_topic"),
+                 "must differ from kafka.input_topic")
+        _require(self.dead_letter_topic != self.input_topic, _join(path, "dead_letter_topic"),
+                 "must differ from kafka.input_topic")
 
 
 @dataclass(frozen=True)
 class PriceConfig:
     """Prices per 1,000 tokens, in any currency; outputs then carry an estimated cost."""
 
-    prompt_per_1k: float = 0.0
-    completion_per_1k: float = 0.0
+    prompt_per_1k: NonNegativeFloat = 0.0
+    completion_per_1k: NonNegativeFloat = 0.0
 
 
 @dataclass(frozen=True)
@@ -55,25 +113,25 @@ class BatchConfig:
     per request, a partial batch sent once its oldest record has waited `max_wait_ms`.
     `max_size: 1` (the default) sends one request per record."""
 
-    max_size: int = 1
-    max_wait_ms: int = 5
+    max_size: PositiveInt = 1
+    max_wait_ms: NonNegativeInt = 5
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """An OpenAI-compatible endpoint and how to turn a record into a request for it."""
 
-    endpoint: str
-    model: str
+    endpoint: Annotated[str, NOT_EMPTY, HTTP_URL]
+    model: Name
     api: Literal["chat", "completions", "embeddings"] = "chat"
     api_key_env: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     system_prompt: str | None = None
-    prompt_template: str = "{prompt}"
-    max_input_tokens: int = 8192
+    prompt_template: Annotated[str, NOT_EMPTY, TEMPLATE] = "{prompt}"
+    max_input_tokens: PositiveInt = 8192
     on_context_overflow: Literal["dead-letter", "truncate"] = "dead-letter"
-    max_tokens: int | None = 256
-    temperature: float | None = None
+    max_tokens: PositiveInt | None = 256
+    temperature: NonNegativeFloat | None = None
     prices: PriceConfig | None = None
     batch: BatchConfig = field(default_factory=BatchConfig)
     # Structured output (udfs/structured.py): a JSON Schema, inline or a file path read at load
@@ -81,7 +139,17 @@ class ModelConfig:
     # more answers an invalid one may be replaced by before the record is dead-lettered.
     response_format: dict[str, Any] | str | None = None
     response_format_mode: Literal["native", "prompt"] = "native"
-    max_invalid_retries: int = 2
+    max_invalid_retries: NonNegativeInt = 2
+
+    def validate(self, path: str) -> None:
+        _require(self.batch.max_size == 1 or self.api == "embeddings", _join(path, "batch.max_size"),
+                 f"batching needs model.api: embeddings (got {self.api!r}); set it to 1")
+        if self.response_format is not None:
+            _require(self.api != "embeddings", _join(path, "response_format"),
+                     "needs model.api: chat or completions (embeddings answer with vectors)")
+            # The schema, not its path, travels with the config to the workers.
+            object.__setattr__(self, "response_format",
+                               load_schema(self.response_format, _join(path, "response_format")))
 
 
 @dataclass(frozen=True)
@@ -92,39 +160,43 @@ class AsyncConfig:
     operator's own timeout, which costs one thread per record.
     """
 
-    capacity: int = 64
-    request_timeout_s: float = 30.0
-    record_deadline_s: float = 120.0
+    capacity: PositiveInt = 64
+    request_timeout_s: PositiveFloat = 30.0
+    record_deadline_s: PositiveFloat = 120.0
+
+    def validate(self, path: str) -> None:
+        _require(self.record_deadline_s >= self.request_timeout_s, _join(path, "record_deadline_s"),
+                 "must be >= async.request_timeout_s")
 
 
 @dataclass(frozen=True)
 class RetryConfig:
     """Exponential backoff with full jitter; the only retry layer in llmstream."""
 
-    max_attempts: int = 10
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 30.0
-    max_retry_after_s: float = 60.0
+    max_attempts: PositiveInt = 10
+    initial_backoff_s: PositiveFloat = 0.5
+    max_backoff_s: PositiveFloat = 30.0
+    max_retry_after_s: PositiveFloat = 60.0
 
 
 @dataclass(frozen=True)
 class RateLimitConfig:
     """Job-wide provider limits; each inference subtask takes its share by parallelism."""
 
-    requests_per_minute: float | None = None
-    tokens_per_minute: float | None = None
+    requests_per_minute: PositiveFloat | None = None
+    tokens_per_minute: PositiveFloat | None = None
     adaptive_concurrency: bool = True
-    min_concurrency: int = 1
+    min_concurrency: PositiveInt = 1
 
 
 @dataclass(frozen=True)
 class ParallelismConfig:
     """Parallelism of the job and of each stage; `None` means `default`."""
 
-    default: int = 1
-    source: int | None = None
-    inference: int | None = None
-    sink: int | None = None
+    default: PositiveInt = 1
+    source: PositiveInt | None = None
+    inference: PositiveInt | None = None
+    sink: PositiveInt | None = None
 
     def of(self, stage: str) -> int:
         value = getattr(self, stage)
@@ -143,12 +215,12 @@ class CheckpointConfig:
     Both count towards the transaction-timeout rule (see `transaction_lifetime_ms`).
     """
 
-    interval_ms: int = 5_000
-    timeout_ms: int = 600_000
-    min_pause_ms: int = 0
+    interval_ms: PositiveInt = 5_000
+    timeout_ms: PositiveInt = 600_000
+    min_pause_ms: NonNegativeInt = 0
     directory: str | None = None
-    max_restart_ms: int = 120_000
-    tolerable_failed_checkpoints: int = 0
+    max_restart_ms: PositiveInt = 120_000
+    tolerable_failed_checkpoints: NonNegativeInt = 0
 
     def transaction_lifetime_ms(self) -> int:
         """The longest a sink transaction can stay open before a checkpoint commits it.
@@ -172,8 +244,8 @@ class PythonConfig:
     barrier overtake the records buffered in front of the keyed stage (aligned: it queues
     behind them, tens of seconds under backpressure)."""
 
-    bundle_size: int = 100
-    bundle_time_ms: int = 1000
+    bundle_size: PositiveInt = 100
+    bundle_time_ms: PositiveInt = 1000
     unaligned_checkpoints: bool = True
 
 
@@ -181,12 +253,12 @@ class PythonConfig:
 class LimitsConfig:
     """Input guards: records beyond these go to the dead-letter topic, never to the model."""
 
-    max_record_bytes: int = 1_048_576
-    max_prompt_chars: int = 100_000
-    max_id_chars: int = 512
+    max_record_bytes: PositiveInt = 1_048_576
+    max_prompt_chars: PositiveInt = 100_000
+    max_id_chars: PositiveInt = 512
     # Output records larger than this (value + key) are dead-lettered as `result_too_large`
     # instead of failing the sink (the producer's max.request.size is 1 MiB by default).
-    max_result_bytes: int = 1_000_000
+    max_result_bytes: PositiveInt = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -200,8 +272,8 @@ class MetricsConfig:
     cluster's REST API (web UI, `llmstream status`); none: a free port, written to the
     state directory for `llmstream status` to find."""
 
-    prometheus_port: int | None = None
-    rest_port: int | None = None
+    prometheus_port: Port | None = None
+    rest_port: Port | None = None
 
 
 @dataclass(frozen=True)
@@ -218,13 +290,13 @@ class CacheConfig:
     entries are evicted). `ttl_s`: how long an answer is reused; none = until evicted."""
 
     backend: Literal["none", "local", "redis"] = "none"
-    ttl_s: float | None = 604_800.0
+    ttl_s: PositiveFloat | None = 604_800.0
     only_deterministic: bool = True
     path: str | None = None
-    max_entries: int = 1_000_000
-    max_bytes: int = 1_073_741_824
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "llmstream:result:"
+    max_entries: PositiveInt = 1_000_000
+    max_bytes: PositiveInt = 1_073_741_824
+    redis_url: Annotated[str, NOT_EMPTY, REDIS_URL] = "redis://127.0.0.1:6379/0"
+    key_prefix: Name = "llmstream:result:"
 
 
 @dataclass(frozen=True)
@@ -235,9 +307,9 @@ class BudgetConfig:
     the caps apply per window. A pause lasts up to a window and holds the next checkpoint, so
     with a cap set the window must be shorter than `checkpointing.timeout_ms` (checked)."""
 
-    max_cost_per_hour: float | None = None
-    max_tokens_per_hour: float | None = None
-    window_s: float = 3600.0
+    max_cost_per_hour: PositiveFloat | None = None
+    max_tokens_per_hour: PositiveFloat | None = None
+    window_s: PositiveFloat = 3600.0
 
 
 @dataclass(frozen=True)
@@ -247,7 +319,7 @@ class JobConfig:
 
     kafka: KafkaConfig
     model: ModelConfig
-    name: str = "llmstream-inference"
+    name: Name = "llmstream-inference"
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     retry: RetryConfig = field(default_factory=RetryConfig)
     rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
@@ -259,6 +331,26 @@ class JobConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     flink: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        """Rules across sections: transactions outlive checkpoints, batches fit the capacity, a budget
+        can be priced and paused, a result fits the producer's request."""
+        _validate_transactions(self)
+        _require(self.model.batch.max_size <= self.async_.capacity, "model.batch.max_size",
+                 f"{self.model.batch.max_size} is over async.capacity ({self.async_.capacity}), which counts records: "
+                 "a batch could never fill")
+        _require(self.budget.max_cost_per_hour is None or self.model.prices is not None, "budget.max_cost_per_hour",
+                 "needs model.prices to price the calls")
+        budgeted = self.budget.max_cost_per_hour is not None or self.budget.max_tokens_per_hour is not None
+        _require(not budgeted or self.budget.window_s * 1000 < self.checkpointing.timeout_ms, "budget.window_s",
+                 f"{self.budget.window_s:g} s is not shorter than checkpointing.timeout_ms "
+                 f"({self.checkpointing.timeout_ms} ms): a budget pause lasts up to a window and holds the next "
+                 "checkpoint (the stage admits no record meanwhile), which would time out and restart the job; "
+                 "shorten the window (the caps apply per window)")
+        request_limit = int(self.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
+        _require(self.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
+                 f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
+                 f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
 
     def api_key(self) -> str | None:
         """The API key from the environment, read where it is used and never stored."""
@@ -274,6 +366,8 @@ def _join(path: str, key: str) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Annotated:
+        return _type_name(get_args(tp)[0])
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     if get_origin(tp) in (Union, types.UnionType):
@@ -287,6 +381,13 @@ def _type_name(tp: Any) -> str:
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
     origin = get_origin(tp)
+    if origin is Annotated:
+        base, *rules = get_args(tp)
+        converted = _convert(base, value, path)
+        for rule in rules:
+            if isinstance(rule, Rule):
+                rule.check(converted, path)
+        return converted
     if origin in (Union, types.UnionType):
         options = get_args(tp)
         if value is None and type(None) in options:
@@ -333,7 +434,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(path, f"expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     fields = {_key_of(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
@@ -345,74 +446,15 @@ def _build(cls: type, data: Any, path: str) -> Any:
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(_join(path, key), "required")
     obj = cls(**kwargs)
-    _validate(obj, path)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(path)
     return obj
 
 
 def _require(ok: bool, path: str, problem: str) -> None:
     if not ok:
         raise ConfigError(path, problem)
-
-
-def _validate(obj: Any, path: str) -> None:
-    """Checks beyond types: ranges and non-empty names, named by key path."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        key = _join(path, _key_of(f))
-        if isinstance(value, str) and f.name not in ("system_prompt",) and f.type in ("str", str):
-            _require(value.strip() != "", key, "must not be empty")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if f.name in ("temperature", "prompt_per_1k", "completion_per_1k", "min_pause_ms",
-                          "tolerable_failed_checkpoints", "max_wait_ms", "max_invalid_retries"):
-                _require(value >= 0, key, f"must be >= 0, got {value}")
-            else:
-                _require(value > 0, key, f"must be > 0, got {value}")
-    if isinstance(obj, ModelConfig):
-        _require(obj.endpoint.startswith(("http://", "https://")), _join(path, "endpoint"),
-                 f"must be an http(s) URL, got {obj.endpoint!r}")
-        _require(obj.batch.max_size == 1 or obj.api == "embeddings", _join(path, "batch.max_size"),
-                 f"batching needs model.api: embeddings (got {obj.api!r}); set it to 1")
-        if obj.response_format is not None:
-            _require(obj.api != "embeddings", _join(path, "response_format"),
-                     "needs model.api: chat or completions (embeddings answer with vectors)")
-            # The schema, not its path, travels with the config to the workers.
-            object.__setattr__(obj, "response_format", load_schema(obj.response_format, _join(path, "response_format")))
-        try:
-            obj.prompt_template.format_map(_FieldProbe())
-        except (ValueError, IndexError) as err:
-            raise ConfigError(_join(path, "prompt_template"), f"not a valid template: {err}") from err
-    if isinstance(obj, KafkaConfig):
-        _require(obj.output_topic != obj.input_topic, _join(path, "output_topic"),
-                 "must differ from kafka.input_topic")
-        _require(obj.dead_letter_topic != obj.input_topic, _join(path, "dead_letter_topic"),
-                 "must differ from kafka.input_topic")
-    if isinstance(obj, MetricsConfig):
-        for name in ("prometheus_port", "rest_port"):
-            port = getattr(obj, name)
-            _require(port is None or port < 65536, _join(path, name), f"must be a TCP port (1-65535), got {port}")
-    if isinstance(obj, CacheConfig):
-        _require(obj.redis_url.startswith(("redis://", "rediss://", "unix://")), _join(path, "redis_url"),
-                 f"must be a redis://, rediss:// or unix:// URL, got {obj.redis_url!r}")
-    if isinstance(obj, AsyncConfig):
-        _require(obj.record_deadline_s >= obj.request_timeout_s, _join(path, "record_deadline_s"),
-                 "must be >= async.request_timeout_s")
-    if isinstance(obj, JobConfig):
-        _validate_transactions(obj)
-        _require(obj.model.batch.max_size <= obj.async_.capacity, "model.batch.max_size",
-                 f"{obj.model.batch.max_size} is over async.capacity ({obj.async_.capacity}), which counts records: "
-                 "a batch could never fill")
-        _require(obj.budget.max_cost_per_hour is None or obj.model.prices is not None, "budget.max_cost_per_hour",
-                 "needs model.prices to price the calls")
-        budgeted = obj.budget.max_cost_per_hour is not None or obj.budget.max_tokens_per_hour is not None
-        _require(not budgeted or obj.budget.window_s * 1000 < obj.checkpointing.timeout_ms, "budget.window_s",
-                 f"{obj.budget.window_s:g} s is not shorter than checkpointing.timeout_ms "
-                 f"({obj.checkpointing.timeout_ms} ms): a budget pause lasts up to a window and holds the next "
-                 "checkpoint (the stage admits no record meanwhile), which would time out and restart the job; "
-                 "shorten the window (the caps apply per window)")
-        request_limit = int(obj.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
-        _require(obj.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
-                 f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
-                 f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
 
 
 # The Kafka producer's default `max.request.size`, and room for a record's headers and framing.
@@ -433,13 +475,6 @@ def _validate_transactions(config: JobConfig) -> None:
         f"({checkpoints.tolerable_failed_checkpoints} + 1) x ({checkpoints.interval_ms} + {checkpoints.timeout_ms}) "
         f"+ {checkpoints.max_restart_ms} = {lifetime} ms; raise it (up to the broker's "
         "transaction.max.timeout.ms) or lower those")
-
-
-class _FieldProbe(dict[str, str]):
-    """Accepts any field name so a template can be checked for syntax alone."""
-
-    def __missing__(self, key: str) -> str:
-        return ""
 
 
 def config_from_dict(data: Any) -> JobConfig:

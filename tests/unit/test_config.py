@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import yaml
 from udfs.config import (
     DEFAULT_CONFIG,
     JobConfig,
+    Rule,
     config_from_dict,
     load_config,
     to_dict,
@@ -124,3 +127,34 @@ def test_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("LLMSTREAM_TEST_KEY", "sk-secret")
     assert config.api_key() == "sk-secret"
     assert "sk-secret" not in repr(config)
+
+
+def _sections(cls: type) -> list[type]:
+    hints = typing.get_type_hints(cls)
+    out = [cls]
+    for f in dataclasses.fields(cls):
+        for tp in (hints[f.name], *typing.get_args(hints[f.name])):
+            if dataclasses.is_dataclass(tp) and isinstance(tp, type) and tp not in out:
+                out += [s for s in _sections(tp) if s not in out]
+    return out
+
+
+# Optional text any value of which is fine, or checked where it is used (a schema path: load_schema).
+FREE_TEXT = ("api_key_env", "system_prompt", "directory", "path", "response_format")
+
+
+def test_every_number_and_name_in_the_config_states_its_rule_in_its_type() -> None:
+    """A new numeric or string field cannot slip in unchecked: its range (or non-emptiness) is part
+    of its declared type, next to the field, not a list in a generic walker."""
+    unruled = []
+    for section in _sections(JobConfig):
+        hints = typing.get_type_hints(section, include_extras=True)
+        for f in dataclasses.fields(section):
+            options = [t for t in (typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) in
+                                   (typing.Union, types.UnionType) else (hints[f.name],)) if t is not type(None)]
+            for tp in options:
+                if tp in (int, float, str) and f.name not in FREE_TEXT:
+                    unruled.append(f"{section.__name__}.{f.name}")
+                if typing.get_origin(tp) is typing.Annotated:
+                    assert any(isinstance(r, Rule) for r in typing.get_args(tp)[1:]), f"{section.__name__}.{f.name}"
+    assert unruled == []
