@@ -10,7 +10,7 @@ export LLMSTREAM_MEMORY_TEST_SECONDS ?= 90
 # install compiles llama.cpp, ~10 min) or sim (the simulator).
 MODEL ?= embeddings
 
-.PHONY: all venv jars redis demo models test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
+.PHONY: all venv jars redis docker docker-image demo models test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
 
 all: test
 
@@ -31,6 +31,20 @@ redis:
 	command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
 		|| (apt-get update && apt-get install -y redis-server)
 
+# The container tests (tests/integration/test_containers.py): a Docker engine, Debian's
+# docker-compose and debootstrap (no image registry is reachable: the image's base is made here).
+# Idempotent: installs only what is missing, starts dockerd only if none answers.
+docker:
+	command -v dockerd >/dev/null && command -v docker-compose >/dev/null && command -v debootstrap >/dev/null \
+		|| (apt-get update && apt-get install -y docker.io docker-compose debootstrap)
+	docker info >/dev/null 2>&1 || (dockerd > /tmp/dockerd.log 2>&1 &)
+	@for i in $$(seq 60); do docker info >/dev/null 2>&1 && exit 0; sleep 1; done; \
+		echo "dockerd did not answer within 60 s (see /tmp/dockerd.log)"; exit 1
+
+# llmstream:local on a debootstrap base (jobs/dev/containers.py; each step cached).
+docker-image: venv jars docker
+	$(BIN)/python -m jobs.dev.containers image
+
 demo: venv jars
 	$(BIN)/llmstream demo --model $(MODEL)
 
@@ -48,19 +62,20 @@ typecheck: venv
 unit: venv redis
 	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)
 
-integration: venv jars redis
+integration: venv jars redis docker
 	$(BIN)/python -m pytest tests/integration -q $(PYTEST_ARGS)
 
 # The test command CI runs: lint, types, unit tests (no JVM), then integration and
 # fault tests on a real broker, a real mini cluster and a real standalone cluster.
 # llama.cpp compiles (nice'd) in the background while the other tests run; the real-model
 # tests run last and wait on the same install lock (tests/integration/test_real_models.py).
-test: venv jars redis lint typecheck
+test: venv jars redis docker lint typecheck
 	mkdir -p var && (nice -n 10 $(BIN)/llmstream model-server --backend llama-cpp --install-only \
 		> var/model-install-background.log 2>&1 &)
+	(nice -n 10 $(BIN)/python -m jobs.dev.containers image > var/docker-image-background.log 2>&1 &)
 	$(BIN)/python -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
 
-fault: venv jars redis
+fault: venv jars redis docker
 	$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
 
 bench: venv jars

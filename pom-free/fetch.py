@@ -44,7 +44,13 @@ ROOTS: dict[str, tuple[str, ...]] = {
         "org.apache.logging.log4j:log4j-core:2.24.3",
         "org.slf4j:slf4j-api:2.0.17",
     ),
+    # Only for its CRD YAML (META-INF/fabric8/flinkdeployments.flink.apache.org-v1.yml), which
+    # tests/integration/test_kubernetes.py validates flink-conf/kubernetes/ against. 1.10.0 is the
+    # newest release Maven Central serves to this machine.
+    "operator-crd": ("org.apache.flink:flink-kubernetes-operator-api:1.10.0",),
 }
+# Sets locked as their roots alone, without the roots' dependencies (nothing here runs them).
+INTRANSITIVE: frozenset[str] = frozenset({"operator-crd"})
 SETS: tuple[str, ...] = tuple(ROOTS)
 
 # Pinned so resolution and output naming do not depend on Maven's built-in default.
@@ -232,7 +238,7 @@ def resolve_set(set_name: str) -> list[Entry]:
     """Resolve the runtime classpath of one set's roots and hash every jar."""
     with tempfile.TemporaryDirectory(prefix=f"pom-free-lock-{set_name}-") as tmp:
         out = Path(tmp) / "out"
-        run_mvn(ROOTS[set_name], out, exclude_all=False, repository_layout=True)
+        run_mvn(ROOTS[set_name], out, exclude_all=set_name in INTRANSITIVE, repository_layout=True)
         entries = [
             Entry(set_name, _coord_from_layout(jar.relative_to(out)), sha256_of(jar))
             for jar in sorted(out.rglob("*")) if jar.is_file() and not _is_repo_metadata(jar.name)

@@ -1,0 +1,66 @@
+# llmstream in one image: Java 17, Python 3.11, PyFlink 2.2.1 (its wheel is FLINK_HOME), the
+# project, and the pom-free jars. The same image runs as Kafka broker, JobManager, TaskManager,
+# model-server simulator and submitter (docker-compose.yml), and as the Flink image of the
+# Kubernetes FlinkDeployment (flink-conf/kubernetes/).
+#
+#   docker build -t llmstream:local .                                    # from a public base
+#   docker build --build-arg BASE_IMAGE=llmstream-base:bookworm ...      # the tests' local base
+#
+# BASE_IMAGE is any Debian bookworm or python:3.11-slim-bookworm image. The tests' base is made
+# with debootstrap and `docker import` (jobs/dev/containers.py) and already carries Java and
+# Python, so no apt step runs; with a public base, apt installs Java here.
+# Optional inputs taken from the build context when present (both are made by
+# jobs/dev/containers.py; a user's plain `docker build` fetches instead):
+#   var/docker/wheels/   a wheelhouse of the project's dependencies: pip installs offline from it;
+#   pom-free/cache/      the hash-checked jars: pom-free/fetch.py then needs no Maven.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+RUN if ! command -v java >/dev/null || ! command -v ps >/dev/null || ! python3 -c 'import ensurepip' 2>/dev/null; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps python3-venv \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+
+ENV LLMSTREAM_HOME=/llmstream \
+    VIRTUAL_ENV=/opt/llmstream/venv \
+    PATH=/opt/llmstream/venv/bin:/opt/llmstream/venv/lib/python3.11/site-packages/pyflink/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    FLINK_HOME=/opt/llmstream/venv/lib/python3.11/site-packages/pyflink \
+    FLINK_CONF_DIR=/llmstream/flink-conf \
+    FLINK_LIB_DIR=/opt/flink-lib \
+    FLINK_LOG_DIR=/llmstream/var/flink/log \
+    FLINK_PID_DIR=/tmp/flink-pid \
+    FLINK_IDENT_STRING=llmstream \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+# Dependencies first, from setup.py alone, so a source change does not reinstall PyFlink.
+# `var/docker/wheel[s]` matches nothing when there is no wheelhouse; setup.py always matches.
+COPY setup.py var/docker/wheel[s] /tmp/llmstream-build/
+RUN python3 -m venv "$VIRTUAL_ENV" \
+ && cd /tmp/llmstream-build \
+ && if ls ./*.whl >/dev/null 2>&1; then offline="--no-index --find-links /tmp/llmstream-build"; else offline=""; fi \
+ && pip install -q $offline setuptools wheel \
+ && pip install -q --no-build-isolation $offline . \
+ && pip uninstall -q -y llmstream \
+ && rm -rf /tmp/llmstream-build
+
+WORKDIR /llmstream
+# The jars: no Maven call when pom-free/cache/ came with the context and its hashes match.
+COPY pom-free/ ./pom-free/
+RUN fetch() { for set in connector metrics broker; do python3 pom-free/fetch.py --set "$set" || return 1; done; }; \
+    fetch || { apt-get update && apt-get install -y --no-install-recommends maven \
+               && fetch && rm -rf /root/.m2 /var/lib/apt/lists/*; }
+# flink-python and the Kafka connector (and the metrics reporter) on the cluster classpath, as
+# jobs/dev/local_cluster.py's write_lib_dir does: loaded once, not again in every job's classloader.
+RUN mkdir -p "$FLINK_LIB_DIR" \
+ && ln -s "$FLINK_HOME"/lib/*.jar "$FLINK_HOME"/opt/flink-python-*.jar \
+          /llmstream/pom-free/cache/connector/*.jar /llmstream/pom-free/cache/metrics/*.jar "$FLINK_LIB_DIR"/
+
+COPY setup.py ./
+COPY flink-conf ./flink-conf
+COPY jobs ./jobs
+COPY udfs ./udfs
+RUN pip install -q --no-deps --no-build-isolation --no-index -e . \
+ && mkdir -p /llmstream/var/flink/log /llmstream/var/flink/state

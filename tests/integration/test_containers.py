@@ -1,0 +1,173 @@
+"""docker-compose.yml run for real on a Docker engine, with the image the repo's Dockerfile builds.
+
+The image is built on a base made here (debootstrap + ``docker import``, jobs/dev/containers.py),
+because no image registry is reachable; ``make test`` starts that build in the background, and
+the fixture below waits for it (a file lock) instead of building twice.
+
+One compose project (unique name, free host ports) serves the module, in file order:
+500 records exactly once; a TaskManager killed mid-stream and started again by compose, every
+id still exactly once; then ``down -v`` leaves no container, volume or network behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from jobs import jars, kafka_admin
+from jobs.dev import containers
+from jobs.dev.processes import free_port
+from tests.integration.helpers import Tally, check_exactly_once, tally, unique_records
+
+pytestmark = pytest.mark.slow
+
+ROOT = jars.repo_root()
+TOPICS = ("llm-requests", "llm-results", "llm-dead-letter")
+
+
+def compose_command() -> list[str]:
+    """Debian's ``docker-compose`` (1.29), else the ``docker compose`` plugin."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return ["docker", "compose"]
+
+
+@dataclass
+class ComposeProject:
+    """One `docker compose` project of the repo's file, on its own name and host ports."""
+
+    name: str
+    env: dict[str, str]
+    produced: list[str] = field(default_factory=list)
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.env['LLMSTREAM_KAFKA_HOST_PORT']}"
+
+    def compose(self, *args: str, timeout: float = 600) -> str:
+        proc = subprocess.run([*compose_command(), "-f", str(ROOT / "docker-compose.yml"), "-p", self.name, *args],
+                              cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout, check=False)
+        assert proc.returncode == 0, f"compose {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc.stdout
+
+    def container(self, service: str) -> str:
+        ids = self.compose("ps", "-q", service).split()
+        assert len(ids) == 1, f"{service}: containers {ids}"
+        return ids[0]
+
+    def state(self, container: str) -> tuple[str, int]:
+        out = subprocess.run(["docker", "inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", container],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+        return out[0], int(out[1])
+
+    def leftovers(self) -> dict[str, list[str]]:
+        label = f"label=com.docker.compose.project={self.name}"
+        found = {}
+        for kind, cmd in (("containers", ["docker", "ps", "-a", "-q"]), ("volumes", ["docker", "volume", "ls", "-q"]),
+                          ("networks", ["docker", "network", "ls", "-q"])):
+            found[kind] = subprocess.run([*cmd, "--filter", label], capture_output=True, text=True, timeout=30,
+                                         check=True).stdout.split()
+        return found
+
+    def logs(self) -> str:
+        try:
+            return self.compose("logs", "--tail=40", timeout=120)[-6000:]
+        except AssertionError as exc:
+            return str(exc)
+
+
+def produce(project: ComposeProject, n: int, prefix: str) -> list[str]:
+    records = unique_records(n, prefix)
+    assert kafka_admin.produce(project.bootstrap, TOPICS[0], records) == n
+    ids = [key.decode() for key, _ in records]
+    project.produced += ids
+    return ids
+
+
+def committed(project: ComposeProject) -> Tally:
+    """What a read_committed consumer sees now in output ∪ dead letters, against every id produced."""
+    out = kafka_admin.consume_committed(project.bootstrap, TOPICS[1], timeout_s=30)
+    dead = kafka_admin.consume_committed(project.bootstrap, TOPICS[2], timeout_s=30)
+    return tally(project.produced, [json.loads(r.value).get("id") for r in out], [json.loads(r.value) for r in dead])
+
+
+def wait_for_all(project: ComposeProject, timeout: float = 300) -> Tally:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = committed(project)
+        if result.lost == 0 or time.monotonic() > deadline:
+            return result
+        time.sleep(2)
+
+
+@pytest.fixture(scope="module")
+def llmstream_image() -> str:
+    if not containers.docker_ready():
+        message = "no Docker engine (make docker installs and starts one, as root)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return containers.ensure_image(log=True)
+
+
+@pytest.fixture(scope="module")
+def project(llmstream_image: str) -> Iterator[ComposeProject]:
+    env = {**os.environ,
+           "LLMSTREAM_KAFKA_HOST_PORT": str(free_port()),
+           "LLMSTREAM_FLINK_REST_PORT": str(free_port()),
+           "LLMSTREAM_BASE_IMAGE": containers.BASE_IMAGE}
+    proj = ComposeProject(f"llmstream-test-{uuid.uuid4().hex[:8]}", env)
+    try:
+        proj.compose("up", "-d", timeout=900)
+        submitter = proj.container("submitter")
+        deadline = time.monotonic() + 300
+        while (state := proj.state(submitter))[0] != "exited":
+            assert time.monotonic() < deadline, f"submitter still {state[0]} after 300 s\n{proj.logs()}"
+            time.sleep(2)
+        assert state[1] == 0, f"submitter exited {state[1]}\n{proj.logs()}"
+        yield proj
+    finally:
+        proj.compose("down", "-v", "--remove-orphans", timeout=300)
+
+
+def test_compose_up_500_records_exactly_once(project: ComposeProject) -> None:
+    produce(project, 500, "compose")
+    result = wait_for_all(project)
+    check_exactly_once(result)
+    assert result.out > 0, "the simulator answers: most records reach the output topic"
+
+
+@pytest.mark.fault
+def test_taskmanager_killed_mid_stream_every_id_exactly_once(project: ComposeProject) -> None:
+    before = len(project.produced)
+    ids = produce(project, 500, "killed")
+    deadline = time.monotonic() + 240
+    while True:
+        seen = committed(project)
+        visible_new = len(project.produced) - seen.lost - before
+        if visible_new > 0:
+            break
+        assert time.monotonic() < deadline, f"no output for the new records within 240 s\n{project.logs()}"
+        time.sleep(1)
+    assert visible_new < len(ids), "the whole batch was committed before the kill: not mid-stream"
+    taskmanager = project.container("taskmanager")
+    subprocess.run(["docker", "kill", taskmanager], capture_output=True, timeout=60, check=True)
+    assert project.state(taskmanager)[0] == "exited"
+    # `docker kill` is a manual stop to Docker, so the restart policy stays out of it: compose starts it.
+    project.compose("start", "taskmanager")
+    assert project.state(project.container("taskmanager"))[0] == "running"
+    result = wait_for_all(project, timeout=420)
+    check_exactly_once(result)
+
+
+def test_compose_down_leaves_nothing(project: ComposeProject) -> None:
+    project.compose("down", "-v", "--remove-orphans", timeout=300)
+    assert project.leftovers() == {"containers": [], "volumes": [], "networks": []}
