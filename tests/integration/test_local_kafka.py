@@ -73,17 +73,17 @@ def test_admin_helpers_round_trip(bootstrap: str, topic_names: Callable[..., lis
     records = [(f"k{i}".encode(), f"v{i}".encode()) for i in range(10)] + [(None, b"no-key"), (b"tomb", None)]
     assert kafka_admin.produce(bootstrap, topic, records) == 12
 
-    seen = kafka_admin.consume_committed(bootstrap, topic, expected=12, timeout_s=20)
+    seen = kafka_admin.consume_committed(bootstrap, topic, expected=12, timeout_s=60)
     assert sorted(((r.key, r.value) for r in seen), key=repr) == sorted(records, key=repr)
     ends = kafka_admin.end_offsets(bootstrap, topic)
     assert set(ends) == {0, 1} and sum(ends.values()) == 12
     assert kafka_admin.end_offsets(bootstrap, topic, committed_only=True) == ends
 
-    assert len(kafka_admin.consume_committed(bootstrap, topic, timeout_s=20)) == 12
+    assert len(kafka_admin.consume_committed(bootstrap, topic, timeout_s=60)) == 12
     assert kafka_admin.consume_committed(bootstrap, other, timeout_s=5) == []
 
     group = f"g-{topic}"
-    assert len(kafka_admin.consume_committed(bootstrap, topic, expected=12, timeout_s=20, group_id=group)) == 12
+    assert len(kafka_admin.consume_committed(bootstrap, topic, expected=12, timeout_s=60, group_id=group)) == 12
     assert kafka_admin.committed_offsets(bootstrap, group, topic) == ends
     assert kafka_admin.consume_committed(bootstrap, topic, timeout_s=5, group_id=group) == []
 
@@ -116,18 +116,18 @@ def test_read_committed_hides_aborted_and_open_transactions(
         producer.send(topic, value=b"open")
         producer.flush()
         assert kafka_admin.end_offsets(bootstrap, topic, committed_only=True)[0] < kafka_admin.end_offsets(bootstrap, topic)[0]
-        visible = kafka_admin.consume_committed(bootstrap, topic, timeout_s=10)
+        visible = kafka_admin.consume_committed(bootstrap, topic, timeout_s=60)
         assert [r.value for r in visible] == [b"committed-0", b"committed-1", b"committed-2"]
         producer.commit_transaction()
     finally:
         producer.close()
 
-    values = [r.value for r in kafka_admin.consume_committed(bootstrap, topic, expected=4, timeout_s=20)]
+    values = [r.value for r in kafka_admin.consume_committed(bootstrap, topic, expected=4, timeout_s=60)]
     assert values == [b"committed-0", b"committed-1", b"committed-2", b"open"]
     assert kafka_admin.end_offsets(bootstrap, topic, committed_only=True) == kafka_admin.end_offsets(bootstrap, topic)
 
     raw = KafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_uncommitted",
-                        auto_offset_reset="earliest", enable_auto_commit=False, consumer_timeout_ms=2000)
+                        auto_offset_reset="earliest", enable_auto_commit=False, consumer_timeout_ms=8000)
     try:
         raw.assign([TopicPartition(topic, 0)])
         uncommitted = [r.value for r in raw]

@@ -153,6 +153,6 @@ def test_cli_runs_a_backfill_and_rejects_bad_config(job_config: JobConfigFactory
 
     path.write_text(path.read_text().replace("capacity: 64", "capacity: many"))
     bad = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--config", str(path)],
-                         check=False, capture_output=True, text=True, timeout=60, env=SHELL_ENV)
+                         check=False, capture_output=True, text=True, timeout=300, env=SHELL_ENV)
     assert bad.returncode == 2
     assert "async.capacity: expected an integer" in bad.stderr
