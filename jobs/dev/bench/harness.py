@@ -38,7 +38,7 @@ from jobs.dev.bench.measure import (
     outcome,
     steady_window,
 )
-from jobs.dev.bench.scenarios import Scenario
+from jobs.dev.bench.scenarios import UNBATCHED, Scenario
 from jobs.dev.bench.workload import (
     MAX_TOKENS,
     MODEL,
@@ -93,7 +93,7 @@ class LlmstreamSettings:
         """capacity: twice the server's slots per subtask, so requests wait at the server,
         not in Python, while a response travels back; everything else: the defaults."""
         slots = scenario.concurrency if scenario.limit_per_s else 64
-        capacity = max(16, 2 * math.ceil(slots / parallelism))
+        capacity = scenario.capacity or max(16, 2 * math.ceil(slots / parallelism))
         return cls(capacity=capacity, parallelism=parallelism)
 
     def describe(self) -> str:
@@ -171,14 +171,20 @@ class Topics:
 
 
 def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: LlmstreamSettings,
-                     scenario: Scenario, state_root: Path) -> dict[str, Any]:
-    """The job config for one run: the repo's defaults, these topics and the tuned settings."""
+                     scenario: Scenario, state_root: Path, *, batched: bool = True) -> dict[str, Any]:
+    """The job config for one run: the repo's defaults, these topics and the tuned settings;
+    an embeddings scenario batches up to `scenario.batch_size` inputs per request if `batched`."""
+    model: dict[str, Any] = {"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT,
+                             "max_tokens": MAX_TOKENS}
+    if scenario.api == "embeddings":
+        model = {"endpoint": endpoint, "model": MODEL, "api": "embeddings",
+                 "batch": {"max_size": scenario.batch_size if batched else 1}}
     config = with_overrides(
         load_config(),
         kafka={"bootstrap_servers": bootstrap, "input_topic": topics.input, "output_topic": topics.output,
                "dead_letter_topic": topics.dead_letter, "group_id": topics.group,
                "transactional_id_prefix": topics.group, "create_topics": False, "topic_partitions": 1},
-        model={"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT, "max_tokens": MAX_TOKENS},
+        model=model,
         async_={"capacity": settings.capacity},
         python={"bundle_size": settings.bundle_size, "bundle_time_ms": settings.bundle_time_ms},
         checkpointing={"interval_ms": settings.checkpoint_interval_ms, "timeout_ms": settings.checkpoint_timeout_ms},
@@ -203,10 +209,11 @@ def _llmstream_command() -> list[str]:
 def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint: str, scenario: Scenario,
                      records: int, max_seconds: float, config_dir: Path) -> list[str]:
     bootstrap = ctx.broker.bootstrap_servers
-    if approach == "llmstream":
+    if approach.startswith("llmstream"):
         config_file = config_dir / f"{topics.group}.yaml"
         config_file.write_text(yaml.safe_dump(
-            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario), scenario, config_dir / "state"),
+            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario), scenario, config_dir / "state",
+                             batched=approach != UNBATCHED),
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]
@@ -308,7 +315,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     started_ms = time.time() * 1000
     proc = ApproachProcess(command, log_file)
     rss.watch("approach", proc.pid)
-    checkpoints = CheckpointSampler(proc.pid) if approach == "llmstream" else None
+    checkpoints = CheckpointSampler(proc.pid) if approach.startswith("llmstream") else None
     if checkpoints is not None:
         checkpoints.start()
     paced = None
@@ -329,7 +336,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
                 stopped_by = f"overload window ended ({scenario.overload_seconds:g} s)"
                 break
             # Baselines stop themselves at max_seconds; llmstream is stopped (its job cancelled) here.
-            if paced is None and elapsed >= max_seconds + (0 if approach == "llmstream" else 10):
+            if paced is None and elapsed >= max_seconds + (0 if approach.startswith("llmstream") else 10):
                 stopped_by = f"time limit ({max_seconds:g} s)"
                 break
             if time.monotonic() - last_report >= ctx.progress_every_s:
@@ -344,7 +351,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
                 stopped_by = f"exited with code {proc.process.returncode}"
             elif paced is not None:
                 stopped_by = f"overload window ended ({scenario.overload_seconds:g} s)"
-            elif observer.seen < records and approach != "llmstream":
+            elif observer.seen < records and not approach.startswith("llmstream"):
                 stopped_by = f"time limit ({max_seconds:g} s)"
         proc.stop()
         if paced is not None:
@@ -442,7 +449,7 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
         rss_drift_mb=rss.drift_mb("approach"),
         rss_series=series[:: max(1, len(series) // 240)],
         server={k: server.last.get(k) for k in ("served", "max_in_flight", "max_queued", "rejected", "errors")},
-        settings=asdict(ctx.settings_for(scenario)) if approach == "llmstream" else None,
+        settings=asdict(ctx.settings_for(scenario)) if approach.startswith("llmstream") else None,
         load_avg=(round(load_after[0], 2), round(load_after[1], 2), round(load_after[2], 2)),
         log_file=str(proc.log_file),
         notes=notes,

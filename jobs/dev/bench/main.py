@@ -131,7 +131,7 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
                 _say(f"bench: llmstream settings for ({key}): {ctx.settings_for(scenario).describe()}")
             simulator = spawn_simulator(scenario.simulator_args())
             try:
-                for approach in args.approaches:
+                for approach in scenario.approaches(args.approaches):
                     try:
                         result = run_approach(ctx, simulator, scenario, approach, records, args.max_seconds)
                     except Exception:  # noqa: BLE001 - one broken run must not lose the others' numbers

@@ -16,7 +16,7 @@ import psutil
 
 from jobs.dev.bench.harness import APPROACHES, LlmstreamSettings, RunResult
 from jobs.dev.bench.measure import Latencies, Outcome
-from jobs.dev.bench.scenarios import SCENARIOS
+from jobs.dev.bench.scenarios import SCENARIOS, UNBATCHED
 
 RSS_FLAT_MB = 50.0
 """RSS drift (last quarter vs second quarter of the run) under which memory counts as flat."""
@@ -98,7 +98,26 @@ def targets(results: Sequence[RunResult]) -> list[Target]:
     else:
         out.append(Target("d", ">= 5,000 records/s per inference subtask and >= 2x semaphore-gather", None, ""))
         out.append(Target("d", "CPU per record at steady state <= 0.4 ms", None, ""))
+    out.extend(_batching_targets(results))
     return out
+
+
+def _batching_targets(results: Sequence[RunResult]) -> list[Target]:
+    """Issue 13's targets for (e): batched embeddings against the same job unbatched, same run."""
+    text = ">= 10,000 embedded records/s per inference subtask with batching and >= 5x unbatched"
+    run, base = _find(results, "e", "llmstream"), _find(results, "e", UNBATCHED)
+    if run is None or not run.throughput_steady:
+        return [Target("e", text, None, "")]
+    per = run.throughput_steady / int((run.settings or {}).get("parallelism", 1))
+    speedup = run.throughput_steady / base.throughput_steady if base and base.throughput_steady else None
+    cpu = [f"{r.cpu_ms_per_record:.3f} ms {label}" for r, label in ((run, "batched"), (base, "unbatched"))
+           if r is not None and r.cpu_ms_per_record is not None]
+    return [
+        Target("e", text, per >= 10_000 and speedup is not None and speedup >= 5,
+               f"{per:,.0f}/s per subtask batched" + (f", {base.throughput_steady:,.0f}/s unbatched = "
+                                                      f"{speedup:.1f}x" if base and speedup else "")),
+        Target("e", "CPU per record (reported)", None if not cpu else True, ", ".join(cpu)),
+    ]
 
 
 def _num(value: float | None, digits: int = 0) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+UNBATCHED = "llmstream-unbatched"
+"""llmstream with `model.batch.max_size: 1` in a batching scenario, for the comparison."""
 Z99 = 2.3263478740408408
 """The standard normal's 99th percentile, as in `jobs/dev/simulator/config.py`."""
 
@@ -33,6 +35,20 @@ class Scenario:
     records: int = 5000
     overload_factor: float | None = None
     overload_seconds: float = 60.0
+    api: str = "chat"
+    per_input_ms: float = 0.0
+    """Simulator latency per input of an embeddings request, on top of `latency`."""
+    batch_size: int = 1
+    """llmstream's `model.batch.max_size`; above 1 the scenario also runs llmstream unbatched
+    (`UNBATCHED`) to compare, and only llmstream (the baselines send chat requests)."""
+    capacity: int | None = None
+    """llmstream's `async.capacity` for this scenario, instead of the one derived from the server."""
+
+    def approaches(self, requested: list[str]) -> list[str]:
+        """The runs for this scenario out of the requested approaches."""
+        if self.batch_size > 1:
+            return [UNBATCHED, "llmstream"] if "llmstream" in requested else []
+        return requested
 
     @property
     def mean_latency_ms(self) -> float:
@@ -70,12 +86,15 @@ class Scenario:
         return None if self.overload_factor is None or limit is None else self.overload_factor * limit
 
     def simulator_args(self) -> list[str]:
-        return ["--latency", self.latency, "--concurrency", str(self.concurrency),
+        return ["--latency", self.latency, "--per-input-ms", f"{self.per_input_ms:g}", "--concurrency", str(self.concurrency),
                 "--per-token-ms", "0", "--seed", "7", "--stats-interval-s", "0", "--log-level", "WARNING"]
 
     def summary(self) -> str:
         limit = self.limit_per_s
-        text = f"({self.key}) {self.name}: latency {self.latency}, server concurrency {self.concurrency}, "
+        text = f"({self.key}) {self.name}: latency {self.latency}"
+        if self.per_input_ms:
+            text += f" + {self.per_input_ms:g} ms per input"
+        text += f", server concurrency {self.concurrency or 'unlimited'}, "
         text += f"limit {limit:,.0f}/s" if limit else "no server limit"
         if self.overload_rate_per_s:
             text += f", input at {self.overload_rate_per_s:,.0f}/s for {self.overload_seconds:g} s"
@@ -95,6 +114,10 @@ SCENARIOS: dict[str, Scenario] = {
                  latency="fixed:100", concurrency=16, overload_factor=5.0, overload_seconds=60.0),
         Scenario("d", "instant model", "latency 0, server concurrency 1024: the pipeline's own ceiling",
                  latency="0", concurrency=1024, records=30_000),
+        Scenario("e", "embeddings batched", "embeddings, latency 20 ms + 0.2 ms per input, server concurrency "
+                 "unlimited; llmstream with batches of up to 128 and without batching, capacity 1,024",
+                 latency="fixed:20", per_input_ms=0.2, concurrency=0, records=60_000, api="embeddings",
+                 batch_size=128, capacity=1024),
     )
 }
 
