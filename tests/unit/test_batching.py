@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -344,3 +345,26 @@ def test_the_simulator_embeds_a_batch_with_per_input_latency_and_refuses_long_in
     assert all(isinstance(r, Completion) for r in results[8:11])
     # 1 batch of 8; 1 batch of 4, refused; then its 4 inputs alone.
     assert sim.stats()["requests_total"] == 6
+
+
+# ------------------------------------------------------------------ bench scenario (e)
+
+
+def test_bench_scenario_e_runs_llmstream_batched_and_unbatched_with_valid_configs(tmp_path: Path) -> None:
+    from jobs.dev.bench.harness import LlmstreamSettings, Topics, llmstream_config
+    from jobs.dev.bench.scenarios import SCENARIOS, UNBATCHED
+
+    scenario = SCENARIOS["e"]
+    assert scenario.approaches(["sequential", "semaphore-gather", "llmstream"]) == [UNBATCHED, "llmstream"]
+    assert scenario.approaches(["semaphore-gather"]) == []
+    assert SCENARIOS["a"].approaches(["semaphore-gather", "llmstream"]) == ["semaphore-gather", "llmstream"]
+    args = scenario.simulator_args()
+    assert args[args.index("--per-input-ms") + 1] == "0.2" and args[args.index("--latency") + 1] == "fixed:20"
+    settings = LlmstreamSettings.recommended(scenario)
+    topics = Topics.fresh(scenario, "llmstream")
+    batched, unbatched = (
+        config_from_dict(llmstream_config(topics, "127.0.0.1:9", "http://127.0.0.1:1/v1", settings, scenario,
+                                          tmp_path, batched=b)) for b in (True, False))
+    assert batched.model.api == unbatched.model.api == "embeddings"
+    assert (batched.model.batch.max_size, unbatched.model.batch.max_size) == (128, 1)
+    assert batched.async_.capacity == unbatched.async_.capacity == 1024
