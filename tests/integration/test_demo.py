@@ -48,3 +48,7 @@ def test_simulator_demo_answers_or_dead_letters_every_record() -> None:
     out = _demo("--model", "sim")
     assert "model-server SIMULATOR" in out
     assert "Simulated answer to:" in out
+    structured = re.search(r"structured output finished — reviews 12, valid JSON (\d+), "
+                           r"invalid_model_output (\d+), missing 0", out)
+    assert structured and sum(map(int, structured.groups())) == 12, out[-3000:]
+    assert re.search(r'ok   review-\d\d +\{"sentiment": "(positive|neutral|negative)"', out), out[-3000:]
