@@ -110,14 +110,14 @@ def _batching_targets(results: Sequence[RunResult]) -> list[Target]:
         return [Target("e", text, None, "")]
     per = run.throughput_steady / int((run.settings or {}).get("parallelism", 1))
     speedup = run.throughput_steady / base.throughput_steady if base and base.throughput_steady else None
-    cpu = [f"{r.cpu_ms_per_record:.3f} ms {label}" for r, label in ((run, "batched"), (base, "unbatched"))
+    cpu = [f"{r.cpu_ms_per_record:.2f} ms {label}" for r, label in ((run, "batched"), (base, "unbatched"))
            if r is not None and r.cpu_ms_per_record is not None]
-    return [
-        Target("e", text, per >= 10_000 and speedup is not None and speedup >= 5,
-               f"{per:,.0f}/s per subtask batched" + (f", {base.throughput_steady:,.0f}/s unbatched = "
-                                                      f"{speedup:.1f}x" if base and speedup else "")),
-        Target("e", "CPU per record (reported)", None if not cpu else True, ", ".join(cpu)),
-    ]
+    detail = f"{per:,.0f}/s per subtask batched"
+    if base is not None and speedup is not None:
+        detail += f", {base.throughput_steady:,.0f}/s unbatched = {speedup:.1f}x"
+    if cpu:
+        detail += "; CPU per record (JVM + Python) " + ", ".join(cpu)
+    return [Target("e", text, per >= 10_000 and speedup is not None and speedup >= 5, detail)]
 
 
 def _num(value: float | None, digits: int = 0) -> str:
