@@ -351,7 +351,7 @@ def test_the_simulator_embeds_a_batch_with_per_input_latency_and_refuses_long_in
 
 
 def test_bench_scenario_e_runs_llmstream_batched_and_unbatched_with_valid_configs(tmp_path: Path) -> None:
-    from jobs.dev.bench.harness import LlmstreamSettings, Topics, llmstream_config
+    from jobs.dev.bench.harness import BenchContext, Topics, llmstream_config
     from jobs.dev.bench.scenarios import SCENARIOS, UNBATCHED
 
     scenario = SCENARIOS["e"]
@@ -360,11 +360,12 @@ def test_bench_scenario_e_runs_llmstream_batched_and_unbatched_with_valid_config
     assert SCENARIOS["a"].approaches(["semaphore-gather", "llmstream"]) == ["semaphore-gather", "llmstream"]
     args = scenario.simulator_args()
     assert args[args.index("--per-input-ms") + 1] == "0.2" and args[args.index("--latency") + 1] == "fixed:20"
-    settings = LlmstreamSettings.recommended(scenario)
+    ctx = BenchContext(broker=None, workdir=tmp_path)  # type: ignore[arg-type]
     topics = Topics.fresh(scenario, "llmstream")
     batched, unbatched = (
-        config_from_dict(llmstream_config(topics, "127.0.0.1:9", "http://127.0.0.1:1/v1", settings, scenario,
-                                          tmp_path, batched=b)) for b in (True, False))
+        config_from_dict(llmstream_config(topics, "127.0.0.1:9", "http://127.0.0.1:1/v1",
+                                          ctx.settings_for(scenario, approach), scenario, tmp_path,
+                                          batched=approach != UNBATCHED)) for approach in ("llmstream", UNBATCHED))
     assert batched.model.api == unbatched.model.api == "embeddings"
     assert (batched.model.batch.max_size, unbatched.model.batch.max_size) == (128, 1)
-    assert batched.async_.capacity == unbatched.async_.capacity == 1024
+    assert (batched.async_.capacity, unbatched.async_.capacity) == (1024, 128)

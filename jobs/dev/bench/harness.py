@@ -151,8 +151,12 @@ class BenchContext:
     say: Callable[[str], None] = print
     progress_every_s: float = 5.0
 
-    def settings_for(self, scenario: Scenario) -> LlmstreamSettings:
-        """The recommended settings for `scenario`, with any given on the command line instead."""
+    def settings_for(self, scenario: Scenario, approach: str = "llmstream") -> LlmstreamSettings:
+        """The recommended settings for `scenario`, with any given on the command line instead.
+        `UNBATCHED` runs at the capacity recommended without the scenario's batching capacity
+        (one request per record needs no more)."""
+        if approach == UNBATCHED:
+            scenario = dataclasses.replace(scenario, capacity=None)
         recommended = LlmstreamSettings.recommended(scenario, self.overrides.get("parallelism", 1))
         return dataclasses.replace(recommended, **self.overrides)
 
@@ -212,7 +216,8 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
     if approach.startswith("llmstream"):
         config_file = config_dir / f"{topics.group}.yaml"
         config_file.write_text(yaml.safe_dump(
-            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario), scenario, config_dir / "state",
+            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario, approach), scenario,
+                             config_dir / "state",
                              batched=approach != UNBATCHED),
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
@@ -449,7 +454,7 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
         rss_drift_mb=rss.drift_mb("approach"),
         rss_series=series[:: max(1, len(series) // 240)],
         server={k: server.last.get(k) for k in ("served", "max_in_flight", "max_queued", "rejected", "errors")},
-        settings=asdict(ctx.settings_for(scenario)) if approach.startswith("llmstream") else None,
+        settings=asdict(ctx.settings_for(scenario, approach)) if approach.startswith("llmstream") else None,
         load_avg=(round(load_after[0], 2), round(load_after[1], 2), round(load_after[2], 2)),
         log_file=str(proc.log_file),
         notes=notes,

@@ -115,7 +115,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("d", "instant model", "latency 0, server concurrency 1024: the pipeline's own ceiling",
                  latency="0", concurrency=1024, records=30_000),
         Scenario("e", "embeddings batched", "embeddings, latency 20 ms + 0.2 ms per input, server concurrency "
-                 "unlimited; llmstream with batches of up to 128 and without batching, capacity 1,024",
+                 "unlimited; llmstream with batches of up to 128 (capacity 1,024) and without batching (capacity 128)",
                  latency="fixed:20", per_input_ms=0.2, concurrency=0, records=60_000, api="embeddings",
                  batch_size=128, capacity=1024),
     )
