@@ -69,6 +69,8 @@ def _epoch_ms() -> int:
 
 def batch_group(payload: dict[str, Any]) -> str:
     """Records whose bodies differ only in `input` can share a batch request."""
+    if len(payload) == 2 and "input" in payload and "model" in payload:  # the usual embeddings body
+        return str(payload["model"])
     return json.dumps({k: v for k, v in payload.items() if k != "input"}, sort_keys=True)
 
 
