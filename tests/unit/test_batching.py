@@ -8,8 +8,11 @@ batch is not sent before `max_wait`), which a slow machine cannot break.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
+import json
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from jobs.dev.simulator import ThreadedSimulator, embedding_vector
+from tests.unit.fake_flink import Harness, KeyedState
 from udfs.batching import Batcher, is_rejection, share_usage, split_on_rejection
 from udfs.client import InferenceClient
 from udfs.config import JobConfig, config_from_dict
@@ -369,3 +373,59 @@ def test_bench_scenario_e_runs_llmstream_batched_and_unbatched_with_valid_config
     assert batched.model.api == unbatched.model.api == "embeddings"
     assert (batched.model.batch.max_size, unbatched.model.batch.max_size) == (128, 1)
     assert (batched.async_.capacity, unbatched.async_.capacity) == (1024, 128)
+
+
+# ------------------------------------------------------------------ the stage, on fake PyFlink
+
+
+def stage_config(endpoint: str, capacity: int, max_size: int) -> JobConfig:
+    return config_from_dict({
+        "kafka": {"bootstrap_servers": "127.0.0.1:9", "input_topic": "in", "output_topic": "out",
+                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t"},
+        "model": {"endpoint": endpoint, "model": "emb", "api": "embeddings",
+                  "batch": {"max_size": max_size, "max_wait_ms": 20}},
+        "async": {"capacity": capacity, "request_timeout_s": 5.0, "record_deadline_s": 20.0},
+        "retry": {"max_attempts": 3, "initial_backoff_s": 0.001, "max_backoff_s": 0.005},
+    })
+
+
+def stage_text(i: int) -> str:
+    return "far too long " * 40 if i == 13 else f"text {i}"
+
+
+def test_the_stage_batches_admitted_records_and_a_restore_batches_the_pending_ones_again(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    """Capacity counts records (16 admitted, the rest wait); every record is answered once with
+    its own vector; the refused input is the only dead letter; a snapshot holds exactly what was
+    not emitted, and a restored instance sends it again, batched."""
+    sim = make_sim(latency="fixed:300", max_input_tokens=50)
+    config = stage_config(sim.url, capacity=16, max_size=8)
+    first = Harness(config)
+    harnesses.append(first)
+    for i in range(24):
+        first.element(i % 2, json.dumps({"id": f"id-{i}", "prompt": stage_text(i)}).encode(), offset=i)
+    checkpoint = first.state.snapshot()
+    emitted = {b["id"] for b in [*first.bodies("out"), *first.bodies("dlq")]}
+    stored = {json.loads(v[1])["id"] for bucket in checkpoint.values() for v in bucket.values()}
+    assert stored and not stored & emitted and stored | emitted == {f"id-{i}" for i in range(24)}
+    deadline = time.monotonic() + 60
+    while sim.stats()["requests_total"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first.close()
+
+    sim.reset_stats()
+    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
+    harnesses.append(second)
+    for bucket in checkpoint:
+        second.fire(bucket, 0)
+    second.end_of_input()
+    out = [*first.bodies("out"), *second.bodies("out")]
+    dead = [*first.bodies("dlq"), *second.bodies("dlq")]
+    assert Counter(b["id"] for b in out) == Counter({f"id-{i}": 1 for i in range(24) if i != 13})
+    for body in out:
+        i = int(body["id"].removeprefix("id-"))
+        assert body["output"] == embedding_vector(stage_text(i), 16) and body["source"]["offset"] == i
+    assert [(d["id"], d["reason"], d["last_status"]) for d in dead] == [("id-13", "inference_rejected", 400)]
+    assert second.metric("reissued") == len(stored)
+    assert sim.stats()["requests_total"] < len(stored)  # sent again in batches, not one by one
+    assert second.state.snapshot() == {}
