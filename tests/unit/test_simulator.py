@@ -85,6 +85,32 @@ def test_chat_output_is_deterministic(sim: ThreadedSimulator) -> None:
     assert first == second
 
 
+def test_concurrent_requests_each_get_their_own_answer(make_sim: Callable[..., ThreadedSimulator]) -> None:
+    """Requests in flight at once on one endpoint share no state: each answer echoes its own prompt
+    and counts its own tokens."""
+    sim = make_sim(latency="fixed:100")
+    prompts = [f"prompt number {i} " + "x" * i for i in range(24)]
+
+    async def ask_all() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+
+            async def ask(prompt: str, tokens: int) -> dict[str, Any]:
+                body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens}
+                async with session.post(sim.url + "/chat/completions", json=body) as response:
+                    assert response.status == 200
+                    data: dict[str, Any] = await response.json()
+                    return data
+
+            return await asyncio.gather(*(ask(p, 30 + i) for i, p in enumerate(prompts)))
+
+    answers = asyncio.run(ask_all())
+    assert stats(sim)["max_in_flight"] > 1
+    for i, (prompt, data) in enumerate(zip(prompts, answers, strict=True)):
+        assert f"Simulated answer to: {' '.join(prompt[:40].split())}." in data["choices"][0]["message"]["content"]
+        assert data["usage"]["prompt_tokens"] == math.ceil(len(prompt) / 4)
+        assert data["usage"]["completion_tokens"] == 30 + i
+
+
 def test_completions_shape(sim: ThreadedSimulator) -> None:
     data = post(sim, "/completions", {"model": "m", "prompt": ["alpha prompt", "beta prompt"], "max_tokens": 16}).json()
     assert data["object"] == "text_completion"

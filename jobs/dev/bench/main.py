@@ -6,8 +6,6 @@ same simulator settings, same records; writes latest.md / latest.json / latest.p
     llmstream bench --scenarios b --approaches llmstream --bundle-size 2000   # a tuning run
     llmstream bench --render             # re-write latest.md/png from latest.json
 
-(`--` first: the top-level `llmstream` parser otherwise rejects the bench's flags.)
-
 Exit status 0 when every run produced answers with no duplicates and nothing lost; speed
 targets are reported, never enforced.
 """

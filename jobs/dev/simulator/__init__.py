@@ -9,10 +9,39 @@ approximations (ceil(len(text) / 4), at least 1). Responses carry
 
 It exists to put a controllable, cheap, realistic-looking HTTP endpoint in front of the
 llmstream Flink job: configurable latency, a concurrency limit, OpenAI-style rate
-limits and runtime-switchable fault injection. The server uses only the standard
-library (an ``asyncio.Protocol`` HTTP/1.1 server with keep-alive, pipelining,
-Content-Length and chunked request bodies); it serves well over 10,000 instant
-requests per second on one core, so it should not be a benchmark's bottleneck.
+limits and runtime-switchable fault injection. HTTP is aiohttp's low-level ``web.Server``
+(keep-alive, pipelining, chunked request bodies, ``Expect: 100-continue``); every request
+runs in its own handler task, cancelled when its client leaves.
+
+Transport: aiohttp.web, measured against the hand-written server it replaced
+----------------------------------------------------------------------------
+Until issue 11 the simulator carried its own ~270-line HTTP/1.1 server (an
+``asyncio.Protocol``). Both were measured with the bench's probe on this 2-core machine,
+three interleaved rounds each, against ``--latency 0 --concurrency 1024`` (scenario d's
+simulator, ``llmstream model-server --latency 0 --concurrency 1024 --per-token-ms 0``)::
+
+    python -m jobs.dev.bench.probes http|client --endpoint URL --seconds 5 --concurrency 64
+
+with the simulator process's CPU time (psutil) divided by the requests ``/stats`` counted
+during each probe. The machine was shared (load average 14-22), so the probes' own rates
+(600-1,100 requests/s for both servers) measured the starved clients, not the servers;
+CPU per request does not depend on that:
+
+    ======================  ==================  ============================
+    server                  CPU per request     requests/s one core can serve
+    ======================  ==================  ============================
+    hand-written asyncio    62-70 us            14,000-16,000
+    aiohttp ``web.Server``  131-143 us          7,000-7,600
+    ======================  ==================  ============================
+
+aiohttp.web costs twice the CPU per request, and still keeps the simulator off the
+critical path: the job's own ceiling with an instant model (bench scenario d) is
+750-1,100 records/s, where the simulator takes about 0.15 of a core, and llmstream's
+per-record Python work alone (the ``client`` probe) reached ~5,000/s on a quiet machine,
+below one aiohttp core. So the hand-written server was deleted. What changed: the
+``http`` probe (bare aiohttp client, 8,659/s against the old server in
+``jobs/dev/bench/results/latest.md``) can now reach at most what one core of the
+simulator serves, ~7,000/s.
 
 Endpoints
 ---------

@@ -1,16 +1,18 @@
 """The simulator's HTTP server: routing, faults, rate limits, the concurrency limit and its counters.
 
-``SimulatorServer`` runs on one asyncio event loop. An inference request is authorised, parsed
-into an ``endpoints.Call`` (400 if invalid), passed through the fault scenario and the
-rate-limit buckets, then admitted: answered at once when instant, or held in a concurrency slot
-for its sampled latency (queued while every slot is taken).
+``SimulatorServer`` runs on one asyncio event loop, on aiohttp's low-level ``web.Server`` (HTTP/1.1
+keep-alive, pipelining, chunked bodies, ``Expect: 100-continue``). An inference request is
+authorised, parsed into an ``endpoints.Call`` (400 if invalid), passed through the fault scenario
+and the rate-limit buckets, then admitted: answered at once when instant, or held in a
+concurrency slot for its sampled latency (queued while every slot is taken). Each request runs
+in its own handler task, cancelled when its client leaves, so a hung, queued or in-flight
+request frees what it holds at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import email.utils
 import hmac
 import json
 import logging
@@ -19,8 +21,13 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, NoReturn
+
+from aiohttp import web
+from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
 
 from jobs.dev.simulator.config import (
     SIMULATOR_FINGERPRINT,
@@ -35,20 +42,15 @@ log = logging.getLogger("llmstream.simulator")
 
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 32 * 1024 * 1024
-_MAX_PENDING_BYTES = 4 * 1024 * 1024
-
-_REASONS = {
-    100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
-    404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict",
-    411: "Length Required", 413: "Payload Too Large", 422: "Unprocessable Entity",
-    429: "Too Many Requests", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    501: "Not Implemented", 502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout",
-}
-_CLOSE = "Connection: close\r\n"
-_KEEP = "Connection: keep-alive\r\n"
+_HEADERS = {"Server": "llmstream-simulator", "Content-Type": "application/json"}
+_KEEP_ALIVE_10 = "llmstream.keep_alive_10"
+"""Request key marking an HTTP/1.0 request that asked for keep-alive (answered ``Connection: keep-alive``)."""
 
 dumps = json.JSONEncoder(separators=(",", ":")).encode
 """Compact JSON, as the bodies and the stats lines are written."""
+
+Headers = dict[str, str]
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 def format_reset(seconds: float) -> str:
@@ -85,285 +87,34 @@ class _Bucket:
     def take(self, cost: float) -> None:
         self.level -= min(cost, self.capacity)
 
-    def headers(self, kind: str) -> str:
+    def headers(self, kind: str, into: Headers) -> None:
         full_in = (self.capacity - self.level) / self.rate
-        return (
-            f"x-ratelimit-limit-{kind}: {int(self.capacity)}\r\n"
-            f"x-ratelimit-remaining-{kind}: {max(0, int(self.level))}\r\n"
-            f"x-ratelimit-reset-{kind}: {format_reset(full_in)}\r\n"
-        )
+        into[f"x-ratelimit-limit-{kind}"] = str(int(self.capacity))
+        into[f"x-ratelimit-remaining-{kind}"] = str(max(0, int(self.level)))
+        into[f"x-ratelimit-reset-{kind}"] = format_reset(full_in)
 
 
-
-
-class _Request:
-    __slots__ = ("body", "conn_header", "headers", "keep_alive", "method", "path")
-
-    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes,
-                 keep_alive: bool, conn_header: str) -> None:
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.conn_header = conn_header
-
-
-_QUEUED, _RUNNING, _DONE = 0, 1, 2
-
-
-class _Job:
-    """A request holding (or waiting for) a concurrency slot."""
-
-    __slots__ = ("completion_tokens", "conn", "extra_s", "handle", "keep_alive", "response", "state")
-
-    def __init__(self, conn: _Connection, response: bytes, completion_tokens: int, keep_alive: bool,
-                 extra_s: float = 0.0) -> None:
-        self.conn = conn
-        self.extra_s = extra_s
-        self.response = response
-        self.completion_tokens = completion_tokens
-        self.keep_alive = keep_alive
-        self.state = _QUEUED
-        self.handle: asyncio.Handle | None = None
-
-
-def _parse_chunked(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
-    """Decode a chunked body starting at ``pos``; None while incomplete, ValueError if malformed."""
-    parts: list[bytes] = []
-    total = 0
-    while True:
-        eol = buf.find(b"\r\n", pos)
-        if eol < 0:
-            if len(buf) - pos > 1024:
-                raise ValueError("chunk size line too long")
-            return None
-        size = int(bytes(buf[pos:eol]).split(b";", 1)[0].strip(), 16)
-        if size < 0:
-            raise ValueError("negative chunk size")
-        if size == 0:
-            end = buf.find(b"\r\n\r\n", eol)
-            if end < 0:
-                return None
-            return b"".join(parts), end + 4
-        start = eol + 2
-        stop = start + size
-        total += size
-        if total > _MAX_BODY_BYTES:
-            raise OverflowError
-        if len(buf) < stop + 2:
-            return None
-        if buf[stop:stop + 2] != b"\r\n":
-            raise ValueError("chunk not terminated by CRLF")
-        parts.append(bytes(buf[start:stop]))
-        pos = stop + 2
-
-
-class _Connection(asyncio.Protocol):
-    """One client connection: parses requests in order and answers them in order (pipelining)."""
-
-    def __init__(self, sim: SimulatorServer) -> None:
-        self.sim = sim
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.out: list[bytes] = []
-        self.busy = False
-        self.closed = False
-        self.closing = False
-        self.eof = False
-        self.paused = False
-        self.sent_continue = False
-        self.job: _Job | None = None
-        self.hang_handle: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        if self.sim._down_until:
-            self.closed = True
-            transport.abort()
-            return
-        self.sim._conns.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.sim._conns.discard(self)
-        if self.job is not None:
-            self.sim._cancel_job(self.job)
-            self.job = None
-        if self.hang_handle is not None:
-            self.hang_handle.cancel()
-            self.hang_handle = None
-
-    def eof_received(self) -> bool:
-        """Treat EOF as a disconnect so a waiting or hung request frees its slot at once."""
-        self.eof = True
-        return False
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.busy:
-            if len(self.buf) > _MAX_PENDING_BYTES and self.transport is not None:
-                if self.hang_handle is not None:
-                    self.abort()
-                elif not self.paused:
-                    self.paused = True
-                    self.transport.pause_reading()
-            return
-        self.process()
-
-    def process(self) -> None:
-        dispatch = self.sim._dispatch
-        out = self.out
-        while not self.busy and not self.closed and not self.closing and self.buf:
-            req = self._parse()
-            if req is None:
-                break
-            response = dispatch(self, req)
-            if response is not None:
-                out.append(response)
-                if not req.keep_alive:
-                    self.closing = True
-        self.flush()
-        if self.closing and not self.busy and self.transport is not None and not self.closed:
-            self.transport.close()
-
-    def flush(self) -> None:
-        if self.out and self.transport is not None and not self.closed:
-            out = self.out
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-            out.clear()
-
-    def _fail(self, status: int, message: str) -> None:
-        self.out.append(self.sim._error_response(status, message, "invalid_request_error", None, _CLOSE))
-        self.closing = True
-        self.buf.clear()
-
-    def _parse(self) -> _Request | None:
-        buf = self.buf
-        while buf[:2] == b"\r\n":
-            del buf[:2]
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > _MAX_HEADER_BYTES:
-                self._fail(431, "request headers too large")
-            return None
-        if end > _MAX_HEADER_BYTES:
-            self._fail(431, "request headers too large")
-            return None
-        lines = buf[:end].decode("latin-1").split("\r\n")
+def _reset(transport: asyncio.BaseTransport | None) -> None:
+    """Drop a connection with a TCP RST and no response, like a crashed server."""
+    if transport is None or transport.is_closing():
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
         try:
-            method, target, version = lines[0].split(" ")
-        except ValueError:
-            self._fail(400, "malformed request line")
-            return None
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                self._fail(400, "malformed header line")
-                return None
-            headers[name.strip().lower()] = value.strip()
-        body_start = end + 4
-        te = headers.get("transfer-encoding")
-        if te is not None:
-            if te.lower().rsplit(",", 1)[-1].strip() != "chunked" or "content-length" in headers:
-                self._fail(400, "unsupported transfer-encoding")
-                return None
-            try:
-                parsed = _parse_chunked(buf, body_start)
-            except OverflowError:
-                self._fail(413, "request body too large")
-                return None
-            except ValueError:
-                self._fail(400, "malformed chunked body")
-                return None
-            if parsed is None:
-                self._maybe_continue(headers)
-                return None
-            body, consumed = parsed
-        else:
-            length_text = headers.get("content-length")
-            if length_text is None:
-                length = 0
-            else:
-                try:
-                    length = int(length_text)
-                    if length < 0:
-                        raise ValueError
-                except ValueError:
-                    self._fail(400, "invalid Content-Length")
-                    return None
-                if length > _MAX_BODY_BYTES:
-                    self._fail(413, "request body too large")
-                    return None
-            consumed = body_start + length
-            if len(buf) < consumed:
-                self._maybe_continue(headers)
-                return None
-            body = bytes(buf[body_start:consumed])
-        del buf[:consumed]
-        self.sent_continue = False
-        connection = headers.get("connection", "").lower()
-        if version == "HTTP/1.1":
-            keep_alive = "close" not in connection
-            conn_header = "" if keep_alive else _CLOSE
-        elif version == "HTTP/1.0":
-            keep_alive = "keep-alive" in connection
-            conn_header = _KEEP if keep_alive else _CLOSE
-        else:
-            self._fail(400, "unsupported HTTP version")
-            return None
-        if self.eof:
-            keep_alive, conn_header = False, _CLOSE
-        path = target.split("?", 1)[0]
-        if path.startswith(("http://", "https://")):
-            path = "/" + path.split("/", 3)[-1] if path.count("/") >= 3 else "/"
-        return _Request(method, path, headers, body, keep_alive, conn_header)
-
-    def _maybe_continue(self, headers: dict[str, str]) -> None:
-        if not self.sent_continue and headers.get("expect", "").lower() == "100-continue" and self.transport:
-            self.sent_continue = True
-            self.flush()
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-    def complete(self, response: bytes, keep_alive: bool) -> None:
-        """Send a delayed response and carry on with any pipelined requests."""
-        self.job = None
-        self.busy = False
-        if self.closed or self.transport is None:
-            return
-        self.out.append(response)
-        if not keep_alive or self.eof:
-            self.closing = True
-        if self.paused:
-            self.paused = False
-            self.transport.resume_reading()
-        self.process()
-        if self.eof and not self.busy and not self.closed:
-            self.transport.close()
-
-    def hang(self, max_s: float) -> None:
-        self.busy = True
-        self.flush()
-        self.hang_handle = asyncio.get_running_loop().call_later(max_s, self.abort)
-
-    def abort(self) -> None:
-        """Drop the connection with a TCP RST and no response, like a crashed server."""
-        if self.transport is None or self.closed:
-            return
-        self.flush()
-        self.busy = True
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
-        self.transport.abort()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    assert isinstance(transport, asyncio.Transport)
+    transport.abort()
 
 
-Handler = Callable[[_Connection, _Request], "bytes | None"]
+async def _until_cancelled(limit_s: float) -> NoReturn:
+    """Wait for the handler to be cancelled (its client left, or the connection was dropped)."""
+    await asyncio.sleep(limit_s)
+    raise ConnectionResetError("simulated connection drop")
+
+
+_Fault = Literal["reset", "hang"]
 
 
 class SimulatorServer:
@@ -371,17 +122,15 @@ class SimulatorServer:
 
     def __init__(self, config: SimulatorConfig) -> None:
         self._loop = asyncio.get_running_loop()
-        self._conns: set[_Connection] = set()
+        self._web = web.Server(self._handle, request_factory=self._make_request, handler_cancellation=True,
+                               access_log=None, max_line_size=_MAX_HEADER_BYTES, max_field_size=_MAX_HEADER_BYTES)
         self._listeners: list[asyncio.Server] = []
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
         self._down_until = 0.0
         self._down_handle: asyncio.TimerHandle | None = None
         self._stats_handle: asyncio.TimerHandle | None = None
         self._closed = False
-        self._date_second = -1
-        self._date = ""
         self._ids = 0
-        self._rl_headers = ""
         self.host = config.host
         self.port = config.port
         self.started = time.monotonic()
@@ -416,7 +165,7 @@ class SimulatorServer:
 
     async def _listen(self) -> None:
         server = await self._loop.create_server(
-            lambda: _Connection(self), self.host, self.port, backlog=2048, reuse_address=True
+            self._web, self.host, self.port, backlog=2048, reuse_address=True
         )
         self._listeners = [server]
         if self.port == 0:
@@ -442,11 +191,9 @@ class SimulatorServer:
                 handle.cancel()
         for server in self._listeners:
             server.close()
-        for conn in list(self._conns):
-            if conn.busy and conn.transport is not None:
+        for conn in self._web.connections:
+            if conn.transport is not None:
                 conn.transport.abort()
-            elif conn.transport is not None:
-                conn.transport.close()
         for server in self._listeners:
             try:
                 await asyncio.wait_for(server.wait_closed(), 2.0)
@@ -455,14 +202,14 @@ class SimulatorServer:
         self._listeners = []
         await asyncio.sleep(0)
 
-    def _go_down(self, seconds: float, keep: _Connection | None) -> None:
+    def _go_down(self, seconds: float, keep: RequestHandler | None) -> None:
         self._down_until = time.monotonic() + seconds
         for server in self._listeners:
             server.close()
         self._listeners = []
-        for conn in list(self._conns):
+        for conn in self._web.connections:
             if conn is not keep:
-                conn.abort()
+                _reset(conn.transport)
         if self._down_handle is not None:
             self._down_handle.cancel()
         self._down_handle = self._loop.call_later(seconds, self._come_up)
@@ -517,7 +264,7 @@ class SimulatorServer:
             self._set_faults(FaultSettings())
         return self._faults
 
-    def set_faults(self, body: dict[str, Any], keep: _Connection | None = None) -> dict[str, Any]:
+    def set_faults(self, body: dict[str, Any], keep: RequestHandler | None = None) -> dict[str, Any]:
         """Apply a ``POST /admin/faults`` body; raises ValueError or TypeError on a bad one.
 
         A body holding only ``down_for_s`` leaves the scenario alone; ``keep`` is the
@@ -622,7 +369,7 @@ class SimulatorServer:
             "completion_tokens": self.completion_tokens,
             "structured_answers": self.structured_answers,
             "invalid_answers": self.invalid_answers,
-            "open_connections": len(self._conns),
+            "open_connections": len(self._web.connections),
             "uptime_s": round(now - self.started, 3),
             "since_reset_s": round(window, 3),
             "concurrency_limit": self.config.concurrency,
@@ -638,59 +385,81 @@ class SimulatorServer:
 
     # ----------------------------------------------------------------- responses
 
-    def _response(self, status: int, body: bytes, conn_header: str, extra: str = "") -> bytes:
-        second = int(time.time())
-        if second != self._date_second:
-            self._date_second = second
-            self._date = email.utils.formatdate(second, usegmt=True)
-        head = (
-            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nDate: {self._date}\r\n"
-            f"Server: llmstream-simulator\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}{conn_header}\r\n"
-        )
-        return head.encode("latin-1") + body
+    def _make_request(self, message: RawRequestMessage, payload: StreamReader, protocol: RequestHandler,
+                      writer: Any, task: asyncio.Task[None]) -> web.BaseRequest:
+        """aiohttp's request, with a 32 MiB body limit; an HTTP/1.0 request is answered as HTTP/1.1
+        (RFC 9110 section 6.2) with an explicit ``Connection`` header."""
+        keep_alive_10 = False
+        if message.version == HttpVersion10:
+            keep_alive_10 = not message.should_close
+            message = message._replace(version=HttpVersion11)
+        request = web.BaseRequest(message, payload, protocol, writer, task, self._loop,
+                                  client_max_size=_MAX_BODY_BYTES)
+        if keep_alive_10:
+            request[_KEEP_ALIVE_10] = True
+        return request
 
-    def _json(self, status: int, data: Any, req: _Request, extra: str = "") -> bytes:
-        return self._response(status, dumps(data).encode(), req.conn_header, extra)
+    def _json(self, status: int, data: Any, extra: Headers | None = None) -> web.Response:
+        headers = _HEADERS if extra is None else {**_HEADERS, **extra}
+        return web.Response(status=status, body=dumps(data).encode(), headers=headers)
 
-    def _error_response(self, status: int, message: str, kind: str, code: str | None, conn_header: str,
-                        extra: str = "", param: str | None = None) -> bytes:
-        body = dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
-        return self._response(status, body, conn_header, extra)
+    def _error_response(self, status: int, message: str, kind: str, code: str | None,
+                        extra: Headers | None = None, param: str | None = None) -> web.Response:
+        return self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}},
+                          extra)
 
-    def _bad_request(self, req: _Request, message: str, param: str | None = None) -> bytes:
+    def _bad_request(self, message: str, param: str | None = None) -> web.Response:
         self.bad_requests += 1
-        return self._error_response(400, message, "invalid_request_error", None, req.conn_header, param=param)
+        return self._error_response(400, message, "invalid_request_error", None, param=param)
 
     # ----------------------------------------------------------------- dispatch
 
-    def _dispatch(self, conn: _Connection, req: _Request) -> bytes | None:
-        methods = self._routes.get(req.path)
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if self._down_until:  # accepted just before an outage began: no answer
+            _reset(request.transport)
+            await _until_cancelled(1.0)
+        path = request.path
+        methods = self._routes.get(path)
+        response: web.StreamResponse
         if methods is None:
-            if req.path.startswith("/v1/models/") and req.method == "GET":
-                return self._model(conn, req)
-            return self._error_response(404, f"Unknown request URL: {req.method} {req.path}",
-                                        "invalid_request_error", "unknown_url", req.conn_header)
-        handler = methods.get(req.method)
-        if handler is None:
-            return self._error_response(405, f"Method {req.method} not allowed on {req.path}",
-                                        "invalid_request_error", "method_not_allowed", req.conn_header,
-                                        f"Allow: {', '.join(methods)}\r\n")
-        return handler(conn, req)
+            if path.startswith("/v1/models/") and request.method == "GET":
+                response = self._model(request)
+            else:
+                response = self._error_response(404, f"Unknown request URL: {request.method} {path}",
+                                                "invalid_request_error", "unknown_url")
+        else:
+            handler = methods.get(request.method)
+            if handler is None:
+                response = self._error_response(405, f"Method {request.method} not allowed on {path}",
+                                                "invalid_request_error", "method_not_allowed",
+                                                {"Allow": ", ".join(methods)})
+            else:
+                response = await handler(request)
+        if _KEEP_ALIVE_10 in request and response.keep_alive is not False:
+            response.headers["Connection"] = "keep-alive"
+        return response
 
-    def _authorized(self, req: _Request) -> bool:
+    def _authorized(self, request: web.BaseRequest) -> bool:
         if self._auth is None:
             return True
-        given = req.headers.get("authorization", "")
+        given = request.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode("utf-8", "replace"), self._auth.encode())
 
-    def _unauthorized(self, req: _Request) -> bytes:
+    def _unauthorized(self) -> web.Response:
         return self._error_response(401, "Incorrect or missing API key (simulator)", "invalid_request_error",
-                                    "invalid_api_key", req.conn_header)
+                                    "invalid_api_key")
 
-    def _load(self, req: _Request) -> dict[str, Any]:
+    async def _load(self, request: web.BaseRequest, empty_ok: bool = False) -> dict[str, Any]:
+        """The JSON object of the body (``{}`` for an empty one if ``empty_ok``); answers
+        ``Expect: 100-continue`` before reading it."""
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        body = await request.read()  # over _MAX_BODY_BYTES: aiohttp answers 413
+        if empty_ok and not body.strip():
+            return {}
         try:
-            payload = json.loads(req.body)
+            payload = json.loads(body)
         except (ValueError, RecursionError) as exc:
             raise BadRequest(f"Request body is not valid JSON: {exc}") from None
         if not isinstance(payload, dict):
@@ -704,25 +473,27 @@ class SimulatorServer:
     def _inference(self, endpoint: type[Call]) -> Handler:
         """The handler of an inference endpoint: count, authorise, parse (400 if invalid), gate, answer, admit."""
 
-        def handle(conn: _Connection, req: _Request) -> bytes | None:
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
             self.requests_total += 1
-            if self._auth is not None and not self._authorized(req):
-                return self._unauthorized(req)
+            if self._auth is not None and not self._authorized(request):
+                return self._unauthorized()
             try:
-                call = endpoint(self.config, self._load(req))
+                call = endpoint(self.config, await self._load(request))
             except BadRequest as exc:
-                return self._bad_request(req, str(exc), exc.param)
-            early = self._gate(conn, req, call.token_cost)
+                return self._bad_request(str(exc), exc.param)
+            limit_headers: Headers = {}
+            early = self._gate(call.token_cost, limit_headers)
+            if isinstance(early, str):
+                return await self._take_over(request, early)
             if early is not None:
-                return early or None
+                return early
             shaped = call if isinstance(call, (Chat, Completions)) and call.schema is not None else None
             if shaped is not None:
                 shaped.spoil = self._rng.random() < self.config.invalid_json_rate
             body = call.respond(self._next_id)
-            over_limit = self.over_limit
-            response = self._admit(conn, req, body, call.prompt_tokens, call.completion_tokens,
-                                   call.extra_latency_s(self.config))
-            if shaped is not None and self.over_limit == over_limit:  # sent (now or after its latency)
+            response = await self._admit(body, call.prompt_tokens, call.completion_tokens, limit_headers,
+                                         call.extra_latency_s(self.config))
+            if shaped is not None and response.status == 200:  # sent (now or after its latency)
                 valid, invalid = shaped.schema_answers
                 self.structured_answers += valid + invalid
                 self.invalid_answers += invalid
@@ -732,8 +503,10 @@ class SimulatorServer:
 
     # ----------------------------------------------------------------- gate and admission
 
-    def _gate(self, conn: _Connection, req: _Request, token_cost: int) -> bytes | None:
-        """Faults, then rate limits. Returns a response, b"" if the connection was taken over, or None to go on."""
+    def _gate(self, token_cost: int, limit_headers: Headers) -> web.Response | _Fault | None:
+        """Faults, then rate limits: a response, a fault that takes the connection over, or None to go on.
+
+        While a rate limit is set, its ``x-ratelimit-*`` headers are put in ``limit_headers``."""
         faults = self._faults
         if faults.total_rate > 0 or self._faults_until is not None:
             faults = self._current_faults()
@@ -741,28 +514,25 @@ class SimulatorServer:
                 u = self._rng.random()
                 if u < faults.reset_rate:
                     self.resets += 1
-                    conn.abort()
-                    return b""
+                    return "reset"
                 u -= faults.reset_rate
                 if u < faults.hang_rate:
                     self.hangs += 1
-                    conn.hang(self.config.hang_max_s)
-                    return b""
+                    return "hang"
                 u -= faults.hang_rate
                 if u < faults.error_rate:
                     self.errors += 1
                     status = faults.error_status
-                    extra = f"Retry-After: {faults.retry_after_s}\r\n" if status in (429, 503) else ""
+                    extra = {"Retry-After": str(faults.retry_after_s)} if status in (429, 503) else None
                     return self._error_response(status, f"Simulated error {status} (fault injection)",
                                                 "server_error" if status >= 500 else "invalid_request_error",
-                                                "simulated_fault", req.conn_header, extra)
+                                                "simulated_fault", extra)
                 u -= faults.error_rate
                 if u < faults.rate_limit_rate:
                     self.rejected += 1
                     return self._error_response(
                         429, "Simulated rate limit (fault injection); retry later", "requests",
-                        "rate_limit_exceeded", req.conn_header, f"Retry-After: {faults.retry_after_s}\r\n")
-        self._rl_headers = ""
+                        "rate_limit_exceeded", {"Retry-After": str(faults.retry_after_s)})
         if self._rpm is not None or self._tpm is not None:
             now = time.monotonic()
             wait = 0.0
@@ -778,27 +548,36 @@ class SimulatorServer:
             if wait > 0:
                 self.rejected += 1
                 self.rate_limited += 1
-                headers = self._limit_headers() + f"Retry-After: {max(1, math.ceil(wait))}\r\n"
+                headers: Headers = {}
+                self._limit_headers(headers)
+                headers["Retry-After"] = str(max(1, math.ceil(wait)))
                 return self._error_response(
                     429, f"Rate limit reached for {kind} (simulator); retry after {wait:.2f} s", kind,
-                    "rate_limit_exceeded", req.conn_header, headers)
+                    "rate_limit_exceeded", headers)
             if self._rpm is not None:
                 self._rpm.take(1)
             if self._tpm is not None:
                 self._tpm.take(token_cost)
-            self._rl_headers = self._limit_headers()
+            self._limit_headers(limit_headers)
         return None
 
-    def _limit_headers(self) -> str:
-        headers = ""
+    def _limit_headers(self, into: Headers) -> None:
         if self._rpm is not None:
-            headers += self._rpm.headers("requests")
+            self._rpm.headers("requests", into)
         if self._tpm is not None:
-            headers += self._tpm.headers("tokens")
-        return headers
+            self._tpm.headers("tokens", into)
 
-    def _admit(self, conn: _Connection, req: _Request, body: dict[str, Any], prompt_tokens: int,
-               completion_tokens: int, extra_s: float = 0.0) -> bytes | None:
+    async def _take_over(self, request: web.BaseRequest, fault: _Fault) -> web.StreamResponse:
+        """Reset the connection now, or hang: hold it unanswered until the client leaves or
+        ``hang_max_s`` passes, then reset it. Either way the client gets no response."""
+        if fault == "hang":
+            await asyncio.sleep(self.config.hang_max_s)
+        _reset(request.transport)
+        await _until_cancelled(1.0)
+
+    async def _admit(self, body: dict[str, Any], prompt_tokens: int, completion_tokens: int,
+                     limit_headers: Headers, extra_s: float = 0.0) -> web.Response:
+        """Answer over the concurrency limit (429), at once, or after holding a slot for the latency."""
         config = self.config
         limit = config.concurrency
         if limit and self.in_flight >= limit and config.reject_over_limit:
@@ -806,124 +585,119 @@ class SimulatorServer:
             self.over_limit += 1
             return self._error_response(
                 429, "Simulator concurrency limit reached; retry later", "requests", "rate_limit_exceeded",
-                req.conn_header, self._rl_headers + f"Retry-After: {config.retry_after_s}\r\n")
+                {**limit_headers, "Retry-After": str(config.retry_after_s)})
         self.prompt_tokens += prompt_tokens
-        response = self._json(200, body, req, self._rl_headers)
+        response = self._json(200, body, limit_headers or None)
         if self._instant and extra_s <= 0 and not (limit and self.in_flight >= limit):
             self.served += 1
             self.completion_tokens += completion_tokens
             self.max_in_flight = max(self.max_in_flight, 1)
             return response
-        job = _Job(conn, response, completion_tokens, req.keep_alive, extra_s)
-        conn.job = job
-        conn.busy = True
         if limit and self.in_flight >= limit:
-            self._queue.append(job)
-            self.queued += 1
-            self.max_queued = max(self.max_queued, self.queued)
+            await self._wait_for_slot()
         else:
-            self._start(job)
-        return None
+            self._take_slot()
+        try:
+            delay = self._latency.sample_ms(self._rng) / 1000.0 + self._per_token_s * completion_tokens + extra_s
+            if delay > 0:
+                await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self._release_slot()
+            raise
+        self.served += 1
+        self.completion_tokens += completion_tokens
+        self._release_slot()
+        return response
 
-    def _start(self, job: _Job) -> None:
+    async def _wait_for_slot(self) -> None:
+        """Queue (FIFO) until ``_pump`` hands this request a slot; leaving the queue counts as cancelled."""
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self._queue.append(waiter)
+        self.queued += 1
+        self.max_queued = max(self.max_queued, self.queued)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # the slot was handed over as the client left
+                self.cancelled += 1
+                self._release_slot()
+            else:
+                waiter.cancel()
+                self.queued -= 1
+                self.cancelled += 1
+            raise
+
+    def _take_slot(self) -> None:
         self._account(time.monotonic())
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        job.state = _RUNNING
-        delay = self._latency.sample_ms(self._rng) / 1000.0 + self._per_token_s * job.completion_tokens + job.extra_s
-        if delay > 0:
-            job.handle = self._loop.call_later(delay, self._finish, job)
-        else:
-            job.handle = self._loop.call_soon(self._finish, job)
 
-    def _finish(self, job: _Job) -> None:
+    def _release_slot(self) -> None:
         self._account(time.monotonic())
         self.in_flight -= 1
-        job.state = _DONE
-        self.served += 1
-        self.completion_tokens += job.completion_tokens
         self._pump()
-        job.conn.complete(job.response, job.keep_alive)
 
     def _pump(self) -> None:
         limit = self.config.concurrency
         queue = self._queue
         while queue and (not limit or self.in_flight < limit):
-            job = queue.popleft()
-            if job.state != _QUEUED:
+            waiter = queue.popleft()
+            if waiter.done():
                 continue
             self.queued -= 1
-            self._start(job)
-
-    def _cancel_job(self, job: _Job) -> None:
-        """The client left: free the slot (as vLLM aborts a disconnected request)."""
-        if job.state == _QUEUED:
-            job.state = _DONE
-            self.queued -= 1
-            self.cancelled += 1
-        elif job.state == _RUNNING:
-            job.state = _DONE
-            if job.handle is not None:
-                job.handle.cancel()
-            self._account(time.monotonic())
-            self.in_flight -= 1
-            self.cancelled += 1
-            self._pump()
+            self._take_slot()
+            waiter.set_result(None)
 
     # ----------------------------------------------------------------- other routes
 
-    def _models(self, conn: _Connection, req: _Request) -> bytes:
-        if not self._authorized(req):
-            return self._unauthorized(req)
+    async def _models(self, request: web.BaseRequest) -> web.Response:
+        if not self._authorized(request):
+            return self._unauthorized()
         created = int(time.time() - (time.monotonic() - self.started))
         data = [{"id": name, "object": "model", "created": created, "owned_by": SIMULATOR_FINGERPRINT,
                  "simulator": True} for name in self.config.models]
-        return self._json(200, {"object": "list", "data": data, "simulator": True}, req)
+        return self._json(200, {"object": "list", "data": data, "simulator": True})
 
-    def _model(self, conn: _Connection, req: _Request) -> bytes:
-        if not self._authorized(req):
-            return self._unauthorized(req)
-        name = req.path[len("/v1/models/"):]
+    def _model(self, request: web.BaseRequest) -> web.Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        name = request.path[len("/v1/models/"):]
         return self._json(200, {"id": name, "object": "model", "created": int(time.time()),
-                                "owned_by": SIMULATOR_FINGERPRINT, "simulator": True}, req)
+                                "owned_by": SIMULATOR_FINGERPRINT, "simulator": True})
 
-    def _health(self, conn: _Connection, req: _Request) -> bytes:
-        return self._json(200, {"status": "ok", "simulator": True}, req)
+    async def _health(self, request: web.BaseRequest) -> web.Response:
+        return self._json(200, {"status": "ok", "simulator": True})
 
-    def _stats_route(self, conn: _Connection, req: _Request) -> bytes:
-        return self._json(200, self.stats(), req)
+    async def _stats_route(self, request: web.BaseRequest) -> web.Response:
+        return self._json(200, self.stats())
 
-    def _stats_reset(self, conn: _Connection, req: _Request) -> bytes:
+    async def _stats_reset(self, request: web.BaseRequest) -> web.Response:
         self.reset_stats()
-        return self._json(200, self.stats(), req)
+        return self._json(200, self.stats())
 
-    def _faults_get(self, conn: _Connection, req: _Request) -> bytes:
-        return self._json(200, self.faults_view(), req)
+    async def _faults_get(self, request: web.BaseRequest) -> web.Response:
+        return self._json(200, self.faults_view())
 
-    def _faults_post(self, conn: _Connection, req: _Request) -> bytes | None:
+    async def _faults_post(self, request: web.BaseRequest) -> web.Response:
+        """Answered before an outage (``down_for_s``) takes the listener down, then the connection closes."""
         try:
-            view = self.set_faults(self._load(req) if req.body.strip() else {}, keep=conn)
-        except BadRequest as exc:
-            return self._bad_request(req, str(exc))
-        except (ValueError, TypeError) as exc:
-            return self._bad_request(req, str(exc))
+            view = self.set_faults(await self._load(request, empty_ok=True), keep=request.protocol)
+        except (BadRequest, ValueError, TypeError) as exc:
+            return self._bad_request(str(exc))
+        response = self._json(200, view)
         if self._down_until:
-            conn.out.append(self._response(200, dumps(view).encode(), _CLOSE))
-            conn.closing = True
-            conn.flush()
-            return None
-        return self._json(200, view, req)
+            response.force_close()
+        return response
 
-    def _config_get(self, conn: _Connection, req: _Request) -> bytes:
-        return self._json(200, self.config_view(), req)
+    async def _config_get(self, request: web.BaseRequest) -> web.Response:
+        return self._json(200, self.config_view())
 
-    def _config_post(self, conn: _Connection, req: _Request) -> bytes:
+    async def _config_post(self, request: web.BaseRequest) -> web.Response:
         try:
-            return self._json(200, self.update_config(self._load(req)), req)
-        except BadRequest as exc:
-            return self._bad_request(req, str(exc))
-        except (ValueError, TypeError) as exc:
-            return self._bad_request(req, str(exc))
+            return self._json(200, self.update_config(await self._load(request)))
+        except (BadRequest, ValueError, TypeError) as exc:
+            return self._bad_request(str(exc))
 
 
 async def serve(config: SimulatorConfig | None = None) -> SimulatorServer:
