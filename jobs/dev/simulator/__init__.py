@@ -35,13 +35,14 @@ CPU per request does not depend on that:
     ======================  ==================  ============================
 
 aiohttp.web costs twice the CPU per request, and still keeps the simulator off the
-critical path: the job's own ceiling with an instant model (bench scenario d) is
-750-1,100 records/s, where the simulator takes about 0.15 of a core, and llmstream's
-per-record Python work alone (the ``client`` probe) reached ~5,000/s on a quiet machine,
-below one aiohttp core. So the hand-written server was deleted. What changed: the
-``http`` probe (bare aiohttp client, 8,659/s against the old server in
-``jobs/dev/bench/results/latest.md``) can now reach at most what one core of the
-simulator serves, ~7,000/s.
+critical path: the job's own ceiling with an instant model (bench scenario d,
+``jobs/dev/bench/results/latest.md``) is ~1,500 records/s, a fifth of what one aiohttp core
+serves, and llmstream's per-record Python work alone (the ``client`` probe) reached
+~5,000/s, also below it. So the hand-written server was deleted. What it costs: at
+1,500 requests/s the simulator now takes ~0.2 of a core instead of ~0.1, CPU the job does
+not get in scenario (d), which is CPU-bound on the two shared cores; and the ``http`` probe
+(bare aiohttp client, 8,659/s against the old server) can now reach at most what one core
+of the simulator serves, ~7,000/s.
 
 Endpoints
 ---------
