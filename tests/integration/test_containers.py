@@ -27,7 +27,7 @@ from jobs.dev import containers
 from jobs.dev.processes import free_port
 from tests.integration.helpers import Tally, check_exactly_once, tally, unique_records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.containers]
 
 ROOT = jars.repo_root()
 TOPICS = ("llm-requests", "llm-results", "llm-dead-letter")
