@@ -169,7 +169,7 @@ def run_structured_example(demo_config: JobConfig, bootstrap: str, workdir: Path
                "transactional_id_prefix": "llmstream-demo-structured"},
         model={"system_prompt": example.model.system_prompt, "response_format": example.model.response_format,
                "response_format_mode": example.model.response_format_mode,
-               "max_invalid_retries": STRUCTURED_MAX_INVALID_RETRIES, "temperature": 0.0},
+               "max_invalid_retries": STRUCTURED_MAX_INVALID_RETRIES, "temperature": example.model.temperature},
         checkpointing={"directory": str(workdir / "state-structured")},
     )
     config = dataclasses.replace(config, name="llmstream-demo-structured")

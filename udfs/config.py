@@ -138,7 +138,7 @@ class ModelConfig:
     # (the config then carries the schema itself); how the server is asked for it; how many
     # more answers an invalid one may be replaced by before the record is dead-lettered.
     response_format: dict[str, Any] | str | None = None
-    response_format_mode: Literal["native", "prompt"] = "native"
+    response_format_mode: Literal["native", "json_object", "prompt"] = "native"
     max_invalid_retries: NonNegativeInt = 2
 
     def validate(self, path: str) -> None:

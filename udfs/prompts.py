@@ -114,9 +114,9 @@ def _settings(request: Request, model: ModelConfig) -> dict[str, Any]:
 
 
 def _native_format(model: ModelConfig) -> dict[str, Any]:
-    """`response_format` for `response_format_mode: native`, else nothing."""
-    if isinstance(model.response_format, dict) and model.response_format_mode == "native":
-        return {"response_format": response_format_field(model.response_format)}
+    """`response_format` for `response_format_mode: native` or `json_object`, else nothing."""
+    if isinstance(model.response_format, dict) and model.response_format_mode != "prompt":
+        return {"response_format": response_format_field(model.response_format, model.response_format_mode)}
     return {}
 
 

@@ -3,10 +3,12 @@
 `model.response_format` holds a JSON Schema, inline or as a file path; `load_schema` reads
 and checks it when the config loads (a bad schema is a `ConfigError` naming the key, before
 the job starts), and the config then carries the schema itself, so a cluster's workers never
-need the file. The schema reaches the model in one of two ways (`model.response_format_mode`):
+need the file. The schema reaches the model in one of three ways (`model.response_format_mode`):
 
 - ``native``: OpenAI's ``response_format: {"type": "json_schema", "json_schema": {...}}``,
-  which OpenAI, vLLM, llama.cpp's server and Ollama's OpenAI API constrain decoding with;
+  which OpenAI, vLLM, llama.cpp's own ``llama-server`` and Ollama constrain decoding with;
+- ``json_object``: ``response_format: {"type": "json_object", "schema": {...}}``, the older
+  form llama-cpp-python's server accepts (measured: it answers ``json_schema`` with HTTP 500);
 - ``prompt``: an instruction with the schema, added to the system prompt (chat) or in front
   of the prompt (completions), for servers that ignore or reject ``response_format``.
 
@@ -88,8 +90,11 @@ def schema_name(schema: dict[str, Any]) -> str:
     return name or "output"
 
 
-def response_format_field(schema: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI `response_format` request field of `native` mode."""
+def response_format_field(schema: dict[str, Any], mode: str = "native") -> dict[str, Any]:
+    """The `response_format` request field: OpenAI's `json_schema` form (`native`), or the older
+    `{"type": "json_object", "schema": ...}` form (`json_object`)."""
+    if mode == "json_object":
+        return {"type": "json_object", "schema": schema}
     return {"type": "json_schema", "json_schema": {"name": schema_name(schema), "schema": schema}}
 
 

@@ -415,3 +415,16 @@ def test_prompt_mode_against_the_simulator_which_follows_the_instruction(sim: Th
     assert completion.structured and completion.invalid_answers == 0
     assert completion.output_json["sentiment"] in ("positive", "neutral", "negative")
     assert sim.stats()["structured_answers"] == 1
+
+
+def test_json_object_mode_sends_the_older_form_and_the_simulator_honours_it(sim: ThreadedSimulator) -> None:
+    model = _config(response_format=SCHEMA, response_format_mode="json_object", system_prompt=None).model
+    assert build_payload(_request(), model)["response_format"] == {"type": "json_object", "schema": SCHEMA}
+    config = job_config(sim.url, model={"response_format": SCHEMA, "response_format_mode": "json_object"})
+
+    async def go() -> Completion:
+        async with InferenceClient(config) as client:
+            return await client.complete(request("The soup was cold"))
+
+    completion = run(go)
+    assert completion.structured and set(completion.output_json) == {"sentiment", "topic"}

@@ -41,8 +41,12 @@ def requested_schema(payload: dict[str, Any]) -> dict[str, Any] | None:
         raise ResponseFormatError("'response_format.type' must be 'text', 'json_object' or 'json_schema'")
     if fmt["type"] == "text":
         return None
-    if fmt["type"] == "json_object":
-        return {"type": "object"}
+    if fmt["type"] == "json_object":  # llama-cpp-python's form may carry the schema beside the type
+        schema = fmt.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise ResponseFormatError("'response_format.schema' must be an object")
+        _validator(schema)
+        return schema
     spec = fmt.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(schema, dict):
