@@ -16,33 +16,35 @@ runs in its own handler task, cancelled when its client leaves.
 Transport: aiohttp.web, measured against the hand-written server it replaced
 ----------------------------------------------------------------------------
 Until issue 11 the simulator carried its own ~270-line HTTP/1.1 server (an
-``asyncio.Protocol``). Both were measured with the bench's probe on this 2-core machine,
-three interleaved rounds each, against ``--latency 0 --concurrency 1024`` (scenario d's
-simulator, ``llmstream model-server --latency 0 --concurrency 1024 --per-token-ms 0``)::
+``asyncio.Protocol``). Both were measured on this 2-core machine with the bench's probes
+against scenario d's simulator (``llmstream model-server --latency 0 --concurrency 1024
+--per-token-ms 0``), six interleaved rounds each, each round both probes::
 
     python -m jobs.dev.bench.probes http|client --endpoint URL --seconds 5 --concurrency 64
 
-with the simulator process's CPU time (psutil) divided by the requests ``/stats`` counted
-during each probe. The machine was shared (load average 14-22), so the probes' own rates
-(600-1,100 requests/s for both servers) measured the starved clients, not the servers;
+and, for each probe, the simulator process's CPU time (psutil) divided by the requests
+``/stats`` counted meanwhile. The machine was shared with other sessions' tests (load
+average 8-22), so the probes' own rates measured starved clients (http 800-1,200/s against
+the hand-written server, 570-870/s against aiohttp; client 530-1,400/s and 340-1,380/s);
 CPU per request does not depend on that:
 
-    ======================  ==================  ============================
-    server                  CPU per request     requests/s one core can serve
-    ======================  ==================  ============================
-    hand-written asyncio    62-70 us            14,000-16,000
-    aiohttp ``web.Server``  131-143 us          7,000-7,600
-    ======================  ==================  ============================
+    ======================  ==========================  ==================================
+    server                  CPU per request (median)    requests/s one core serves (1/CPU)
+    ======================  ==========================  ==================================
+    hand-written asyncio    53-75 us (64)               ~15,600
+    aiohttp ``web.Server``  120-158 us (137)            ~7,300
+    ======================  ==========================  ==================================
 
-aiohttp.web costs twice the CPU per request, and still keeps the simulator off the
+aiohttp.web costs twice the CPU per request and still keeps the simulator off the
 critical path: the job's own ceiling with an instant model (bench scenario d,
 ``jobs/dev/bench/results/latest.md``) is ~1,500 records/s, a fifth of what one aiohttp core
-serves, and llmstream's per-record Python work alone (the ``client`` probe) reached
-~5,000/s, also below it. So the hand-written server was deleted. What it costs: at
-1,500 requests/s the simulator now takes ~0.2 of a core instead of ~0.1, CPU the job does
-not get in scenario (d), which is CPU-bound on the two shared cores; and the ``http`` probe
-(bare aiohttp client, 8,659/s against the old server) can now reach at most what one core
-of the simulator serves, ~7,000/s.
+serves, and llmstream's per-record Python work alone (the ``client`` probe, 5,016/s there)
+is below it too. So the hand-written server was deleted. What it costs: at 1,500 requests/s
+the simulator takes ~0.2 of a core instead of ~0.1. Scenario (d) is CPU-bound on the two
+shared cores, at 0.68 ms of CPU per record for the job, so that tenth of a core may lower
+(d)'s rate by up to ~10% (computed, not measured: (d) varies by ±15% between runs here);
+and the ``http`` probe (bare aiohttp client, 8,659/s against the old server) can reach at
+most what one core of the simulator serves, ~7,000/s.
 
 Endpoints
 ---------
