@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from jobs import jars
+from udfs.errors import LLMStreamError
 
 IMAGE = "llmstream:local"
 SUITE = "bookworm"
@@ -44,7 +45,7 @@ BASE_IMAGE = "llmstream-base:" + SUITE + "-" + hashlib.sha256(",".join(BASE_PACK
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
-class ContainerError(Exception):
+class ContainerError(LLMStreamError, RuntimeError):
     """A step of the image build failed; the message carries the command's last output."""
 
 
