@@ -34,7 +34,7 @@ request is the figure that depends least on that:
     ===========================  ===================  ===================  ===================
 
 With the machine loaded (6 rounds, load average 8-22) CPU per request was 53-75 us against
-120-158 us (medians 64 and 137), and both probes measured starved clients (530-1,400/s).
+120-158 us (medians 64 and 137), and both probes measured starved clients (340-1,190/s).
 
 So one core of aiohttp.web serves ~9,500 instant requests/s on a quiet machine (~7,300 on a
 loaded one), within the 8,000-13,000/s the hand-written server was credited with, though
