@@ -218,6 +218,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
         "in_flight": _int(llm("in_flight")), "admitted": _int(llm("admitted")), "capacity": capacity,
         "concurrency_limit": _int(llm("concurrency_limit")),
         "requests": _int(llm("requests")), "retries": _int(llm("retries")), "rate_limited": _int(llm("rate_limited")),
+        "invalid_answers": _int(llm("invalid_answers")),
         "answered": _int(llm("latency_count")),
         "latency_p50_ms": _int(max_of("latency_p50_ms")), "latency_p99_ms": _int(max_of("latency_p99_ms")),
         "latency_mean_ms": (_round(llm("latency_sum_ms") / llm("latency_count"))  # type: ignore[operator]
@@ -520,6 +521,7 @@ def render(fig: dict[str, Any]) -> Any:
         ("AIMD limit", _fmt(calls["concurrency_limit"])),
         ("latency p50 / p99", f"{_fmt(calls['latency_p50_ms'])} / {_fmt(calls['latency_p99_ms'])} ms"),
         ("calls / retries / 429s", f"{_fmt(calls['requests'])} / {_fmt(calls['retries'])} / {_fmt(calls['rate_limited'])}"),
+        *([("invalid answers (asked again)", _fmt(calls["invalid_answers"]))] if calls.get("invalid_answers") else []),
     ])
     reasons = fig["dead_letters"]["by_reason"] or {}
     health = table("Healthy?", [

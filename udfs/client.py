@@ -258,7 +258,8 @@ class InferenceClient:
         asks again, above the retry layer, when an answer does not validate)."""
         if self.structured is None:
             return await self._call(request, payload)
-        return await self.structured.until_valid(lambda: self._call(request, payload))
+        return await self.structured.until_valid(lambda: self._call(request, payload),
+                                                 on_invalid=self.metrics.invalid_answers.inc)
 
     def _from_cache(self, payload: dict[str, Any], stored: dict[str, Any], looked_up: float) -> Completion:
         """A stored answer as this record's completion: no attempt made, nothing paid. Only valid

@@ -88,7 +88,7 @@ class Distribution:
 
 
 COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_limited", "dead_lettered",
-            "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors")
+            "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors", "invalid_answers")
 
 
 class InferenceMetrics:
@@ -106,6 +106,8 @@ class InferenceMetrics:
     `cache_hits` / `cache_misses` count lookups in the result cache (requests it may hold),
     `cache_errors` its failed operations (an outage: the model is called instead);
     `budget_paused` is 1 while calls wait for the spend budget's next window.
+    `invalid_answers` counts answers that did not validate against `model.response_format`
+    (each one asked again, or the record dead-lettered as `invalid_model_output`).
     """
 
     def __init__(self, group: MetricGroup | None = None) -> None:
@@ -122,6 +124,7 @@ class InferenceMetrics:
         self.cache_hits = Counter()
         self.cache_misses = Counter()
         self.cache_errors = Counter()
+        self.invalid_answers = Counter()
         self.budget_paused = False
         self.latency_ms = Distribution()
         self.in_flight = 0

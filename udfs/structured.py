@@ -149,13 +149,15 @@ class StructuredOutput:
         where = error.json_path if error.absolute_path else "$"
         return Invalid(f"at {where}: {error.message}"[:MAX_MESSAGE_CHARS])
 
-    async def until_valid(self, answer: Callable[[], Awaitable[Completion]]) -> Completion:
+    async def until_valid(self, answer: Callable[[], Awaitable[Completion]],
+                          on_invalid: Callable[[], None] | None = None) -> Completion:
         """Calls `answer()` (one whole HTTP-retried call) until its output validates, at most
         `1 + max_invalid_retries` times. Returns the valid completion with `output_json` set;
         its `attempts`, token counts, cost and latency cover every round, since the invalid
         answers were paid for too. Raises `InvalidModelOutput` with the last answer and the
         validator's message when none validated. An `InferenceError` from a later round passes
-        through with the earlier rounds' attempts added."""
+        through with the earlier rounds' attempts added. `on_invalid` is called once per answer
+        that did not validate (the `invalid_answers` metric)."""
         rounds: list[Completion] = []
         for _ in range(self.max_invalid_retries + 1):
             try:
@@ -167,6 +169,8 @@ class StructuredOutput:
             checked = self.check(completion.output)
             if not isinstance(checked, Invalid):
                 return _over_rounds(rounds, checked)
+            if on_invalid is not None:
+                on_invalid()
             message = checked.message
         raise InvalidModelOutput(
             f"{len(rounds)} answer(s), none valid against model.response_format; last: {message}",

@@ -374,6 +374,8 @@ def test_counts_agree_between_client_outcomes_and_the_simulator(make_sim: Any) -
     sim = make_sim(invalid_json_rate=0.5, seed=3)
     config = job_config(sim.url, model={"response_format": SCHEMA, "max_invalid_retries": 1})
 
+    counted: list[int] = []
+
     async def go() -> list[Any]:
         outcomes: list[Any] = []
         async with InferenceClient(config) as client:
@@ -382,6 +384,7 @@ def test_counts_agree_between_client_outcomes_and_the_simulator(make_sim: Any) -
                     outcomes.append(await client.complete(request(f"message {i}")))
                 except InvalidModelOutput as err:
                     outcomes.append(err)
+            counted.append(client.metrics.invalid_answers.value)
         return outcomes
 
     outcomes = run(go)
@@ -391,6 +394,7 @@ def test_counts_agree_between_client_outcomes_and_the_simulator(make_sim: Any) -
     stats = sim.stats()
     assert stats["structured_answers"] - stats["invalid_answers"] == len(done)
     assert stats["invalid_answers"] == 2 * len(dead) + sum(c.invalid_answers for c in done)
+    assert counted == [stats["invalid_answers"]]  # the `invalid_answers` metric counts the same answers
 
 
 def test_the_structured_example_config_loads_with_its_schema() -> None:
