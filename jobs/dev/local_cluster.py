@@ -257,7 +257,8 @@ class LocalCluster(FlinkRest):
             raise ClusterError(f"{source}/config.yaml not found (set LLMSTREAM_HOME to the repo root)")
         tmp = self.work_dir / "conf.new"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(source, tmp)
+        # flink-conf/kubernetes/ holds the operator's manifests, not Flink settings.
+        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("kubernetes"))
         (tmp / "config.yaml").write_text(render_config(source, self.config.overrides()))
         shutil.rmtree(self.conf_dir, ignore_errors=True)
         tmp.rename(self.conf_dir)

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections import Counter
@@ -90,8 +89,8 @@ def test_generated_conf_is_flink_conf_with_only_ports_and_paths_changed(tmp_path
     generated = cluster_mod._flatten(yaml.safe_load((local.conf_dir / "config.yaml").read_text()))
     changed = {k for k in source.keys() | generated.keys() if source.get(k) != generated.get(k)}
     assert changed <= set(local.config.overrides())
-    for name in os.listdir(cluster_mod.conf_source_dir()):
-        assert (local.conf_dir / name).is_file()
+    for path in cluster_mod.conf_source_dir().iterdir():
+        assert (local.conf_dir / path.name).is_file() == path.is_file(), path.name  # kubernetes/ stays out
     # flink-python and the connector load from the cluster's lib/, once, not per job (metaspace)
     libs = sorted(p.name for p in local.lib_dir.iterdir())
     assert any(n.startswith("flink-dist-") for n in libs)
