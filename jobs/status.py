@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import re
-import sys
 import time
 import urllib.parse
 from collections import Counter, deque
@@ -586,13 +585,8 @@ def run(args: argparse.Namespace) -> int:
     """Execute parsed `add_arguments` flags."""
     from jobs.kafka_admin import GroupProgress
     from udfs.config import load_config
-    from udfs.errors import ConfigError
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as err:
-        print(f"llmstream: config error: {err}", file=sys.stderr)
-        return 2
+    config = load_config(args.config)  # a ConfigError is the CLI's to report (exit 2, naming the key)
     state = StateDir.for_job(config, args.state_dir)
     rest_url, run = _rest_url(args, config, state)
     with contextlib.ExitStack() as stack:

@@ -26,10 +26,12 @@ def test_service_commands_have_their_own_help(command: str, capsys: pytest.Captu
     assert f"llmstream {command}" in capsys.readouterr().out
 
 
-def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", ["run", "status", "plan"])
+def test_bad_config_fails_at_start_naming_the_key(command: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "job.yaml"
     path.write_text("kafka:\n  bootstrap_servers: x:1\nmodel: {endpoint: http://x/v1, model: m}\n")
-    assert main(["run", "--config", str(path)]) == 2
+    assert main([command, "--config", str(path)]) == 2
     assert "kafka.input_topic: required" in capsys.readouterr().err
 
 
