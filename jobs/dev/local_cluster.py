@@ -47,6 +47,7 @@ from jobs.dev.processes import (
     pid_alive,
     port_in_use,
     terminate,
+    wait_gone,
 )
 from jobs.flink_cli import flink_home, python_jar, run_job_script
 from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
@@ -385,18 +386,13 @@ class LocalCluster(FlinkRest):
         target = pid if pid is not None else pids[-1]
         self._orphans.extend(children(target))
         os.kill(target, sig)
-        deadline = time.monotonic() + 10
-        while pid_alive(target) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_gone([target], 10)
         self._forget_pid("taskexecutor", target)
         return target
 
     def reap_orphans(self, grace_s: float = 0.0) -> list[int]:
         """Kill Python workers of killed TaskManagers still alive after ``grace_s``; returns their pids."""
-        deadline = time.monotonic() + grace_s
-        while any(pid_alive(w) for w in self._orphans) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        survivors = [w for w in self._orphans if pid_alive(w)]
+        survivors = wait_gone(self._orphans, grace_s, poll_s=0.2)
         for worker in survivors:
             log.warning("python worker %d outlived its TaskManager; killing it", worker)
             with contextlib.suppress(ProcessLookupError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Iterable
 
 import psutil
@@ -62,20 +63,31 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def wait_gone(pids: Iterable[int], timeout: float, poll_s: float = 0.05) -> list[int]:
+    """Waits up to ``timeout`` s for ``pids`` to exit; returns those still alive. A zombie counts
+    as gone (`pid_alive`): a daemon's parent may never reap it."""
+    deadline = time.monotonic() + timeout
+    alive = [pid for pid in pids if pid_alive(pid)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        alive = [pid for pid in alive if pid_alive(pid)]
+    return alive
+
+
+def _signal(pids: Iterable[int], kill: bool) -> None:
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            proc.kill() if kill else proc.terminate()
+
+
 def terminate(pids: Iterable[int], timeout: float, what: str = "process") -> list[int]:
     """SIGTERM ``pids``, wait up to ``timeout`` s, SIGKILL the rest; returns the pids still alive
     after the SIGKILL (normally none)."""
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            procs.append(psutil.Process(pid))
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in alive:
-        log.warning("%s %d did not stop within %g s; killing it", what, proc.pid, timeout)
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    _, survivors = psutil.wait_procs(alive, timeout=10)
-    return [p.pid for p in survivors]
+    pids = list(pids)
+    _signal(pids, kill=False)
+    alive = wait_gone(pids, timeout)
+    for pid in alive:
+        log.warning("%s %d did not stop within %g s; killing it", what, pid, timeout)
+    _signal(alive, kill=True)
+    return wait_gone(alive, 10)
