@@ -26,6 +26,7 @@ from pyflink.table import StreamTableEnvironment, Table
 
 from jobs import jars
 from jobs.state import StateDir
+from udfs import secrets
 from udfs.config import JobConfig
 from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
 
@@ -69,7 +70,8 @@ def source_options(config: JobConfig) -> dict[str, str]:
     kafka = config.kafka
     out = {
         "connector": "kafka",
-        "topic": kafka.input_topic,
+        **({"topic-pattern": kafka.input_topic_pattern} if kafka.input_topic_pattern is not None
+           else {"topic": ";".join(kafka.topics())}),
         "properties.bootstrap.servers": kafka.bootstrap_servers,
         "properties.group.id": kafka.group_id,
         "scan.startup.mode": "group-offsets",
@@ -81,8 +83,14 @@ def source_options(config: JobConfig) -> dict[str, str]:
         "value.fields-include": "EXCEPT_KEY",
         "scan.parallelism": str(config.parallelism.of("source")),
     }
-    out.update({f"properties.{k}": v for k, v in kafka.properties.items()})
+    out.update(_client_properties(config))
     return out
+
+
+def _client_properties(config: JobConfig) -> dict[str, str]:
+    """`kafka.properties` as table options, secrets resolved: they go into the job graph's Kafka
+    clients, which mask password-typed values in their own logs, and never into Flink's configuration."""
+    return {f"properties.{k}": v for k, v in secrets.resolve_all(config.kafka.properties, "kafka.properties").items()}
 
 
 def sink_options(config: JobConfig) -> dict[str, str]:
@@ -101,7 +109,7 @@ def sink_options(config: JobConfig) -> dict[str, str]:
         "value.fields-include": "EXCEPT_KEY",
         "sink.parallelism": str(config.parallelism.of("sink")),
     }
-    out.update({f"properties.{k}": v for k, v in kafka.properties.items()})
+    out.update(_client_properties(config))
     return out
 
 

@@ -177,7 +177,10 @@ def check_identity(state: StateDir, config: JobConfig, *, fresh: bool) -> None:
     """
     if state.path is None:
         return
-    wanted = {key: getattr(config.kafka, key) for key in IDENTITY_KEYS}
+    # `input_topic` stands for the whole input (a topic, `a;b`, `pattern:<regex>`): the key keeps
+    # its name so that state directories of single-topic jobs stay theirs.
+    wanted = {key: getattr(config.kafka, key) for key in IDENTITY_KEYS if key != "input_topic"}
+    wanted["input_topic"] = config.kafka.input_description()
     path = state.path / IDENTITY_FILE
     recorded: dict[str, str] = {}
     with contextlib.suppress(OSError, ValueError):

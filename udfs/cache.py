@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from udfs import secrets
 from udfs.config import CacheConfig, JobConfig
 from udfs.metrics import InferenceMetrics
 
@@ -363,8 +364,9 @@ def open_cache(config: JobConfig, metrics: InferenceMetrics) -> GuardedCache | N
         inner = LocalCache(path, ttl_s=cache.ttl_s, max_entries=cache.max_entries, max_bytes=cache.max_bytes)
         name = str(path)
     else:
-        inner = RedisCache(cache.redis_url, ttl_s=cache.ttl_s, key_prefix=cache.key_prefix)
-        name = _without_password(cache.redis_url)
+        url = secrets.resolve(cache.redis_url, "cache.redis_url")
+        inner = RedisCache(url, ttl_s=cache.ttl_s, key_prefix=cache.key_prefix)
+        name = _without_password(url)
     return GuardedCache(inner, metrics, name=name)
 
 

@@ -6,13 +6,16 @@ so a typo never reaches a running job. A rule on one value sits in its field's t
 (`capacity: PositiveInt`, see `Rule`); a rule relating several fields is the section's
 `validate` method. The objects are pickled to the Python workers
 with the functions that use them, so they live in `udfs/`. Secrets are never in the file:
-`model.api_key_env` names the environment variable that holds the key.
+`model.api_key_env` / `model.api_key_file` name where the key is, and `kafka.properties`,
+`model.headers` and `cache.redis_url` take `${env:NAME}` / `${file:PATH}` placeholders
+(`udfs/secrets.py`), checked at load and resolved only where they are used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -22,6 +25,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 import yaml
 
+from udfs import kafka_security, secrets
 from udfs.errors import ConfigError
 from udfs.structured import load_schema
 
@@ -64,8 +68,8 @@ NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0, got {value}")
 NOT_EMPTY = Rule(lambda v: v.strip() != "", "must not be empty")
 TCP_PORT = Rule(lambda v: v < 65536, "must be a TCP port (1-65535), got {value}")
 HTTP_URL = Rule(lambda v: v.startswith(("http://", "https://")), "must be an http(s) URL, got {value!r}")
-REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://")),
-                 "must be a redis://, rediss:// or unix:// URL, got {value!r}")
+REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${")),
+                 "must be a redis://, rediss:// or unix:// URL (or a ${{env:...}}/${{file:...}} placeholder), got {value!r}")
 TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
 
 PositiveInt = Annotated[int, POSITIVE]
@@ -79,24 +83,63 @@ Port = Annotated[int, POSITIVE, TCP_PORT]
 
 @dataclass(frozen=True)
 class KafkaConfig:
-    """Where requests come from and where results and dead letters go."""
+    """Where requests come from and where results and dead letters go.
+
+    The input is one of `input_topic`, `input_topics` (a list) or `input_topic_pattern` (a Java
+    regular expression; topics that appear later are picked up). `properties` are Kafka client
+    properties (Java names) for every connection, Flink's and llmstream's own (`udfs/kafka_security.py`);
+    secrets in them as `${env:NAME}` / `${file:PATH}`. `forward_headers`: which input record headers
+    the output record and the dead letter carry (`all`, `none`, or a list of header names).
+    """
 
     bootstrap_servers: Name
-    input_topic: Name
     output_topic: Name
     dead_letter_topic: Name
     group_id: Name
     transactional_id_prefix: Name
+    input_topic: Name | None = None
+    input_topics: list[Name] | None = None
+    input_topic_pattern: Name | None = None
     transaction_timeout_ms: PositiveInt = 900_000
     create_topics: bool = False
     topic_partitions: PositiveInt = 1
     properties: dict[str, str] = field(default_factory=dict)
+    forward_headers: Literal["all", "none"] | list[Name] = "all"
 
     def validate(self, path: str) -> None:
-        _require(self.output_topic != self.input_topic, _join(path, "output_topic"),
-                 "must differ from kafka.input_topic")
-        _require(self.dead_letter_topic != self.input_topic, _join(path, "dead_letter_topic"),
-                 "must differ from kafka.input_topic")
+        given = [key for key in ("input_topic", "input_topics", "input_topic_pattern") if getattr(self, key)]
+        _require(len(given) == 1, _join(path, given[1] if len(given) > 1 else "input_topic"),
+                 "give exactly one of kafka.input_topic, kafka.input_topics, kafka.input_topic_pattern"
+                 + (f" (got {', '.join(given)})" if given else ""))
+        if self.input_topic_pattern is not None:
+            try:
+                pattern = re.compile(self.input_topic_pattern)
+            except re.error as err:
+                raise ConfigError(_join(path, "input_topic_pattern"), f"not a regular expression: {err}") from None
+            for key in ("output_topic", "dead_letter_topic"):
+                _require(not pattern.fullmatch(getattr(self, key)), _join(path, key),
+                         "matches kafka.input_topic_pattern: the job would read its own output")
+        for key in ("output_topic", "dead_letter_topic"):
+            _require(getattr(self, key) not in self.topics(), _join(path, key),
+                     "must differ from the input topic(s)")
+        kafka_security.client_args(self.properties, _join(path, "properties"))
+
+    def topics(self) -> list[str]:
+        """The input topics named in the config (none for a pattern)."""
+        if self.input_topics:
+            return list(self.input_topics)
+        return [self.input_topic] if self.input_topic else []
+
+    def input_description(self) -> str:
+        """The input as one string: a topic, `a;b` for a list, `pattern:<regex>` for a pattern."""
+        if self.input_topic_pattern is not None:
+            return f"pattern:{self.input_topic_pattern}"
+        return ";".join(self.topics())
+
+    def client_args(self) -> dict[str, Any]:
+        """kafka-python keyword arguments for this cluster (bootstrap and security, secrets resolved)."""
+        return {"bootstrap_servers": self.bootstrap_servers,
+                **kafka_security.client_args(self.properties, "kafka.properties")}
 
 
 @dataclass(frozen=True)
@@ -118,6 +161,35 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
+class ModelTlsConfig:
+    """TLS towards the model server: a CA bundle to trust (default: the system's), a client
+    certificate and key for mutual TLS. Verification is on; `verify: false` is refused unless
+    `allow_insecure: true` says so too (a test server with a self-signed certificate)."""
+
+    ca_file: Name | None = None
+    client_cert_file: Name | None = None
+    client_key_file: Name | None = None
+    verify: bool = True
+    allow_insecure: bool = False
+
+    def validate(self, path: str) -> None:
+        _require(self.verify or self.allow_insecure, _join(path, "verify"),
+                 "false turns off certificate checks towards the model server; set model.tls.allow_insecure: true "
+                 "as well if that is really meant")
+        _require((self.client_cert_file is None) == (self.client_key_file is None),
+                 _join(path, "client_key_file" if self.client_cert_file else "client_cert_file"),
+                 "client_cert_file and client_key_file go together (mutual TLS)")
+        for key in ("ca_file", "client_cert_file", "client_key_file"):
+            value = getattr(self, key)
+            _require(value is None or Path(value).expanduser().is_file(), _join(path, key),
+                     f"file {value} does not exist")
+
+
+SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
+"""Model request headers whose value is a credential: only placeholders are accepted."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """An OpenAI-compatible endpoint and how to turn a record into a request for it."""
 
@@ -125,6 +197,7 @@ class ModelConfig:
     model: Name
     api: Literal["chat", "completions", "embeddings"] = "chat"
     api_key_env: str | None = None
+    api_key_file: Name | None = None
     headers: dict[str, str] = field(default_factory=dict)
     system_prompt: str | None = None
     prompt_template: Annotated[str, NOT_EMPTY, TEMPLATE] = "{prompt}"
@@ -140,8 +213,17 @@ class ModelConfig:
     response_format: dict[str, Any] | str | None = None
     response_format_mode: Literal["native", "json_object", "prompt"] = "native"
     max_invalid_retries: NonNegativeInt = 2
+    tls: ModelTlsConfig = field(default_factory=ModelTlsConfig)
 
     def validate(self, path: str) -> None:
+        _require(not (self.api_key_env and self.api_key_file), _join(path, "api_key_file"),
+                 "give model.api_key_env or model.api_key_file, not both")
+        if self.api_key_file is not None:
+            secrets.read_secret_file(self.api_key_file, _join(path, "api_key_file"))
+        for name, value in self.headers.items():
+            _require(name.lower() not in SECRET_HEADERS or secrets.has_placeholder(value), _join(path, f"headers.{name}"),
+                     "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
+            secrets.check(value, _join(path, f"headers.{name}"))
         _require(self.batch.max_size == 1 or self.api == "embeddings", _join(path, "batch.max_size"),
                  f"batching needs model.api: embeddings (got {self.api!r}); set it to 1")
         if self.response_format is not None:
@@ -298,6 +380,10 @@ class CacheConfig:
     redis_url: Annotated[str, NOT_EMPTY, REDIS_URL] = "redis://127.0.0.1:6379/0"
     key_prefix: Name = "llmstream:result:"
 
+    def validate(self, path: str) -> None:
+        if self.backend == "redis":
+            secrets.check(self.redis_url, _join(path, "redis_url"))
+
 
 @dataclass(frozen=True)
 class BudgetConfig:
@@ -353,7 +439,9 @@ class JobConfig:
                  f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
 
     def api_key(self) -> str | None:
-        """The API key from the environment, read where it is used and never stored."""
+        """The API key from the environment or its file, read where it is used and never stored."""
+        if self.model.api_key_file:
+            return secrets.read_secret_file(self.model.api_key_file, "model.api_key_file")
         return os.environ.get(self.model.api_key_env) if self.model.api_key_env else None
 
 
@@ -405,6 +493,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type, tp), value, path)
+    if origin is list:
+        if not isinstance(value, list) or not value:
+            raise ConfigError(path, f"expected a non-empty list, got {value!r}")
+        (itype,) = get_args(tp)
+        return [_convert(itype, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(path, f"expected a mapping, got {type(value).__name__}")

@@ -32,7 +32,7 @@ def test_bad_config_fails_at_start_naming_the_key(command: str, tmp_path: Path,
     path = tmp_path / "job.yaml"
     path.write_text("kafka:\n  bootstrap_servers: x:1\nmodel: {endpoint: http://x/v1, model: m}\n")
     assert main([command, "--config", str(path)]) == 2
-    assert "kafka.input_topic: required" in capsys.readouterr().err
+    assert "kafka.output_topic: required" in capsys.readouterr().err
 
 
 def test_missing_config_file_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
