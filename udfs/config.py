@@ -90,6 +90,8 @@ class KafkaConfig:
     properties (Java names) for every connection, Flink's and llmstream's own (`udfs/kafka_security.py`);
     secrets in them as `${env:NAME}` / `${file:PATH}`. `forward_headers`: which input record headers
     the output record and the dead letter carry (`all`, `none`, or a list of header names).
+    `discovery_interval_ms`: how often the source looks for new partitions and, with a pattern,
+    new topics.
     """
 
     bootstrap_servers: Name
@@ -105,6 +107,7 @@ class KafkaConfig:
     topic_partitions: PositiveInt = 1
     properties: dict[str, str] = field(default_factory=dict)
     forward_headers: Literal["all", "none"] | list[Name] = "all"
+    discovery_interval_ms: PositiveInt = 30_000
 
     def validate(self, path: str) -> None:
         given = [key for key in ("input_topic", "input_topics", "input_topic_pattern") if getattr(self, key)]
