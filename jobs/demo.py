@@ -36,7 +36,7 @@ from jobs.dev import local_kafka, real_models, simulator
 from jobs.dev.processes import free_port
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
-from udfs.config import JobConfig, load_config, with_overrides
+from udfs.config import JobConfig, KafkaConfig, load_config, with_overrides
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_prompts.jsonl"
 STRUCTURED_INVALID_RATE = 0.3
@@ -69,15 +69,15 @@ def _short(text: Any, width: int = 60) -> str:
 class ResultPrinter(threading.Thread):
     """Prints each output and dead letter as soon as it is committed (read_committed)."""
 
-    def __init__(self, bootstrap: str, output: str, dead_letter: str) -> None:
+    def __init__(self, kafka: KafkaConfig) -> None:
         super().__init__(daemon=True, name="demo-results")
         self.counts = {"out": 0, "dead": 0}
         self.ids: set[str] = set()
         self.vectors: dict[str, list[float]] = {}
-        self._output = output
+        self._output = kafka.output_topic
         self._stop_event = threading.Event()
         self._consumer = KafkaConsumer(
-            output, dead_letter, bootstrap_servers=bootstrap, isolation_level="read_committed",
+            kafka.output_topic, kafka.dead_letter_topic, **kafka.client_args(), isolation_level="read_committed",
             auto_offset_reset="earliest", enable_auto_commit=False, consumer_timeout_ms=500,
         )
 
@@ -158,7 +158,7 @@ def start_model(model: str) -> DemoModel:
     return DemoModel(server.url, settings, capacity, f"the REAL model {backend.model} ({backend.name})", server.stop)
 
 
-def run_structured_example(demo_config: JobConfig, bootstrap: str, workdir: Path) -> bool:
+def run_structured_example(demo_config: JobConfig, workdir: Path) -> bool:
     """A second job on the same broker and simulator with `model.response_format` from the
     structured example config; True when every review got valid JSON or a dead letter."""
     example = load_config(STRUCTURED_EXAMPLE)
@@ -174,15 +174,15 @@ def run_structured_example(demo_config: JobConfig, bootstrap: str, workdir: Path
     )
     config = dataclasses.replace(config, name="llmstream-demo-structured")
     kafka = config.kafka
-    kafka_admin.create_topics(bootstrap, [kafka.input_topic, kafka.output_topic, kafka.dead_letter_topic],
+    kafka_admin.create_topics(kafka, [*kafka.topics(), kafka.output_topic, kafka.dead_letter_topic],
                               partitions=kafka.topic_partitions)
     reviews = [(json.loads(line)["id"].encode(), line.encode()) for line in REVIEWS.read_text().splitlines()]
-    kafka_admin.produce(bootstrap, kafka.input_topic, reviews)
+    kafka_admin.produce(kafka, kafka.topics()[0], reviews)
     print(f"\nllmstream demo: structured output — {len(reviews)} customer reviews labelled as JSON valid against "
           f"the schema in {STRUCTURED_EXAMPLE.name} (sentiment + topic + confidence); the SIMULATOR makes "
           f"{STRUCTURED_INVALID_RATE:.0%} of its answers invalid, each asked again up to "
           f"{STRUCTURED_MAX_INVALID_RETRIES} time(s), then dead-lettered as invalid_model_output")
-    printer = ResultPrinter(bootstrap, kafka.output_topic, kafka.dead_letter_topic)
+    printer = ResultPrinter(kafka)
     printer.start()
     try:
         state = run_job(config, RunOptions(until_end=True), progress_every_s=5.0)
@@ -223,15 +223,14 @@ def run_demo(records: int | None = None, keep: bool = False, model: str = "embed
             checkpointing={"interval_ms": 2000, "directory": str(workdir / "state")},
         )
         kafka = config.kafka
-        kafka_admin.create_topics(broker.bootstrap_servers,
-                                  [kafka.input_topic, kafka.output_topic, kafka.dead_letter_topic],
+        kafka_admin.create_topics(kafka, [*kafka.topics(), kafka.output_topic, kafka.dead_letter_topic],
                                   partitions=kafka.topic_partitions)
         sample = sample_records(records)
-        kafka_admin.produce(broker.bootstrap_servers, kafka.input_topic, sample)
-        print(f"llmstream demo: produced {len(sample)} records to {kafka.input_topic}; running the job until "
+        kafka_admin.produce(kafka, kafka.topics()[0], sample)
+        print(f"llmstream demo: produced {len(sample)} records to {kafka.topics()[0]}; running the job until "
               f"the end of the input, answered by {server.answered_by} (results appear as checkpoints "
               "commit them)")
-        printer = ResultPrinter(broker.bootstrap_servers, kafka.output_topic, kafka.dead_letter_topic)
+        printer = ResultPrinter(kafka)
         printer.start()
         started = time.monotonic()
         state = run_job(config, RunOptions(until_end=True), progress_every_s=5.0)
@@ -249,7 +248,7 @@ def run_demo(records: int | None = None, keep: bool = False, model: str = "embed
             print("\n".join(nearest_neighbours(printer.vectors, texts, sorted(printer.vectors)[:5])))
         ok = state == "FINISHED" and out + dead == len(sample)
         if model == "sim":
-            ok = run_structured_example(config, broker.bootstrap_servers, workdir) and ok
+            ok = run_structured_example(config, workdir) and ok
         return 0 if ok else 1
     finally:
         if printer is not None:

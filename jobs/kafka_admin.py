@@ -1,15 +1,21 @@
 """The one Kafka admin surface: topics, produce, read_committed reads, offsets and the job's
 consumer-group progress, on kafka-python 3.0 (whose admin responses are plain dicts).
 
-Preflight, `llmstream run`/`submit --until-end`, the demo, the benchmarks and the tests all use
-these helpers; the local broker itself is `jobs/dev/local_kafka.py`.
+Preflight, `llmstream run`/`submit --until-end`, `llmstream status`, the demo, the benchmarks and
+the tests all use these helpers; the local broker itself is `jobs/dev/local_kafka.py`.
+
+Every helper takes a `Cluster`: a bootstrap string (an open loopback broker), the job's
+`KafkaConfig` (its `kafka.properties` translated by `udfs/kafka_security.py`: TLS, SASL, secrets
+resolved), or kafka-python keyword arguments. So a secured cluster is reached by every client
+llmstream opens exactly as the job's own Kafka ends reach it.
 """
 from __future__ import annotations
 
 import contextlib
+import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from kafka.admin import (  # type: ignore[import-untyped]
@@ -22,33 +28,47 @@ from kafka.consumer.fetcher import ConsumerRecord  # type: ignore[import-untyped
 from kafka.errors import for_code  # type: ignore[import-untyped]
 from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[import-untyped]
 
-if TYPE_CHECKING:
-    from udfs.config import JobConfig
+from udfs.config import JobConfig, KafkaConfig
+
+Cluster: TypeAlias = str | KafkaConfig | Mapping[str, Any]
+"""A bootstrap string, the job's Kafka config, or kafka-python arguments (`bootstrap_servers` and security)."""
 
 _TOPIC_ALREADY_EXISTS = 36
 _UNKNOWN_TOPIC_OR_PARTITION = 3
 
 __all__ = [
+    "Cluster",
     "GroupProgress",
     "admin",
     "answers",
     "broker_max_transaction_timeout_ms",
+    "client_args",
     "committed_offsets",
     "connect",
     "consume_committed",
     "create_topics",
     "delete_topics",
     "end_offsets",
+    "input_topics",
     "produce",
 ]
 
 
-def answers(bootstrap: str, timeout_s: float) -> bool:
-    """Whether a broker at ``bootstrap`` answers a metadata request within ``timeout_s``."""
+def client_args(cluster: Cluster) -> dict[str, Any]:
+    """kafka-python keyword arguments for `cluster` (bootstrap servers and security)."""
+    if isinstance(cluster, str):
+        return {"bootstrap_servers": cluster}
+    if isinstance(cluster, KafkaConfig):
+        return cluster.client_args()
+    return dict(cluster)
+
+
+def answers(cluster: Cluster, timeout_s: float) -> bool:
+    """Whether a broker of ``cluster`` answers a metadata request within ``timeout_s``."""
     ms = max(int(timeout_s * 1000), 500)
     try:
         with KafkaAdminClient(
-            bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms,
+            **client_args(cluster), request_timeout_ms=ms, bootstrap_timeout_ms=ms,
             reconnect_backoff_max_ms=200,
         ) as client:
             client.describe_cluster()
@@ -58,17 +78,17 @@ def answers(bootstrap: str, timeout_s: float) -> bool:
         return False
 
 
-def connect(bootstrap: str, timeout_s: float = 30.0, client_id: str = "llmstream-admin") -> KafkaAdminClient:
-    """An admin client for ``bootstrap``; raises kafka-python's error if no broker answers."""
+def connect(cluster: Cluster, timeout_s: float = 30.0, client_id: str = "llmstream-admin") -> KafkaAdminClient:
+    """An admin client for ``cluster``; raises kafka-python's error if no broker answers."""
     ms = int(timeout_s * 1000)
-    return KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=ms, bootstrap_timeout_ms=ms,
+    return KafkaAdminClient(**client_args(cluster), request_timeout_ms=ms, bootstrap_timeout_ms=ms,
                             client_id=client_id)
 
 
 @contextlib.contextmanager
-def admin(bootstrap: str, timeout_s: float = 30.0, client_id: str = "llmstream-admin") -> Iterator[KafkaAdminClient]:
+def admin(cluster: Cluster, timeout_s: float = 30.0, client_id: str = "llmstream-admin") -> Iterator[KafkaAdminClient]:
     """`connect`, closed on exit."""
-    with connect(bootstrap, timeout_s, client_id) as client:
+    with connect(cluster, timeout_s, client_id) as client:
         yield client
 
 
@@ -78,7 +98,7 @@ def _raise_for(code: int, message: str | None, what: str) -> None:
 
 
 def create_topics(
-    bootstrap: str,
+    cluster: Cluster,
     names: Sequence[str],
     partitions: int = 1,
     exist_ok: bool = True,
@@ -90,7 +110,7 @@ def create_topics(
     if not names:
         return
     spec = {n: {"num_partitions": partitions, "replication_factor": 1, "configs": dict(configs or {})} for n in names}
-    with admin(bootstrap, timeout_s) as client:
+    with admin(cluster, timeout_s) as client:
         result = client.create_topics(spec, timeout_ms=int(timeout_s * 1000), raise_errors=False)
         for topic in result["topics"]:
             code = topic["error_code"]
@@ -99,10 +119,10 @@ def create_topics(
         client.wait_for_topics(list(names), timeout_ms=int(timeout_s * 1000))
 
 
-def delete_topics(bootstrap: str, names: Sequence[str], missing_ok: bool = True, *, timeout_s: float = 30.0) -> None:
+def delete_topics(cluster: Cluster, names: Sequence[str], missing_ok: bool = True, *, timeout_s: float = 30.0) -> None:
     if not names:
         return
-    with admin(bootstrap, timeout_s) as client:
+    with admin(cluster, timeout_s) as client:
         result = client.delete_topics(list(names), timeout_ms=int(timeout_s * 1000), raise_errors=False)
         for topic in result["topics"]:
             code = topic["error_code"]
@@ -111,17 +131,21 @@ def delete_topics(bootstrap: str, names: Sequence[str], missing_ok: bool = True,
 
 
 def produce(
-    bootstrap: str,
+    cluster: Cluster,
     topic: str,
-    records: Iterable[tuple[bytes | None, bytes | None]],
+    records: Iterable[tuple[bytes | None, bytes | None]] | Iterable[tuple[bytes | None, bytes | None,
+                                                                         list[tuple[str, bytes]]]],
     *,
     partition: int | None = None,
     timeout_s: float = 30.0,
 ) -> int:
-    """Send ``(key, value)`` pairs with acks=all, flush, and raise if any send failed; returns the count."""
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    """Send ``(key, value)`` pairs (or ``(key, value, headers)``) with acks=all, flush, and raise if any send
+    failed; returns the count."""
+    producer = KafkaProducer(**client_args(cluster), acks="all", linger_ms=5)
     try:
-        futures = [producer.send(topic, key=k, value=v, partition=partition) for k, v in records]
+        futures = [producer.send(topic, key=r[0], value=r[1], partition=partition,
+                                 headers=list(r[2]) if len(r) > 2 else None)  # type: ignore[misc]
+                   for r in records]
         producer.flush(timeout=timeout_s)
         for fut in futures:
             fut.get(timeout=timeout_s)
@@ -130,8 +154,8 @@ def produce(
         producer.close(timeout=timeout_s)
 
 
-def _partitions(bootstrap: str, topic: str, timeout_s: float) -> list[int]:
-    with admin(bootstrap, timeout_s) as client:
+def _partitions(cluster: Cluster, topic: str, timeout_s: float) -> list[int]:
+    with admin(cluster, timeout_s) as client:
         described = client.describe_topics([topic])
     if not described or described[0].get("error_code"):
         code = described[0]["error_code"] if described else _UNKNOWN_TOPIC_OR_PARTITION
@@ -140,7 +164,7 @@ def _partitions(bootstrap: str, topic: str, timeout_s: float) -> list[int]:
 
 
 def consume_committed(
-    bootstrap: str,
+    cluster: Cluster,
     topic: str,
     *,
     expected: int | None = None,
@@ -158,9 +182,9 @@ def consume_committed(
     has when ``timeout_s`` passes rather than raising, so callers assert on counts.
     """
     deadline = time.monotonic() + timeout_s
-    parts = [TopicPartition(topic, p) for p in _partitions(bootstrap, topic, timeout_s)]
+    parts = [TopicPartition(topic, p) for p in _partitions(cluster, topic, timeout_s)]
     consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap,
+        **client_args(cluster),
         group_id=group_id,
         isolation_level="read_committed",
         auto_offset_reset="earliest",
@@ -187,20 +211,20 @@ def consume_committed(
     return sorted(records, key=lambda r: (r.partition, r.offset))
 
 
-def end_offsets(bootstrap: str, topic: str, *, committed_only: bool = False, timeout_s: float = 30.0) -> dict[int, int]:
+def end_offsets(cluster: Cluster, topic: str, *, committed_only: bool = False, timeout_s: float = 30.0) -> dict[int, int]:
     """Per-partition end offsets: the high watermark, or with ``committed_only`` the last stable offset."""
-    parts = _partitions(bootstrap, topic, timeout_s)
+    parts = _partitions(cluster, topic, timeout_s)
     isolation = IsolationLevel.READ_COMMITTED if committed_only else IsolationLevel.READ_UNCOMMITTED
-    with admin(bootstrap, timeout_s) as client:
+    with admin(cluster, timeout_s) as client:
         result = client.list_partition_offsets(
             {TopicPartition(topic, p): OffsetSpec.LATEST for p in parts}, isolation_level=isolation,
         )
     return {tp.partition: int(o.offset) for tp, o in sorted(result.items())}
 
 
-def committed_offsets(bootstrap: str, group: str, topic: str, *, timeout_s: float = 30.0) -> dict[int, int]:
+def committed_offsets(cluster: Cluster, group: str, topic: str, *, timeout_s: float = 30.0) -> dict[int, int]:
     """The group's committed offsets for ``topic``; partitions without a commit are left out."""
-    with admin(bootstrap, timeout_s) as client:
+    with admin(cluster, timeout_s) as client:
         result = client.list_group_offsets({group: None})
     offsets = result.get(group, {})
     return {
@@ -224,39 +248,55 @@ def broker_max_transaction_timeout_ms(client: KafkaAdminClient) -> int | None:
     return int(entry["value"]) if entry and entry.get("value") is not None else None
 
 
+def input_topics(kafka: KafkaConfig, existing: Iterable[str]) -> list[str]:
+    """The job's input topics among ``existing``: those it names, or those its pattern matches in full
+    (as Flink's source matches `topic-pattern`)."""
+    if kafka.input_topic_pattern is None:
+        return kafka.topics()
+    pattern = re.compile(kafka.input_topic_pattern)
+    return sorted(t for t in existing if pattern.fullmatch(t) and not t.startswith("__"))
+
+
 class GroupProgress:
-    """The job's consumer group on the input topic: committed offsets vs end offsets."""
+    """The job's consumer group on its input topics: committed offsets vs end offsets.
+
+    Partitions are `TopicPartition`s: with several input topics (or a pattern, resolved again on
+    every call, so a topic that appears later counts) one topic's partition 0 is not another's."""
 
     def __init__(self, config: JobConfig) -> None:
-        self._topic = config.kafka.input_topic
+        self._kafka = config.kafka
         self._consumer = KafkaConsumer(
-            bootstrap_servers=config.kafka.bootstrap_servers,
+            **config.kafka.client_args(),
             group_id=config.kafka.group_id,
             enable_auto_commit=False,
             client_id="llmstream-progress",
         )
 
     def _partitions(self) -> list[TopicPartition]:
-        partitions = self._consumer.partitions_for_topic(self._topic) or set()
-        return [TopicPartition(self._topic, p) for p in sorted(partitions)]
+        existing = self._consumer.topics() if self._kafka.input_topic_pattern is not None else ()
+        out = []
+        for topic in input_topics(self._kafka, existing):
+            partitions = self._consumer.partitions_for_topic(topic) or set()
+            out += [TopicPartition(topic, p) for p in sorted(partitions)]
+        return out
 
-    def end_offsets(self) -> dict[int, int]:
+    def end_offsets(self) -> dict[TopicPartition, int]:
         """The input's end offset per partition, now."""
         tps = self._partitions()
-        return {tp.partition: offset for tp, offset in (self._consumer.end_offsets(tps) if tps else {}).items()}
+        return dict(self._consumer.end_offsets(tps)) if tps else {}
 
-    def committed(self) -> dict[int, int]:
+    def committed(self) -> dict[TopicPartition, int]:
         """The group's committed offset per partition of the input (0 where none)."""
-        return {tp.partition: self._consumer.committed(tp) or 0 for tp in self._partitions()}
+        return {tp: self._consumer.committed(tp) or 0 for tp in self._partitions()}
 
     def snapshot(self) -> tuple[int, int]:
         """(committed, end) summed over the input's partitions."""
         return sum(self.committed().values()), sum(self.end_offsets().values())
 
-    def reached(self, targets: dict[int, int]) -> bool:
+    def reached(self, targets: dict[TopicPartition, int]) -> bool:
         """Whether the group has committed at least `targets` on every partition."""
         committed = self.committed()
-        return all(committed.get(partition, 0) >= offset for partition, offset in targets.items())
+        return all(committed.get(tp, 0) >= offset for tp, offset in targets.items())
 
     def close(self) -> None:
         self._consumer.close()

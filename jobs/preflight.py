@@ -1,54 +1,233 @@
 """Start-up checks against the real broker: fail fast, naming the setting, before Flink starts.
 
 Each of these problems would otherwise surface minutes later as a failing checkpoint or
-a restart loop inside Flink, far from the config key that causes it.
+a restart loop inside Flink, far from the config key that causes it: a wrong password or
+an untrusted certificate (the Kafka clients inside Flink retry them forever), a missing
+topic, an ACL the job's principal lacks. The checks connect exactly as the job does
+(`kafka.properties`, see `udfs/kafka_security.py`) and ask the broker what the principal
+may do (the authorized operations of Kafka's Metadata and DescribeGroups answers), so a
+missing permission is named as `principal User:job may not WRITE topic llm-results`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import ssl
+import time
+from typing import Any
 
-from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka import KafkaProducer  # type: ignore[import-untyped]
+from kafka.admin import ACLOperation, KafkaAdminClient, NewTopic  # type: ignore[import-untyped]
+from kafka.errors import (  # type: ignore[import-untyped]
+    AuthorizationError,
+    CoordinatorNotAvailableError,
+    KafkaError,
+    NotCoordinatorError,
+    SaslAuthenticationFailedError,
+    TopicAlreadyExistsError,
+)
 
 from jobs import kafka_admin
+from udfs import kafka_security
 from udfs.config import JobConfig
 from udfs.errors import ConfigError
+from udfs.secrets import mask
 
 log = logging.getLogger("llmstream.preflight")
 
-TOPIC_KEYS = ("input_topic", "output_topic", "dead_letter_topic")
+OUTPUT_KEYS = ("output_topic", "dead_letter_topic")
+_UNKNOWN_TOPIC = 3
+_TOPIC_AUTHORIZATION_FAILED = 29
+PREFLIGHT_TRANSACTION_SUFFIX = "-llmstream-preflight"
+"""A transactional id under the job's prefix that preflight initializes to check its ACL (the sink's
+own ids are `<prefix>-<subtask>-<n>`, so this one is never used by a running job)."""
 
 
-def _admin(config: JobConfig, timeout_s: float) -> KafkaAdminClient:
+def _principal(config: JobConfig, args: dict[str, Any]) -> str:
+    user = args.get("sasl_plain_username")
+    if user:
+        return f"User:{user}"
+    if args.get("ssl_certfile"):
+        return "the principal of the client certificate in kafka.properties.ssl.keystore.location"
+    return "User:ANONYMOUS"
+
+
+def _connection_error(config: JobConfig, args: dict[str, Any], err: BaseException) -> ConfigError:
+    """The one-line reason a connection failed, naming the setting to change."""
+    text = str(err)
+    bootstrap = config.kafka.bootstrap_servers
+    masked = kafka_security.secret_values(args)
+    if isinstance(err, SaslAuthenticationFailedError) or "Authentication failed" in text or "SASL" in text:
+        user = args.get("sasl_plain_username", "?")
+        return ConfigError("kafka.properties.sasl.jaas.config",
+                           f"the broker at {bootstrap} refused the credentials of user {user!r} "
+                           f"({args.get('sasl_mechanism')}): {mask(text, masked)[:200]}")
+    if isinstance(err, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
+        if re.search(r"(?i)hostname|ip address mismatch|doesn't match", text):
+            return ConfigError("kafka.bootstrap_servers",
+                               f"the broker's TLS certificate does not name the host in {bootstrap} ({text[:160]}); "
+                               "connect by a name the certificate has (or, at your own risk, set "
+                               "kafka.properties.ssl.endpoint.identification.algorithm to '')")
+        ca = args.get("ssl_cafile") or "the system's CA store"
+        return ConfigError("kafka.properties.ssl.truststore.location",
+                           f"the broker at {bootstrap} presented a TLS certificate not signed by a CA in {ca} "
+                           f"({text[:160]})")
+    if isinstance(err, ssl.SSLError):
+        return ConfigError("kafka.properties.security.protocol",
+                           f"TLS with the broker at {bootstrap} failed: {text[:200]} (does the listener speak "
+                           f"{args.get('security_protocol')}? does it require a client certificate?)")
+    return ConfigError("kafka.bootstrap_servers", f"no Kafka broker answers at {bootstrap} ({text[:200]})")
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The TLS or authentication error behind a generic `NoBrokersAvailable`, if kafka-python kept it."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (ssl.SSLError, SaslAuthenticationFailedError)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return err
+
+
+def _admin(config: JobConfig, args: dict[str, Any], timeout_s: float) -> KafkaAdminClient:
     try:
-        return kafka_admin.connect(config.kafka.bootstrap_servers, timeout_s, client_id="llmstream-preflight")
+        return kafka_admin.connect(args, timeout_s, client_id="llmstream-preflight")
+    except (KafkaError, OSError) as err:
+        raise _connection_error(config, args, _cause(err)) from None
+
+
+def _operations(info: dict[str, Any], *keys: str) -> set[str] | None:
+    """The operations the broker says the principal may perform on a resource (None: not told).
+    kafka-python hands them over decoded (names or `ACLOperation`s) or as Kafka's bit field."""
+    for key in keys:
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, int):
+            if value < 0:  # INT_MIN: the broker was not asked, or will not say
+                return None
+            names = set()
+            for bit in range(3, 32):
+                if value >> bit & 1:
+                    with contextlib.suppress(ValueError):
+                        names.add(ACLOperation(bit).name)
+            return names
+        return {str(getattr(op, "name", op)).upper() for op in value}
+    return None
+
+
+def _denied(principal: str, operation: str, kind: str, name: str) -> str:
+    return f"principal {principal} may not {operation} {kind} {name!r}; grant it with an ACL"
+
+
+def _check_topics(config: JobConfig, admin: KafkaAdminClient, principal: str) -> None:
+    """Input topics readable, output and dead-letter topics writable, creating missing ones if asked."""
+    kafka = config.kafka
+    input_key = ("input_topic_pattern" if kafka.input_topic_pattern is not None
+                 else "input_topics" if kafka.input_topics else "input_topic")
+    inputs = kafka_admin.input_topics(kafka, admin.list_topics() if kafka.input_topic_pattern else ())
+    if kafka.input_topic_pattern is not None and not inputs:
+        log.warning("kafka.input_topic_pattern %r matches no topic yet; the job reads topics as they appear",
+                    kafka.input_topic_pattern)
+    wanted = [(input_key, t, "READ") for t in inputs] + [(key, getattr(kafka, key), "WRITE") for key in OUTPUT_KEYS]
+    described = {t["name"]: t for t in admin.describe_topics([t for _, t, _ in wanted])}
+    missing = []
+    for key, topic, operation in wanted:
+        info = described.get(topic) or {"error_code": _UNKNOWN_TOPIC}
+        code = info.get("error_code") or 0
+        if code == _TOPIC_AUTHORIZATION_FAILED:
+            raise ConfigError(f"kafka.{key}", _denied(principal, f"{operation} (or even DESCRIBE)", "topic", topic))
+        if code == _UNKNOWN_TOPIC:
+            missing.append((key, topic))
+            continue
+        allowed = _operations(info, "authorized_operations", "topic_authorized_operations")
+        if allowed is not None and operation not in allowed and "ALL" not in allowed:
+            raise ConfigError(f"kafka.{key}", _denied(principal, operation, "topic", topic))
+    if missing and not kafka.create_topics:
+        key, topic = missing[0]
+        raise ConfigError(f"kafka.{key}", f"topic {topic!r} does not exist (set kafka.create_topics: true "
+                                          "to create it)")
+    for key, topic in missing:
+        try:
+            admin.create_topics([NewTopic(topic, kafka.topic_partitions, 1)])
+            log.info("created topic %s (%s, %d partitions)", topic, key, kafka.topic_partitions)
+        except TopicAlreadyExistsError:
+            pass
+        except AuthorizationError:
+            raise ConfigError(f"kafka.{key}", f"topic {topic!r} does not exist and "
+                                              + _denied(principal, "CREATE", "topic", topic)) from None
+
+
+def _check_group(config: JobConfig, admin: KafkaAdminClient, principal: str, timeout_s: float) -> None:
+    group = config.kafka.group_id
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            described = admin.describe_groups([group])
+            break
+        except AuthorizationError:
+            raise ConfigError("kafka.group_id", _denied(principal, "READ (or even DESCRIBE)", "group", group)) from None
+        except (CoordinatorNotAvailableError, NotCoordinatorError) as err:
+            # A fresh cluster creates its offsets topic on the first group request.
+            if time.monotonic() >= deadline:
+                log.warning("could not check the group ACL of %r: %s", group, err)
+                return
+            time.sleep(0.2)
+    allowed = _operations(described.get(group) or {}, "authorized_operations") if isinstance(described, dict) else None
+    if allowed is not None and "READ" not in allowed and "ALL" not in allowed:
+        raise ConfigError("kafka.group_id", _denied(principal, "READ", "group", group))
+
+
+def _check_transactions(config: JobConfig, args: dict[str, Any], principal: str, timeout_s: float) -> None:
+    """The exactly-once sink's transactional ids (`<prefix>-...`) may be written: one of them is initialized."""
+    prefix = config.kafka.transactional_id_prefix
+    tid = prefix + PREFLIGHT_TRANSACTION_SUFFIX
+    producer = None
+    try:
+        producer = KafkaProducer(**args, transactional_id=tid, client_id="llmstream-preflight",
+                                 max_block_ms=int(timeout_s * 1000))
+        producer.init_transactions()
+    except AuthorizationError:
+        raise ConfigError("kafka.transactional_id_prefix",
+                          _denied(principal, "WRITE", "transactional id", tid)
+                          + f" (the exactly-once sink needs WRITE on transactional ids with prefix {prefix!r})") from None
     except KafkaError as err:
-        raise ConfigError("kafka.bootstrap_servers",
-                          f"no Kafka broker answers at {config.kafka.bootstrap_servers} ({err})") from err
+        log.warning("could not check the transactional-id ACL for prefix %r: %s", prefix, err)
+    finally:
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close(timeout=5)
 
 
 def check(config: JobConfig, *, timeout_s: float = 30.0) -> None:
     """Raises `ConfigError` for a setting the broker will reject; creates topics if so configured."""
     kafka = config.kafka
-    with contextlib.closing(_admin(config, timeout_s)) as admin:
-        limit = kafka_admin.broker_max_transaction_timeout_ms(admin)
+    args = kafka.client_args()
+    principal = _principal(config, args)
+    with contextlib.closing(_admin(config, args, timeout_s)) as admin:
+        try:
+            admin.describe_cluster()
+        except (KafkaError, OSError) as err:
+            if isinstance(err, AuthorizationError):
+                raise
+            raise _connection_error(config, args, _cause(err)) from None
+        try:
+            limit = kafka_admin.broker_max_transaction_timeout_ms(admin)
+        except AuthorizationError:
+            limit = None
+            log.info("principal %s may not read the broker's configuration: transaction.max.timeout.ms unchecked",
+                     principal)
         if limit is not None and kafka.transaction_timeout_ms > limit:
             raise ConfigError(
                 "kafka.transaction_timeout_ms",
                 f"{kafka.transaction_timeout_ms} exceeds the broker's transaction.max.timeout.ms ({limit}); "
                 "the exactly-once sink's transactions would be rejected",
             )
-        existing = set(admin.list_topics())
-        missing = [(key, getattr(kafka, key)) for key in TOPIC_KEYS if getattr(kafka, key) not in existing]
-        if missing and not kafka.create_topics:
-            key, topic = missing[0]
-            raise ConfigError(f"kafka.{key}", f"topic {topic!r} does not exist (set kafka.create_topics: true "
-                                              "to create it)")
-        for key, topic in missing:
-            try:
-                admin.create_topics([NewTopic(topic, kafka.topic_partitions, 1)])
-                log.info("created topic %s (%s, %d partitions)", topic, key, kafka.topic_partitions)
-            except TopicAlreadyExistsError:
-                pass
+        _check_topics(config, admin, principal)
+        _check_group(config, admin, principal, timeout_s)
+    if args.get("security_protocol", "PLAINTEXT") != "PLAINTEXT":
+        # An open broker has no ACLs worth a transactional round trip at every start.
+        _check_transactions(config, args, principal, timeout_s)
+

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from kafka import TopicPartition  # type: ignore[import-untyped]
+
 from jobs import jars, preflight
 from jobs.dev.processes import free_port
 from jobs.kafka_admin import GroupProgress
@@ -185,6 +187,7 @@ def run_job(
         stack.enter_context(state.exclusive())
         check_identity(state, config, fresh=options.fresh)
         restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
+        report(f"llmstream: {how}")  # before the JVM starts: a run killed while it starts has said so
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
         stack.enter_context(_stop_on_signals(stop, report))
         stack.enter_context(_quiet_worker_shutdown())
@@ -198,14 +201,14 @@ def run_job(
         stack.callback(local_run.ended, state)
         local_run.record(state)
         report(f"llmstream: job {config.name} ({job_client.get_job_id()}) started in a local mini cluster; "
-               f"{config.kafka.input_topic} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
+               f"{config.kafka.input_description()} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
         report(f"llmstream: web UI and REST API at {local_run.rest_url}"
                + (f"; Prometheus metrics at {local_run.prometheus_url}" if local_run.prometheus_url else "")
                + "; `llmstream status --config FILE` shows the job")
-        report(f"llmstream: {how}")
         if targets is not None:
+            ends = ", ".join(f"{tp.topic}:{tp.partition}={end}" for tp, end in sorted(targets.items()))
             report(f"llmstream: backfill: will stop once the group has committed {sum(targets.values())} "
-                   f"input records (end offsets {targets})")
+                   f"input records (end offsets {ends})")
         observer = Observer(config, local_run.rest_url, job_id=local_run.job_id, progress=progress,
                             local_run=local_run)
         state_name = _watch(job_client, progress, stop, targets, state, progress_every_s, stop_timeout_s, report,
@@ -242,7 +245,7 @@ class _Figures:
         return self.last
 
 
-def _watch(job_client: Any, progress: GroupProgress, stop: StopRequest, targets: dict[int, int] | None,
+def _watch(job_client: Any, progress: GroupProgress, stop: StopRequest, targets: dict[TopicPartition, int] | None,
            state: StateDir, progress_every_s: float, stop_timeout_s: float, report: Callable[[str], None],
            figures: _Figures | None = None) -> str:
     result = job_client.get_job_execution_result()

@@ -244,14 +244,14 @@ def _input_lag(config: JobConfig, metrics: dict[str, dict[str, float]], lag: dic
     emitted any). Not the source's `pendingRecords`: that counts from the Kafka consumer's fetch
     position, and records fetched but queued in the source (thousands under backpressure) are not
     pending to it. Then `pendingRecords`, then the group's lag."""
-    current: dict[int, float] = {}
+    current: dict[str, float] = {}
     for metric_id, value in metrics.items():
         match = CURRENT_OFFSET.match(metric_id)
-        if match and match.group(1) == config.kafka.input_topic and "sum" in value:
-            current[int(match.group(2))] = value["sum"]
+        if match and "sum" in value:
+            current[partition_name(match.group(1), int(match.group(2)))] = value["sum"]
     partitions = (lag or {}).get("partitions") or {}
     if current and partitions:
-        return int(sum(max(0, end - max(current.get(int(p), -1) + 1, committed))
+        return int(sum(max(0, end - max(current.get(p, -1) + 1, committed))
                        for p, (committed, end) in partitions.items()))
     pending = _source(metrics, ".pendingRecords")
     return int(pending) if pending is not None else group_lag
@@ -312,7 +312,7 @@ class DeadLetterTally:
         from kafka import KafkaConsumer, TopicPartition
 
         self._topic = config.kafka.dead_letter_topic
-        self._consumer = KafkaConsumer(bootstrap_servers=config.kafka.bootstrap_servers, group_id=None,
+        self._consumer = KafkaConsumer(**config.kafka.client_args(), group_id=None,
                                        isolation_level="read_committed", enable_auto_commit=False,
                                        auto_offset_reset="earliest", client_id="llmstream-status")
         partitions = self._consumer.partitions_for_topic(self._topic) or set()
@@ -341,6 +341,11 @@ class DeadLetterTally:
         self._consumer.close()
 
 
+def partition_name(topic: str, partition: int) -> str:
+    """`topic:partition`, the key of one input partition in the figures (a topic name has no colon)."""
+    return f"{topic}:{partition}"
+
+
 def _group_lag(progress: Any) -> dict[str, Any] | None:
     """The group's committed and the input's end offsets, summed and per partition."""
     try:
@@ -348,7 +353,8 @@ def _group_lag(progress: Any) -> dict[str, Any] | None:
     except Exception as err:  # noqa: BLE001 - the broker is down: shown as unknown
         log.debug("consumer group unavailable: %s", err)
         return None
-    partitions = {p: [int(committed.get(p, 0)), int(end)] for p, end in ends.items()}
+    partitions = {partition_name(tp.topic, tp.partition): [int(committed.get(tp, 0)), int(end)]
+                  for tp, end in ends.items()}
     return {"committed": sum(c for c, _ in partitions.values()), "end": sum(e for _, e in partitions.values()),
             "partitions": partitions}
 

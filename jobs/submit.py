@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kafka import TopicPartition  # type: ignore[import-untyped]
+
 from jobs import jars
 from jobs.flink_cli import flink_home, run_job_script
 from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
@@ -107,13 +109,13 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
         return 1
 
 
-def _end_offsets(config: JobConfig) -> dict[int, int]:
+def _end_offsets(config: JobConfig) -> dict[TopicPartition, int]:
     with contextlib.closing(GroupProgress(config)) as progress:
         return progress.end_offsets()
 
 
 def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: StateDir,
-                     targets: dict[int, int], poll_s: float = 1.0) -> int:
+                     targets: dict[TopicPartition, int], poll_s: float = 1.0) -> int:
     """Waits until the group has committed ``targets``, then stops the job with a draining savepoint."""
     print(f"llmstream: backfill: waiting until the group has committed {sum(targets.values())} input records")
     with contextlib.closing(GroupProgress(config)) as progress:

@@ -91,7 +91,7 @@ def test_figures_from_the_rest_api() -> None:
     rest = FakeRest()
     raw = JobMetrics(rest, find_job(rest, "llmstream-inference") or "").collect()
     fig = figures(config(model={"prices": {"prompt_per_1k": 0.5, "completion_per_1k": 1.0}}), raw,
-                  lag={"committed": 100, "end": 2100, "partitions": {"0": [0, 1500], "1": [100, 600]}})
+                  lag={"committed": 100, "end": 2100, "partitions": {"llm-requests:0": [0, 1500], "llm-requests:1": [100, 600]}})
     assert fig["job"] == {"id": JOB, "name": "llmstream-inference", "state": "RUNNING", "uptime_s": 60.0,
                           "restarts": 1}
     # Per partition: end - (last emitted + 1), or - the group's offset before the first emitted record:
