@@ -1,0 +1,166 @@
+"""Secrets by reference (`udfs/secrets.py`) and `kafka.properties` as kafka-python arguments
+(`udfs/kafka_security.py`): what resolves, what is refused at load, and that no message carries a secret."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from udfs import kafka_security, secrets
+from udfs.config import config_from_dict, load_config, to_dict
+from udfs.errors import ConfigError
+
+SECRET = "s3cr3t-canary-7f1d"
+
+
+def secret_file(tmp_path: Path, text: str = SECRET + "\n", mode: int = 0o600) -> Path:
+    path = tmp_path / "secret.txt"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def base(**kafka: Any) -> dict[str, Any]:
+    data = to_dict(load_config())
+    data["kafka"] = {**data["kafka"], **kafka}
+    return data
+
+
+def test_placeholders_resolve_from_the_environment_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSTREAM_TEST_SECRET", SECRET)
+    path = secret_file(tmp_path)
+    assert secrets.resolve("a ${env:LLMSTREAM_TEST_SECRET} b", "k") == f"a {SECRET} b"
+    assert secrets.resolve(f"${{file:{path}}}", "k") == SECRET   # one trailing newline dropped
+    assert secrets.resolve("cost $${env:X} and $5", "k") == "cost ${env:X} and $5"
+    assert secrets.has_placeholder("${env:X}") and not secrets.has_placeholder("$${env:X}")
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("${env:LLMSTREAM_SURELY_UNSET}", "environment variable LLMSTREAM_SURELY_UNSET is not set"),
+    ("${env:not valid}", "not a valid environment variable name"),
+    ("${file:/nonexistent/llmstream/secret}", "secret file /nonexistent/llmstream/secret does not exist"),
+    ("${vault:x}", "bad placeholder at character 0"),
+    ("abc ${env:X", "bad placeholder at character 4"),
+])
+def test_unresolvable_placeholders_are_config_errors_naming_the_key(text: str, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        secrets.resolve(text, "kafka.properties.sasl.jaas.config")
+    assert str(err.value).startswith("kafka.properties.sasl.jaas.config: ") and says in str(err.value)
+
+
+def test_a_secret_file_others_can_read_is_warned_about_without_its_content(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = secret_file(tmp_path, mode=0o644)
+    with caplog.at_level(logging.WARNING, logger="llmstream.config"):
+        assert secrets.resolve(f"${{file:{path}}}", "model.api_key_file") == SECRET
+    assert "readable by other users (mode 644)" in caplog.text and SECRET not in caplog.text
+
+
+def scram(password: str) -> dict[str, str]:
+    return {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.jaas.config": 'org.apache.kafka.common.security.scram.ScramLoginModule required '
+                                f'username="job" password="{password}";'}
+
+
+def test_scram_over_tls_becomes_kafka_python_arguments_with_the_secret_resolved(tmp_path: Path) -> None:
+    path = secret_file(tmp_path)
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    props = {**scram(f"${{file:{path}}}"), "ssl.truststore.type": "PEM", "ssl.truststore.location": str(ca),
+             "max.request.size": "2097152"}
+    assert kafka_security.client_args(props) == {
+        "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "job",
+        "sasl_plain_password": SECRET, "ssl_cafile": str(ca), "ssl_check_hostname": True}
+
+
+def test_mutual_tls_with_a_pem_keystore_and_an_encrypted_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSTREAM_TEST_KEY_PASSWORD", SECRET)
+    keystore = tmp_path / "client.pem"
+    keystore.write_text("-----BEGIN ENCRYPTED PRIVATE KEY-----\n")
+    props = {"security.protocol": "SSL", "ssl.keystore.type": "PEM", "ssl.keystore.location": str(keystore),
+             "ssl.key.password": "${env:LLMSTREAM_TEST_KEY_PASSWORD}", "ssl.endpoint.identification.algorithm": ""}
+    args = kafka_security.client_args(props)
+    assert args == {"security_protocol": "SSL", "ssl_certfile": str(keystore), "ssl_keyfile": str(keystore),
+                    "ssl_password": SECRET, "ssl_check_hostname": False}
+    assert kafka_security.secret_values(args) == [SECRET]
+
+
+@pytest.mark.parametrize(("props", "key", "says"), [
+    (scram("hunter2"), "kafka.properties.sasl.jaas.config", "literal secret"),
+    ({"ssl.key.password": "hunter2"}, "kafka.properties.ssl.key.password", "literal secret"),
+    ({**scram("${env:X}"), "sasl.mechanism": "GSSAPI"}, "kafka.properties.sasl.mechanism", "GSSAPI is not supported"),
+    ({"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN"}, "kafka.properties.sasl.jaas.config", "required"),
+    ({"security.protocol": "TLS"}, "kafka.properties.security.protocol", "must be one of"),
+    ({"security.protocol": "SSL", "ssl.truststore.location": "/x/truststore.jks"},
+     "kafka.properties.ssl.truststore.type", "JKS stores cannot be read"),
+    ({"security.protocol": "SSL", "ssl.truststore.type": "PEM", "ssl.truststore.location": "/nonexistent/ca.pem"},
+     "kafka.properties.ssl.truststore.location", "file /nonexistent/ca.pem does not exist"),
+    ({"sasl.login.callback.handler.class": "com.example.Handler"},
+     "kafka.properties.sasl.login.callback.handler.class", "no equivalent in the Python Kafka clients"),
+])
+def test_what_the_python_clients_cannot_do_is_a_config_error_naming_the_property(
+        props: dict[str, str], key: str, says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("X", "x")
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(base(properties=props))
+    assert err.value.key == key and says in err.value.problem
+    assert "hunter2" not in str(err.value)
+
+
+def test_the_config_keeps_placeholders_so_nothing_that_prints_it_shows_a_secret(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSTREAM_TEST_SECRET", SECRET)
+    path = secret_file(tmp_path)
+    data = base(properties=scram("${env:LLMSTREAM_TEST_SECRET}"))
+    data["model"] = {**data["model"], "api_key_env": None, "api_key_file": str(path),
+                     "headers": {"Authorization": "Bearer ${env:LLMSTREAM_TEST_SECRET}", "X-Tenant": "t1"}}
+    config = config_from_dict(data)
+    assert SECRET not in repr(config) and SECRET not in str(to_dict(config))
+    assert config.api_key() == SECRET
+    assert config.kafka.client_args()["sasl_plain_password"] == SECRET
+
+
+def test_a_literal_credential_header_is_refused() -> None:
+    data = base()
+    data["model"] = {**data["model"], "headers": {"Authorization": "Bearer sk-live"}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert err.value.key == "model.headers.Authorization" and "sk-live" not in str(err.value)
+
+
+@pytest.mark.parametrize(("kafka", "key", "says"), [
+    ({"input_topics": ["a", "b"]}, "kafka.input_topics", "exactly one of"),
+    ({"input_topic": None}, "kafka.input_topic", "exactly one of"),
+    ({"input_topic": None, "input_topic_pattern": "llm-(["}, "kafka.input_topic_pattern", "not a regular expression"),
+    ({"input_topic": None, "input_topic_pattern": "llm-.*"}, "kafka.output_topic", "matches kafka.input_topic_pattern"),
+    ({"input_topic": None, "input_topics": ["a", "llm-results"]}, "kafka.output_topic", "must differ"),
+    ({"input_topic": None, "input_topics": []}, "kafka.input_topics", "non-empty list"),
+])
+def test_input_topic_rules(kafka: dict[str, Any], key: str, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(base(**kafka))
+    assert err.value.key == key and says in err.value.problem
+
+
+def test_several_input_topics_and_a_pattern_describe_themselves() -> None:
+    topics = config_from_dict(base(input_topic=None, input_topics=["a", "b"])).kafka
+    assert topics.topics() == ["a", "b"] and topics.input_description() == "a;b"
+    pattern = config_from_dict(base(input_topic=None, input_topic_pattern="req-.*")).kafka
+    assert pattern.topics() == [] and pattern.input_description() == "pattern:req-.*"
+
+
+def test_model_tls_verify_off_needs_allow_insecure(tmp_path: Path) -> None:
+    data = base()
+    data["model"] = {**data["model"], "tls": {"verify": False}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert err.value.key == "model.tls.verify"
+    data["model"]["tls"] = {"verify": False, "allow_insecure": True}
+    assert config_from_dict(data).model.tls.verify is False
+    data["model"]["tls"] = {"client_cert_file": str(secret_file(tmp_path))}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    assert err.value.key == "model.tls.client_key_file"
