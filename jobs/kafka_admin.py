@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import ssl
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -25,10 +26,13 @@ from kafka.admin import (  # type: ignore[import-untyped]
     OffsetSpec,
 )
 from kafka.consumer.fetcher import ConsumerRecord  # type: ignore[import-untyped]
-from kafka.errors import for_code  # type: ignore[import-untyped]
+from kafka.errors import KafkaError, SaslAuthenticationFailedError, for_code  # type: ignore[import-untyped]
 from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[import-untyped]
 
+from udfs import kafka_security
 from udfs.config import JobConfig, KafkaConfig
+from udfs.errors import ConfigError
+from udfs.secrets import mask
 
 Cluster: TypeAlias = str | KafkaConfig | Mapping[str, Any]
 """A bootstrap string, the job's Kafka config, or kafka-python arguments (`bootstrap_servers` and security)."""
@@ -61,6 +65,46 @@ def client_args(cluster: Cluster) -> dict[str, Any]:
     if isinstance(cluster, KafkaConfig):
         return cluster.client_args()
     return dict(cluster)
+
+
+def connection_error(kafka: KafkaConfig, args: dict[str, Any], err: BaseException) -> ConfigError:
+    """The one-line reason a connection to `kafka` failed (wrong credentials, an untrusted or mismatched
+    certificate, TLS refused, no broker), naming the setting to change; `args` are the client arguments
+    used, whose secrets are masked in anything quoted from the error."""
+    err = _cause(err)
+    text = str(err)
+    bootstrap = kafka.bootstrap_servers
+    masked = kafka_security.secret_values(args)
+    if isinstance(err, SaslAuthenticationFailedError) or "Authentication failed" in text or "SASL" in text:
+        user = args.get("sasl_plain_username", "?")
+        return ConfigError("kafka.properties.sasl.jaas.config",
+                           f"the broker at {bootstrap} refused the credentials of user {user!r} "
+                           f"({args.get('sasl_mechanism')}): {mask(text, masked)[:200]}")
+    if isinstance(err, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
+        if re.search(r"(?i)hostname|ip address mismatch|doesn't match", text):
+            return ConfigError("kafka.bootstrap_servers",
+                               f"the broker's TLS certificate does not name the host in {bootstrap} ({text[:160]}); "
+                               "connect by a name the certificate has (or, at your own risk, set "
+                               "kafka.properties.ssl.endpoint.identification.algorithm to '')")
+        ca = args.get("ssl_cafile") or "the system's CA store"
+        return ConfigError("kafka.properties.ssl.truststore.location",
+                           f"the broker at {bootstrap} presented a TLS certificate not signed by a CA in {ca} "
+                           f"({text[:160]})")
+    if isinstance(err, ssl.SSLError):
+        return ConfigError("kafka.properties.security.protocol",
+                           f"TLS with the broker at {bootstrap} failed: {text[:200]} (does the listener speak "
+                           f"{args.get('security_protocol')}? does it require a client certificate?)")
+    return ConfigError("kafka.bootstrap_servers", f"no Kafka broker answers at {bootstrap} ({text[:200]})")
+
+
+def _cause(err: BaseException) -> BaseException:
+    """The TLS or authentication error behind a generic `NoBrokersAvailable`, if kafka-python kept it."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, (ssl.SSLError, SaslAuthenticationFailedError)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return err
 
 
 def answers(cluster: Cluster, timeout_s: float) -> bool:
@@ -265,12 +309,12 @@ class GroupProgress:
 
     def __init__(self, config: JobConfig) -> None:
         self._kafka = config.kafka
-        self._consumer = KafkaConsumer(
-            **config.kafka.client_args(),
-            group_id=config.kafka.group_id,
-            enable_auto_commit=False,
-            client_id="llmstream-progress",
-        )
+        args = config.kafka.client_args()
+        try:
+            self._consumer = KafkaConsumer(**args, group_id=config.kafka.group_id, enable_auto_commit=False,
+                                           client_id="llmstream-progress")
+        except (KafkaError, OSError) as err:
+            raise connection_error(config.kafka, args, err) from None
 
     def _partitions(self) -> list[TopicPartition]:
         existing = self._consumer.topics() if self._kafka.input_topic_pattern is not None else ()

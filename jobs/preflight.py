@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-import ssl
 import time
 from typing import Any
 
@@ -25,15 +23,12 @@ from kafka.errors import (  # type: ignore[import-untyped]
     CoordinatorNotAvailableError,
     KafkaError,
     NotCoordinatorError,
-    SaslAuthenticationFailedError,
     TopicAlreadyExistsError,
 )
 
 from jobs import kafka_admin
-from udfs import kafka_security
 from udfs.config import JobConfig
 from udfs.errors import ConfigError
-from udfs.secrets import mask
 
 log = logging.getLogger("llmstream.preflight")
 
@@ -54,48 +49,11 @@ def _principal(config: JobConfig, args: dict[str, Any]) -> str:
     return "User:ANONYMOUS"
 
 
-def _connection_error(config: JobConfig, args: dict[str, Any], err: BaseException) -> ConfigError:
-    """The one-line reason a connection failed, naming the setting to change."""
-    text = str(err)
-    bootstrap = config.kafka.bootstrap_servers
-    masked = kafka_security.secret_values(args)
-    if isinstance(err, SaslAuthenticationFailedError) or "Authentication failed" in text or "SASL" in text:
-        user = args.get("sasl_plain_username", "?")
-        return ConfigError("kafka.properties.sasl.jaas.config",
-                           f"the broker at {bootstrap} refused the credentials of user {user!r} "
-                           f"({args.get('sasl_mechanism')}): {mask(text, masked)[:200]}")
-    if isinstance(err, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
-        if re.search(r"(?i)hostname|ip address mismatch|doesn't match", text):
-            return ConfigError("kafka.bootstrap_servers",
-                               f"the broker's TLS certificate does not name the host in {bootstrap} ({text[:160]}); "
-                               "connect by a name the certificate has (or, at your own risk, set "
-                               "kafka.properties.ssl.endpoint.identification.algorithm to '')")
-        ca = args.get("ssl_cafile") or "the system's CA store"
-        return ConfigError("kafka.properties.ssl.truststore.location",
-                           f"the broker at {bootstrap} presented a TLS certificate not signed by a CA in {ca} "
-                           f"({text[:160]})")
-    if isinstance(err, ssl.SSLError):
-        return ConfigError("kafka.properties.security.protocol",
-                           f"TLS with the broker at {bootstrap} failed: {text[:200]} (does the listener speak "
-                           f"{args.get('security_protocol')}? does it require a client certificate?)")
-    return ConfigError("kafka.bootstrap_servers", f"no Kafka broker answers at {bootstrap} ({text[:200]})")
-
-
-def _cause(err: BaseException) -> BaseException:
-    """The TLS or authentication error behind a generic `NoBrokersAvailable`, if kafka-python kept it."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, (ssl.SSLError, SaslAuthenticationFailedError)):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return err
-
-
 def _admin(config: JobConfig, args: dict[str, Any], timeout_s: float) -> KafkaAdminClient:
     try:
         return kafka_admin.connect(args, timeout_s, client_id="llmstream-preflight")
     except (KafkaError, OSError) as err:
-        raise _connection_error(config, args, _cause(err)) from None
+        raise kafka_admin.connection_error(config.kafka, args, err) from None
 
 
 def _operations(info: dict[str, Any], *keys: str) -> set[str] | None:
@@ -212,7 +170,7 @@ def check(config: JobConfig, *, timeout_s: float = 30.0) -> None:
         except (KafkaError, OSError) as err:
             if isinstance(err, AuthorizationError):
                 raise
-            raise _connection_error(config, args, _cause(err)) from None
+            raise kafka_admin.connection_error(config.kafka, args, err) from None
         try:
             limit = kafka_admin.broker_max_transaction_timeout_ms(admin)
         except AuthorizationError:

@@ -310,11 +310,18 @@ class DeadLetterTally:
 
     def __init__(self, config: JobConfig) -> None:
         from kafka import KafkaConsumer, TopicPartition
+        from kafka.errors import KafkaError
+
+        from jobs.kafka_admin import connection_error
 
         self._topic = config.kafka.dead_letter_topic
-        self._consumer = KafkaConsumer(**config.kafka.client_args(), group_id=None,
-                                       isolation_level="read_committed", enable_auto_commit=False,
-                                       auto_offset_reset="earliest", client_id="llmstream-status")
+        args = config.kafka.client_args()
+        try:
+            self._consumer = KafkaConsumer(**args, group_id=None, isolation_level="read_committed",
+                                           enable_auto_commit=False, auto_offset_reset="earliest",
+                                           client_id="llmstream-status")
+        except (KafkaError, OSError) as err:
+            raise connection_error(config.kafka, args, err) from None
         partitions = self._consumer.partitions_for_topic(self._topic) or set()
         self._parts = [TopicPartition(self._topic, p) for p in sorted(partitions)]
         self._consumer.assign(self._parts)
