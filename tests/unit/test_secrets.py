@@ -164,3 +164,22 @@ def test_model_tls_verify_off_needs_allow_insecure(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict(data)
     assert err.value.key == "model.tls.client_key_file"
+
+
+def test_the_secured_kafka_example_loads_with_its_secrets_in_files(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example's secrets are references: with the files and variable in place it loads, and the
+    loaded config holds no secret."""
+    example = Path(__file__).resolve().parents[2] / "jobs" / "examples" / "secured-kafka.yaml"
+    text = example.read_text()
+    for original in ("/run/secrets/kafka-password", "/run/secrets/openai-key", "/etc/llmstream/kafka-ca.pem"):
+        stand_in = tmp_path / Path(original).name
+        stand_in.write_text(SECRET + "\n")
+        stand_in.chmod(0o600)
+        text = text.replace(original, str(stand_in))
+    monkeypatch.setenv("OPENAI_ORG_ID", "org-1")
+    path = tmp_path / "secured.yaml"
+    path.write_text(text)
+    config = load_config(path)
+    assert config.kafka.client_args()["sasl_plain_password"] == SECRET and config.api_key() == SECRET
+    assert SECRET not in repr(config)
