@@ -14,10 +14,10 @@ setup(
         "requests>=2.32,<3",
         "pyyaml>=6,<7",
         # The inference hot path: measured ~8x faster than requests on a thread pool
-        # (see README, Performance). requests stays for admin and REST calls.
+        # (see docs/performance.md). requests stays for admin and REST calls.
         "aiohttp>=3.10,<4",
         "psutil>=5.9",
-        # `llmstream status`: tables, live refresh and the SVG capture in the README.
+        # `llmstream status`: tables, live refresh and the SVG capture in docs/observe.md.
         "rich>=13,<16",
         # The result cache's shared backend (Redis/Valkey), asyncio client; imported only then.
         "redis>=5,<6",
