@@ -17,8 +17,12 @@ that path as one call (one budget, slot, rate-limit and retry sequence), and eac
 its own vector and its share of the usage. A batch rejected with a permanent 4xx is sent
 again record by record, so one bad input is dead-lettered alone.
 
-The API key is read from the environment for each call and put only in the request's
-`Authorization` header: never stored on the object, logged, or left in an error detail.
+The API key is read (`JobConfig.api_key()`: its variable or file) for each call and put only
+in the request's `Authorization` header: never stored on the object, logged, or left in an
+error detail. `model.headers` placeholders (`${env:}`, `${file:}`) are resolved once per
+client, on the worker, and the resolved values are kept off reprs, logs and error details
+in the same way. HTTPS uses the `ssl.SSLContext` of `model.tls` (`udfs/transport.py`); a TLS
+failure is a `TlsError`, dead-lettered after one attempt.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ import json
 import logging
 import time
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import aiohttp
 
+from udfs import secrets
 from udfs.batching import Batcher, share_usage, split_on_rejection
 from udfs.budget import SpendBudget
 from udfs.cache import cache_key, cacheable, open_cache
@@ -54,6 +60,7 @@ from udfs.ratelimit import AdaptiveConcurrency, RateLimiter
 from udfs.records import Completion, Request
 from udfs.retry import Deadline, RetryPolicy, classify, parse_retry_after
 from udfs.structured import Invalid, StructuredOutput
+from udfs.transport import tls_context, tls_failure
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +127,13 @@ class InferenceClient:
             self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_one_entry),
                                     max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
         self._timeout = aiohttp.ClientTimeout(total=config.async_.request_timeout_s)
+        self._ssl = tls_context(config.model.tls)
+        parts = urlsplit(self.url)
+        self._host = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
+        self._extra_headers = secrets.resolve_all(config.model.headers, "model.headers")
+        self._secret_headers = [self._extra_headers[name] for name, value in config.model.headers.items()
+                                if secrets.has_placeholder(value)
+                                or any(word in name.lower() for word in SECRET_HEADER_WORDS)]
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -136,24 +150,22 @@ class InferenceClient:
         if self._session is None or self._session.closed or self._session_loop is not loop:
             if self._session is not None and not self._session.closed:
                 log.warning("inference client used from a new event loop; its old session is abandoned")
-            connector = aiohttp.TCPConnector(limit=self._config.async_.capacity, limit_per_host=0)
+            connector = aiohttp.TCPConnector(limit=self._config.async_.capacity, limit_per_host=0, ssl=self._ssl)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
             self._session_loop = loop
         return self._session
 
     def _headers(self) -> dict[str, str]:
-        headers = dict(self._config.model.headers)
+        headers = dict(self._extra_headers)
         key = self._config.api_key()
         if key:
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
     def _redact(self, text: str) -> str:
-        """`text` without the API key or the value of a configured header that looks secret."""
-        secrets = [self._config.api_key() or ""]
-        secrets += [value for name, value in self._config.model.headers.items()
-                    if any(word in name.lower() for word in SECRET_HEADER_WORDS)]
-        for secret in secrets:
+        """`text` without the API key or the value of a configured header that came from a
+        placeholder or whose name looks secret."""
+        for secret in [self._config.api_key() or "", *self._secret_headers]:
             if len(secret) >= 4:
                 text = text.replace(secret, "***")
         return text
@@ -409,6 +421,9 @@ class InferenceClient:
         except aiohttp.InvalidURL as err:
             raise PermanentError(f"invalid URL: {err}") from None
         except aiohttp.ClientError as err:
+            tls = tls_failure(err, self._host)
+            if tls is not None:
+                raise tls from None
             raise RetryableError(f"{type(err).__name__}: {err}"[:MAX_DETAIL_CHARS]) from None
         finally:
             self.metrics.in_flight -= 1

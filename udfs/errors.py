@@ -119,6 +119,16 @@ class UnsupportedResponse(PermanentError):
     reason = "unsupported_response"
 
 
+class TlsError(PermanentError):
+    """TLS towards the model server failed: its certificate is not trusted or does not name the
+    host, it refused or required a client certificate, or the handshake failed. Settings, not
+    luck, decide that, so the record is dead-lettered after one attempt instead of using up its
+    retries; the `detail` says which `model.tls` setting to look at. A connection dropped
+    mid-handshake is not this (it stays a `RetryableError`)."""
+
+    reason = "tls_error"
+
+
 class ResultTooLarge(PermanentError):
     """The model's answer makes an output record larger than `limits.max_result_bytes`; written
     to the sink it would exceed the producer's max.request.size and fail the job instead."""

@@ -10,6 +10,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from jobs.dev.simulator import (
     SimulatorConfig,
     ThreadedSimulator,
 )
+from tests.unit.tls_certs import make_certs
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
@@ -173,6 +175,47 @@ def test_api_key_required_when_set(make_sim: Callable[..., ThreadedSimulator]) -
     assert post(sim, "/chat/completions", CHAT, headers={"Authorization": "Bearer sekrit"}).status_code == 200
     assert requests.get(sim.base_url + "/health", timeout=5).status_code == 200
     assert "sekrit" not in repr(SimulatorConfig(api_key="sekrit"))
+
+
+def test_required_headers_are_checked_and_never_shown(make_sim: Callable[..., ThreadedSimulator]) -> None:
+    sim = make_sim(required_headers=(("X-Gateway-Token", "gw-sekrit"),))
+    refused = assert_openai_error(post(sim, "/chat/completions", CHAT, headers={"X-Gateway-Token": "other"}), 401)
+    assert refused["code"] == "missing_header" and "X-Gateway-Token" in refused["message"]
+    assert post(sim, "/chat/completions", CHAT, headers={"X-Gateway-Token": "gw-sekrit"}).status_code == 200
+    view = requests.get(sim.base_url + "/admin/config", timeout=5).json()
+    assert view["required_headers"] == ["X-Gateway-Token"] and "gw-sekrit" not in repr(sim.server.config)
+
+
+def test_tls_settings_are_checked(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    with pytest.raises(ValueError, match="go together"):
+        SimulatorConfig(tls_cert=certs.server_cert)
+    with pytest.raises(ValueError, match="tls_client_ca needs tls_cert"):
+        SimulatorConfig(tls_client_ca=certs.ca)
+    with pytest.raises(ValueError, match="does not exist"):
+        SimulatorConfig(tls_cert=str(tmp_path / "missing.pem"), tls_key=certs.server_key)
+    with pytest.raises(ValueError, match="not a usable certificate and key"):
+        SimulatorConfig(tls_cert=certs.server_cert, tls_key=certs.client_key).ssl_context()
+
+
+def test_spawned_simulator_serves_https_and_requires_client_certificates(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    client_cert = (certs.client_cert, certs.client_key)
+    handle = ms.spawn(["--tls-cert", certs.server_cert, "--tls-key", certs.server_key, "--tls-client-ca", certs.ca],
+                      ca_file=certs.ca, client_cert=client_cert)
+    try:
+        assert handle.url.startswith("https://127.0.0.1:")
+        answered = requests.post(handle.url + "/chat/completions", json=CHAT, timeout=5, verify=certs.ca,
+                                 cert=client_cert)
+        assert answered.status_code == 200
+        refused = requests.post(handle.url + "/chat/completions", json=CHAT, timeout=5, verify=certs.ca)
+        assert assert_openai_error(refused, 400)["code"] == "client_certificate_required"
+        with pytest.raises(requests.exceptions.SSLError):
+            requests.get(handle.base_url + "/health", timeout=5)  # the system's CAs do not trust it
+        assert handle.stats()["served"] == 1
+    finally:
+        handle.stop()
+    assert handle.process.returncode == 0
 
 
 def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,6 +112,14 @@ Rate limits count one request and ``prompt_tokens + max_tokens * choices`` token
 admitted request, and answer 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*``
 headers (also sent on successful responses while a limit is set).
 
+HTTPS: ``--tls-cert PEM --tls-key PEM`` serve TLS (the URLs become ``https://``);
+``--tls-client-ca PEM`` also requires a client certificate signed by that CA. A request that
+came without one is answered 400 ``client_certificate_required`` ("No required SSL certificate
+was sent", as nginx's ``ssl_verify_client on`` answers); a certificate from another CA fails
+the handshake, and since asyncio's TLS server closes a failed handshake without sending the
+TLS alert, a client sees that as a reset connection. ``SimulatorConfig.required_headers``
+(Python only) names headers every inference request must carry, else 401 naming the header.
+
 Run it with ``llmstream model-server`` or ``python -m jobs.dev.simulator --help``. From
 Python: ``serve`` (inside a running event loop), ``start_in_thread`` (a daemon thread,
 for tests) or ``spawn`` (a subprocess).

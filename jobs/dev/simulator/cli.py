@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                      "(prefer --api-key-env: the command line is visible to other users)")
     net.add_argument("--api-key-env", default=None, metavar="VAR", help="read the API key from this env var")
+    net.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate (chain)")
+    net.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    net.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                     help="require a client certificate signed by this CA (mutual TLS); requests without one "
+                          "are refused with 400, as nginx's ssl_verify_client does")
     net.add_argument("--log-level", default="INFO", help="logging level on stderr (default %(default)s)")
     net.add_argument("--stats-interval-s", type=float, default=d.stats_log_interval_s,
                      help="log a stats line this often, 0 = never (default %(default)s)")
@@ -108,6 +113,9 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
         hang_max_s=args.hang_max_s,
         api_key=api_key,
         stats_log_interval_s=args.stats_interval_s,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         faults=FaultSettings(
             error_rate=args.error_rate,
             error_status=args.error_status,
@@ -145,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
+        config.ssl_context()
     except (ValueError, TypeError) as exc:
         log.error("invalid configuration: %s", exc)
         return 2

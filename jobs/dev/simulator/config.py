@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SIMULATOR_FINGERPRINT = "llmstream-simulator"
@@ -157,7 +159,13 @@ _RUNTIME_CONFIG_KEYS = (
 
 @dataclass(frozen=True)
 class SimulatorConfig:
-    """Every setting of the simulator; ``api_key`` is kept out of ``repr`` so it never lands in logs."""
+    """Every setting of the simulator; ``api_key`` and the values of ``required_headers`` are kept out
+    of ``repr`` and ``public_dict`` so they never land in logs.
+
+    ``tls_cert``/``tls_key`` serve HTTPS; ``tls_client_ca`` also requires a client certificate
+    signed by that CA (mutual TLS, see ``ssl_context``). ``required_headers`` are (name, value)
+    pairs an inference request must carry, else 401 naming the header (not its value).
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -181,6 +189,10 @@ class SimulatorConfig:
     stats_log_interval_s: float = 60.0
     # Share of schema-shaped answers (requests with response_format) made invalid on purpose.
     invalid_json_rate: float = 0.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    required_headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         parse_latency(self.latency)
@@ -207,11 +219,54 @@ class SimulatorConfig:
             raise ValueError("models must be a non-empty list of names")
         if not isinstance(self.faults, FaultSettings):
             raise TypeError("faults must be a FaultSettings")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (it requires client certificates over HTTPS)")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise ValueError(f"{name}: file {value} does not exist")
+        if not all(isinstance(h, tuple) and len(h) == 2 and all(isinstance(x, str) and x for x in h)
+                   for h in self.required_headers):
+            raise ValueError("required_headers must be (name, value) pairs of non-empty strings")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server's TLS context, or None for plain HTTP; raises ValueError naming the setting
+        when a file is not a usable certificate or key.
+
+        With ``tls_client_ca`` a client certificate is verified when one is presented (an
+        untrusted one fails the handshake) and requests that came without one are refused with
+        400, as nginx's ``ssl_verify_client on`` does: asyncio's TLS server closes a failed
+        handshake without sending the TLS alert, which a client could not tell from a dropped
+        connection.
+        """
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"tls_cert/tls_key: {self.tls_cert} and {self.tls_key} are not a usable "
+                             f"certificate and key ({exc})") from None
+        if self.tls_client_ca is not None:
+            try:
+                context.load_verify_locations(self.tls_client_ca)
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(f"tls_client_ca: {self.tls_client_ca} holds no usable CA certificate ({exc})") from None
+            context.verify_mode = ssl.CERT_OPTIONAL
+        return context
 
     def public_dict(self) -> dict[str, Any]:
-        """The settings as JSON-able data, without the API key."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "api_key"}
+        """The settings as JSON-able data, without the API key or the required headers' values."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("api_key", "required_headers")}
         data["models"] = list(self.models)
+        data["required_headers"] = [name for name, _ in self.required_headers]
         data["faults"] = self.faults.to_dict()
         data["api_key_set"] = self.api_key is not None
         return data

@@ -102,11 +102,14 @@ def start_in_thread(config: SimulatorConfig | None = None, timeout: float = 10.0
 
 
 class SpawnedSimulator:
-    """A simulator in a child process (see ``spawn``); admin calls go over HTTP with ``requests``."""
+    """A simulator in a child process (see ``spawn``); admin calls go over HTTP with ``requests``
+    (over HTTPS: trusting ``ca_file``, presenting ``client_cert`` when mutual TLS is on)."""
 
     def __init__(self, process: subprocess.Popen[str], url: str, lines: list[str],
-                 reader: threading.Thread) -> None:
+                 reader: threading.Thread, *, ca_file: str | None = None,
+                 client_cert: tuple[str, str] | None = None) -> None:
         self.process = process
+        self._tls: dict[str, Any] = {"verify": ca_file or True, "cert": client_cert}
         self.url = url
         self.base_url = url[: -len("/v1")]
         self.port = int(self.base_url.rsplit(":", 1)[1])
@@ -116,7 +119,7 @@ class SpawnedSimulator:
     def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         import requests
 
-        response = requests.post(self.base_url + path, json=body, timeout=timeout)
+        response = requests.post(self.base_url + path, json=body, timeout=timeout, **self._tls)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
         return result
@@ -134,7 +137,7 @@ class SpawnedSimulator:
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         import requests
 
-        response = requests.get(self.base_url + "/stats", timeout=timeout)
+        response = requests.get(self.base_url + "/stats", timeout=timeout, **self._tls)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
         return result
@@ -162,8 +165,12 @@ class SpawnedSimulator:
         self.stop()
 
 
-def spawn(args: Iterable[str] = (), timeout: float = 10.0, python: str | None = None) -> SpawnedSimulator:
-    """Start ``python -m jobs.dev.simulator ARGS`` (``--port 0`` unless given) and wait until it is healthy."""
+def spawn(args: Iterable[str] = (), timeout: float = 10.0, python: str | None = None, *,
+          ca_file: str | None = None, client_cert: tuple[str, str] | None = None) -> SpawnedSimulator:
+    """Start ``python -m jobs.dev.simulator ARGS`` (``--port 0`` unless given) and wait until it is healthy.
+
+    With ``--tls-cert``, ``ca_file`` is the CA to trust for the health and admin calls and
+    ``client_cert`` the (cert, key) they present when ``--tls-client-ca`` is given."""
     import requests
 
     argv = list(args)
@@ -196,10 +203,10 @@ def spawn(args: Iterable[str] = (), timeout: float = 10.0, python: str | None = 
     deadline = time.monotonic() + timeout
     try:
         url = found.result(timeout)
-        handle = SpawnedSimulator(process, url, lines, reader)
+        handle = SpawnedSimulator(process, url, lines, reader, ca_file=ca_file, client_cert=client_cert)
         while True:
             try:
-                if requests.get(handle.base_url + "/health", timeout=1.0).status_code == 200:
+                if requests.get(handle.base_url + "/health", timeout=1.0, **handle._tls).status_code == 200:
                     return handle
             except requests.RequestException:
                 pass

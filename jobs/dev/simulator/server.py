@@ -135,6 +135,7 @@ class SimulatorServer:
         self.port = config.port
         self.started = time.monotonic()
         self.config = config
+        self._ssl = config.ssl_context()
         self._rng = random.Random(config.seed)
         self._apply_config(config, initial=True)
         self._set_faults(config.faults)
@@ -156,7 +157,7 @@ class SimulatorServer:
     @property
     def base_url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.config.scheme}://{host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -165,7 +166,7 @@ class SimulatorServer:
 
     async def _listen(self) -> None:
         server = await self._loop.create_server(
-            self._web, self.host, self.port, backlog=2048, reuse_address=True
+            self._web, self.host, self.port, backlog=2048, reuse_address=True, ssl=self._ssl
         )
         self._listeners = [server]
         if self.port == 0:
@@ -421,7 +422,11 @@ class SimulatorServer:
         path = request.path
         methods = self._routes.get(path)
         response: web.StreamResponse
-        if methods is None:
+        if self.config.tls_client_ca is not None and not (request.transport and request.transport.get_extra_info("peercert")):
+            response = self._error_response(400, "No required SSL certificate was sent (simulator: mutual TLS, "
+                                                 "a client certificate signed by --tls-client-ca is required)",
+                                            "invalid_request_error", "client_certificate_required")
+        elif methods is None:
             if path.startswith("/v1/models/") and request.method == "GET":
                 response = self._model(request)
             else:
@@ -448,6 +453,15 @@ class SimulatorServer:
     def _unauthorized(self) -> web.Response:
         return self._error_response(401, "Incorrect or missing API key (simulator)", "invalid_request_error",
                                     "invalid_api_key")
+
+    def _missing_header(self, request: web.BaseRequest) -> web.Response | None:
+        """401 naming the first of ``required_headers`` the request lacks or carries another value of."""
+        for name, value in self.config.required_headers:
+            given = request.headers.get(name, "")
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), value.encode()):
+                return self._error_response(401, f"Missing or wrong header {name} (simulator)",
+                                            "invalid_request_error", "missing_header")
+        return None
 
     async def _load(self, request: web.BaseRequest, empty_ok: bool = False) -> dict[str, Any]:
         """The JSON object of the body (``{}`` for an empty one if ``empty_ok``); answers
@@ -477,6 +491,8 @@ class SimulatorServer:
             self.requests_total += 1
             if self._auth is not None and not self._authorized(request):
                 return self._unauthorized()
+            if self.config.required_headers and (refused := self._missing_header(request)) is not None:
+                return refused
             try:
                 call = endpoint(self.config, await self._load(request))
             except BadRequest as exc:
