@@ -5,6 +5,10 @@ from (topic/partition/offset), how hard we tried (`attempts`, `last_status`) and
 the original bytes, so nothing is lost. The original is UTF-8 text where it is, base64
 where not, and cut at `ORIGINAL_LIMIT_BYTES` (with its full size and sha256) so a 10 MB
 bad record cannot make the dead-letter write itself fail.
+
+It carries the input's headers as `kafka.forward_headers` lets through, plus
+`llmstream-reason` (the reason code) unless a forwarded header already has that name: a
+user's header is never overwritten, the reason is in the value either way.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import time
 from typing import Any
 
 from udfs.errors import InvalidModelOutput, RecordError
-from udfs.records import SinkRow, SourceRef
+from udfs.records import SinkHeaders, SinkRow, SourceRef
 
 ORIGINAL_LIMIT_BYTES = 256 * 1024
+REASON_HEADER = "llmstream-reason"
+"""The header that carries a dead letter's reason code, for consumers that route on headers."""
 
 
 def _original(value: bytes | None) -> dict[str, Any]:
@@ -68,13 +74,17 @@ def dead_letter_value(
 
 def for_error(
     err: RecordError, *, key: bytes | None, value: bytes | None, source: SourceRef,
-    record_id: str | None, job: str, topic: str,
+    record_id: str | None, job: str, topic: str, headers: SinkHeaders | None = None,
 ) -> SinkRow:
     """The dead-letter row for a record that got no result: bad input never reached the model
     (0 attempts); an inference error carries its attempts and the last HTTP status, and an
-    invalid answer (`invalid_model_output`) the answer itself, beside the validator's message."""
+    invalid answer (`invalid_model_output`) the answer itself, beside the validator's message.
+    `headers`: the forwarded input headers; `REASON_HEADER` is added after them unless one of
+    them has its name."""
     last_output = err.last_output if isinstance(err, InvalidModelOutput) else None
     payload = dead_letter_value(reason=err.reason, error=err.detail, source=source, original=value,
                                 record_id=record_id, job=job, attempts=err.attempts, last_status=err.status,
                                 last_output=last_output)
-    return SinkRow(key, payload, topic)
+    out = dict(headers or {})
+    out.setdefault(REASON_HEADER, err.reason.encode("utf-8"))
+    return SinkRow(key, payload, topic, out)

@@ -1,11 +1,12 @@
-"""Stage 3: the output record for a request the model answered."""
+"""Stage 3: the output record for a request the model answered: the input's key, a JSON value,
+and the input's headers as `kafka.forward_headers` lets through (`records.forwarded_headers`)."""
 
 from __future__ import annotations
 
 import json
 
 from udfs.errors import ResultTooLarge
-from udfs.records import Completion, Request, SinkRow
+from udfs.records import Completion, Request, SinkHeaders, SinkRow
 
 
 def result_value(request: Request, completion: Completion) -> bytes:
@@ -38,15 +39,22 @@ def result_value(request: Request, completion: Completion) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
 
-def result_row(request: Request, completion: Completion, topic: str, max_bytes: int | None = None) -> SinkRow:
-    """The sink row for a result: the input's key, kept as it was.
+def headers_size(headers: SinkHeaders | None) -> int:
+    """Bytes of header names and values, as they count towards a Kafka record's size."""
+    return sum(len(name.encode("utf-8")) + len(value or b"") for name, value in (headers or {}).items())
 
-    Raises `ResultTooLarge` when key + value exceed `max_bytes` (`limits.max_result_bytes`):
+
+def result_row(request: Request, completion: Completion, topic: str, max_bytes: int | None = None,
+               headers: SinkHeaders | None = None) -> SinkRow:
+    """The sink row for a result: the input's key, kept as it was, and `headers` (the forwarded
+    input headers).
+
+    Raises `ResultTooLarge` when key + value + headers exceed `max_bytes` (`limits.max_result_bytes`):
     the caller dead-letters the record rather than let the sink fail on it.
     """
     value = result_value(request, completion)
-    size = len(value) + len(request.key or b"")
+    size = len(value) + len(request.key or b"") + headers_size(headers)
     if max_bytes is not None and size > max_bytes:
         raise ResultTooLarge(f"the output record would be {size} bytes, over limits.max_result_bytes ({max_bytes})",
                              attempts=completion.attempts)
-    return SinkRow(request.key, value, topic)
+    return SinkRow(request.key, value, topic, headers or None)

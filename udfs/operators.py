@@ -10,9 +10,10 @@ and checkpoint barrier (see README, "Architecture", and NOTES for the measuremen
 Keys are a few buckets (the input offset modulo `buckets`, computed before the shuffle),
 only so that keyed state and timers exist; they have no meaning. Per bucket:
 
-- `process_element` decodes the record (bad input: a dead letter at once), stores it under
-  `partition:offset`, waits for a free slot while `async.capacity` calls are in flight
-  (backpressure) and starts the call; then emits the bucket's finished calls.
+- `process_element` decodes the record (bad input: a dead letter at once), stores it as a
+  `PendingRecord` under `topic:partition:offset`, waits for a free slot while
+  `async.capacity` calls are in flight (backpressure) and starts the call; then emits the
+  bucket's finished calls.
 - a processing-time timer `EMIT_PERIOD_MS` ahead, set while the bucket has calls out,
   emits finished calls when no input arrives.
 - an event-time timer at `FLUSH_AT` fires on the final MAX watermark (end of a bounded
@@ -25,7 +26,8 @@ only so that keyed state and timers exist; they have no meaning. Per bucket:
   processing-time timers did not reach the Python function (measured).
 
 A result leaves state in the same call that emits it, so a snapshot never holds a request
-whose answer is already downstream. Nothing raises out of the function: an unexpected
+whose answer is already downstream. Results and dead letters carry the input record's
+headers as `kafka.forward_headers` lets through (`records.forwarded_headers`). Nothing raises out of the function: an unexpected
 exception is a bug, an `InternalError`; it becomes an `internal_error` dead letter and is
 logged with its traceback (tests/unit/test_operators.py).
 """
@@ -45,28 +47,27 @@ from udfs.config import JobConfig
 from udfs.decode import decode, record_id
 from udfs.encode import result_row
 from udfs.errors import BadInput, InternalError, RecordError
-from udfs.records import Request, SinkRow, SourceRef
+from udfs.records import PendingRecord, Request, SinkHeaders, SinkRow, forwarded_headers
 
 log = logging.getLogger("llmstream.udfs")
 
-SINK_ROW_TYPE = Types.ROW_NAMED(
-    ["k", "v", "topic"], [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING()]
-)
+_BYTES = Types.PRIMITIVE_ARRAY(Types.BYTE())
+_HEADERS = Types.MAP(Types.STRING(), _BYTES)
+SINK_ROW_TYPE = Types.ROW_NAMED(["k", "v", "topic", "headers"], [_BYTES, _BYTES, Types.STRING(), _HEADERS])
+"""One outgoing Kafka record (`SinkRow`): the topic says output or dead letter."""
 INPUT_ROW_TYPE = Types.ROW_NAMED(
-    ["k", "v", "topic", "partition", "offset", "ts"],
-    [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING(), Types.INT(),
-     Types.LONG(), Types.INSTANT()])
+    ["k", "v", "topic", "partition", "offset", "ts", "headers"],
+    [_BYTES, _BYTES, Types.STRING(), Types.INT(), Types.LONG(), Types.INSTANT(), _HEADERS])
 """One Kafka record as the source table hands it over (the value of the keyed stream)."""
 PENDING_STATE = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
-"""partition:offset -> (key, value, topic, partition, offset, timestamp_ms): the record, to start again."""
+"""`PendingRecord.handle` -> `PendingRecord`: the record, to start again after a restore. A state
+written before that type holds `partition:offset` -> 6-tuple; `PendingRecord.restored` reads both."""
 FLUSH_AT = 2**62
 """Event time of the end-of-input timer: only the final MAX watermark reaches it."""
 EMIT_PERIOD_MS = 20
 """How long a finished call may wait for its bucket's next element before a timer emits it."""
 SLOT_WAIT_S = 0.05
 """Admission re-checks this often for the bucket's finished calls while waiting for a slot."""
-
-Stored = tuple[bytes | None, bytes | None, str, int, int, int | None]
 
 
 def epoch_ms(ts: Any) -> int | None:
@@ -80,12 +81,33 @@ def epoch_ms(ts: Any) -> int | None:
     return int(timestamp() * 1000) if timestamp is not None else None
 
 
+def pending_record(row: Row) -> PendingRecord:
+    """An `INPUT_ROW_TYPE` row as the record kept in state. The headers arrive as a map (the
+    table connector's `headers` metadata); none, or an empty map, are kept as None."""
+    headers = row[6]
+    return PendingRecord(row[0], row[1], row[2], row[3], row[4], epoch_ms(row[5]),
+                         tuple(headers.items()) if headers else None)
+
+
+def _salvage(row: Any) -> PendingRecord:
+    """What can be read of a row that `pending_record` could not read, for its dead letter."""
+    def field(i: int) -> Any:
+        try:
+            return row[i]
+        except Exception:  # noqa: BLE001 - a row that cannot be read still gets a dead letter
+            return None
+
+    key, value = field(0), field(1)
+    return PendingRecord(key if isinstance(key, bytes) else None, value if isinstance(value, bytes) else None,
+                         "unknown", -1, -1)
+
+
 def _row(row: SinkRow) -> Row:
-    return Row(row.key, row.value, row.topic)
+    return Row(row.key, row.value, row.topic, row.headers)
 
 
 class InferenceStage(KeyedProcessFunction):
-    """Input: rows (key, value, topic, partition, offset, timestamp) keyed by bucket, or `None` (a tick).
+    """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick).
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
 
     `capacity` bounds the calls in flight per subtask (`async.capacity`).
@@ -128,12 +150,12 @@ class InferenceStage(KeyedProcessFunction):
                 self._ensure_timer(bucket, ctx)
                 return
             self._metrics.records_in.inc()
-            stored: Stored = (value[0], value[1], value[2], value[3], value[4], epoch_ms(value[5]))
+            record = pending_record(value)
         except Exception as err:
             log.exception("unexpected error reading an input row")
-            yield self._dead_letter_row(InternalError.from_exception(err), value)
+            yield self._failed(InternalError.from_exception(err), _salvage(value))
             return
-        yield from self._start(bucket, stored, reissue=False)
+        yield from self._start(bucket, record)
         yield from self._emit(bucket)
         self._ensure_timer(bucket, ctx)
 
@@ -152,62 +174,70 @@ class InferenceStage(KeyedProcessFunction):
     # ------------------------------------------------------------------ the stage
     def _adopt(self, bucket: Any, ctx: Any) -> Iterator[Row]:
         """First sight of `bucket` in this instance: arm the end-of-input timer and start again
-        whatever its state holds (after a restore; empty otherwise)."""
+        whatever its state holds (after a restore; empty otherwise), each under the handle it
+        was stored with."""
         self._outstanding[bucket] = 0
         ctx.timer_service().register_event_time_timer(FLUSH_AT)
         try:
-            stored = list(self._pending.values())
-        except Exception as err:  # pragma: no cover - a state backend failure
+            stored = list(self._pending.items())
+        except Exception as err:  # a state backend failure
             log.exception("reading the pending requests of bucket %r failed", bucket)
-            yield self._dead_letter_row(InternalError.from_exception(err), None)
+            yield self._failed(InternalError.from_exception(err), _salvage(None))
             return
         if stored:
             log.info("bucket %r: starting %d pending request(s) again after a restore", bucket, len(stored))
-        for record in stored:
-            yield from self._start(bucket, record, reissue=True)
+        for handle, value in stored:
+            try:
+                record = PendingRecord.restored(value)
+            except Exception as err:
+                log.exception("bucket %r: state entry %r is not a pending record", bucket, handle)
+                self._pending.remove(handle)
+                yield self._failed(InternalError.from_exception(err), _salvage(value))
+                continue
+            yield from self._start(bucket, record, handle)
         if stored:
             self._ensure_timer(bucket, ctx)
 
-    def _start(self, bucket: Any, stored: Stored, *, reissue: bool) -> Iterator[Row]:
-        """Decodes `stored` and starts its call, waiting for a slot; bad input is answered at once."""
-        key, raw, topic, partition, offset, ts = stored
-        source = SourceRef(topic, partition, offset, ts)
-        handle = f"{partition}:{offset}"
+    def _start(self, bucket: Any, record: PendingRecord, stored_as: str | None = None) -> Iterator[Row]:
+        """Decodes `record` and starts its call, waiting for a slot; bad input is answered at once.
+        `stored_as`: the record is already in state under that handle (a restore)."""
+        reissue = stored_as is not None
+        handle = stored_as if stored_as is not None else record.handle
         try:
-            request = decode(key, raw, source, self._config.limits)
+            request = decode(record.key, record.value, record.source, self._config.limits)
         except BadInput as err:
             self._metrics.bad_input.inc()
             if reissue:
                 self._pending.remove(handle)
-            yield _row(self._dead_letter(err, key, raw, source, record_id(raw)))
+            yield self._failed(err, record)
             return
         except Exception as err:
-            log.exception("unexpected error decoding %s-%s@%s", topic, partition, offset)
+            log.exception("unexpected error decoding %s-%s@%s", record.topic, record.partition, record.offset)
             self._metrics.bad_input.inc()
             if reissue:
                 self._pending.remove(handle)
-            yield _row(self._dead_letter(InternalError.from_exception(err), key, raw, source, record_id(raw)))
+            yield self._failed(InternalError.from_exception(err), record)
             return
         if not reissue:
-            self._pending.put(handle, stored)
+            self._pending.put(handle, record)
         else:
             self._metrics.reissued.inc()
         runner = self._runner
         while not runner.has_slot():
             runner.wait_for_slot(SLOT_WAIT_S)
             yield from self._emit(bucket)
-        runner.submit(bucket, handle, lambda: self._call(request))
+        runner.submit(bucket, handle, lambda: self._call(request, record))
         self._outstanding[bucket] += 1
         self._metrics.admitted = runner.in_flight
 
-    async def _call(self, request: Request) -> tuple[SinkRow, str | None]:
+    async def _call(self, request: Request, record: PendingRecord) -> tuple[SinkRow, str | None]:
         """The output row of `request`, or its dead letter and reason; never raises. Runs on the
         runner's loop, so the dead letter is counted when it is emitted, on the operator thread."""
         failure: RecordError
         try:
             completion = await self._client.complete(request)
             return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes), None
+                              self._config.limits.max_result_bytes, self._forwarded(record)), None
         except InternalError as err:
             log.error("internal error in inference for id=%s: %s", request.id, err.detail)
             failure = err
@@ -216,7 +246,7 @@ class InferenceStage(KeyedProcessFunction):
         except Exception as err:
             log.exception("unexpected error in inference for id=%s", request.id)
             failure = InternalError.from_exception(err)
-        return self._dead_letter_value(failure, request.key, request.raw, request.source, request.id), failure.reason
+        return self._dead_letter(failure, record, request.id), failure.reason
 
     def _emit(self, bucket: Any) -> Iterator[Row]:
         """The bucket's finished calls, each removed from state as it is emitted."""
@@ -226,13 +256,14 @@ class InferenceStage(KeyedProcessFunction):
         pending = self._pending
         for handle, outcome in done:
             if outcome is None:  # the runner caught a raise that `_call` should have prevented
-                row = self._lost_call(handle)
+                out = self._failed(InternalError("the inference call raised"), self._stored(handle))
             else:
                 row, dead_letter_reason = outcome
                 if dead_letter_reason is not None:
                     self._metrics.dead_letter(dead_letter_reason)
+                out = _row(row)
             pending.remove(handle)
-            yield _row(row)
+            yield out
         self._outstanding[bucket] -= len(done)
         self._metrics.admitted = self._runner.in_flight
 
@@ -249,30 +280,27 @@ class InferenceStage(KeyedProcessFunction):
         ctx.timer_service().register_processing_time_timer(at)
         self._timer_at[bucket] = at
 
-    # ------------------------------------------------------------------ dead letters
-    def _dead_letter(self, err: RecordError, key: bytes | None, raw: bytes | None,
-                     source: SourceRef, rid: str | None) -> SinkRow:
-        """A dead letter written on the operator thread, counted by reason."""
-        self._metrics.dead_letter(err.reason)
-        return self._dead_letter_value(err, key, raw, source, rid)
-
-    def _dead_letter_value(self, err: RecordError, key: bytes | None, raw: bytes | None,
-                           source: SourceRef, rid: str | None) -> SinkRow:
-        return dead_letter.for_error(err, key=key, value=raw, source=source, record_id=rid,
-                                     job=self._config.name, topic=self._config.kafka.dead_letter_topic)
-
-    def _dead_letter_row(self, err: RecordError, value: Any) -> Row:
-        """A dead letter for a row that could not even be read."""
+    def _stored(self, handle: Any) -> PendingRecord:
+        """The record kept under `handle`, or what can be salvaged of it."""
+        value = self._pending.get(handle)
         try:
-            key, raw = value[0], value[1]
-            source = SourceRef(str(value[2]), int(value[3]), int(value[4]), epoch_ms(value[5]))
-        except Exception:  # noqa: BLE001 - a row that cannot be read still gets a dead letter
-            key, raw, source = None, None, SourceRef("unknown", -1, -1)
-        return _row(self._dead_letter(err, key, raw, source, record_id(raw) if isinstance(raw, bytes) else None))
+            return PendingRecord.restored(value)
+        except TypeError:
+            return _salvage(value)
 
-    def _lost_call(self, handle: Any) -> SinkRow:
-        stored = self._pending.get(handle)
-        key, raw, topic, partition, offset, ts = stored
-        source = SourceRef(topic, partition, offset, ts)
-        return self._dead_letter(InternalError("the inference call raised"), key, raw, source,
-                                 record_id(raw))
+    # ------------------------------------------------------------------ outgoing records
+    def _forwarded(self, record: PendingRecord) -> SinkHeaders:
+        return forwarded_headers(record.headers, self._config.kafka.forward_headers)
+
+    def _dead_letter(self, err: RecordError, record: PendingRecord, request_id: str | None = None) -> SinkRow:
+        """The dead letter of `record`: the one place a record becomes one. `request_id`: the
+        decoded id, when there is one (else the best guess from the original bytes)."""
+        return dead_letter.for_error(
+            err, key=record.key, value=record.value, source=record.source,
+            record_id=request_id if request_id is not None else record_id(record.value),
+            job=self._config.name, topic=self._config.kafka.dead_letter_topic, headers=self._forwarded(record))
+
+    def _failed(self, err: RecordError, record: PendingRecord) -> Row:
+        """A dead letter emitted on the operator thread, counted by reason as it leaves."""
+        self._metrics.dead_letter(err.reason)
+        return _row(self._dead_letter(err, record))

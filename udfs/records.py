@@ -1,14 +1,24 @@
-"""The values that travel between stages: where a record came from, the request made of it,
-the model's answer, and the dead letter written when there is no answer.
+"""The values that travel between stages: where a record came from, the record kept while its
+call is out, the request made of it, the model's answer, the headers an outgoing record
+carries, and the row written for a result or a dead letter.
 
-They are frozen dataclasses pickled between Python operators; only `SinkRow`s (key, value,
-topic) cross to the JVM, to the exactly-once Kafka sink.
+`PendingRecord` is what the inference stage keeps in keyed state (pickled); only `SinkRow`s
+(key, value, topic, headers) cross to the JVM, to the exactly-once Kafka sink.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+HeaderPairs = tuple[tuple[str, bytes | None], ...]
+"""Kafka record headers as (name, value) pairs, in the order given; a value may be null."""
+SinkHeaders = dict[str, bytes | None]
+"""Headers as the Kafka table connector writes them: a map, so one value per name."""
+ForwardHeaders = Literal["all", "none"] | list[str]
+"""`kafka.forward_headers`: which input headers an outgoing record carries."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,68 @@ class SourceRef:
     def as_json(self) -> dict[str, Any]:
         return {"topic": self.topic, "partition": self.partition, "offset": self.offset,
                 "timestamp": self.timestamp_ms}
+
+
+@dataclass(frozen=True)
+class PendingRecord:
+    """One input record as the inference stage keeps it in keyed state (pickled) from the moment
+    its call starts until its result or dead letter is emitted: all it needs to start the call
+    again after a restore, and to write a dead letter with the original bytes.
+
+    `handle` is its name in that state, unique across input topics. Restoring accepts what an
+    older llmstream stored too (`restored`).
+    """
+
+    key: bytes | None
+    value: bytes | None
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int | None = None
+    headers: HeaderPairs | None = None
+
+    @property
+    def source(self) -> SourceRef:
+        return SourceRef(self.topic, self.partition, self.offset, self.timestamp_ms)
+
+    @property
+    def handle(self) -> str:
+        """`topic:partition:offset` (Kafka topic names cannot contain `:`)."""
+        return f"{self.topic}:{self.partition}:{self.offset}"
+
+    @classmethod
+    def restored(cls, stored: Any) -> PendingRecord:
+        """A value read back from state: a `PendingRecord`, or the positional 6-tuple
+        (key, value, topic, partition, offset, timestamp_ms) that llmstream stored before it had
+        this type (under the handle `partition:offset`; its record has no headers)."""
+        if isinstance(stored, cls):
+            return stored
+        if isinstance(stored, tuple) and len(stored) == 6:
+            key, value, topic, partition, offset, timestamp_ms = stored
+            return cls(key, value, topic, partition, offset, timestamp_ms)
+        raise TypeError(f"not a pending record: {type(stored).__name__}")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling: a field added after the state was written takes its default."""
+        for f in dataclasses.fields(self):
+            if f.name not in state and f.default is not dataclasses.MISSING:
+                state[f.name] = f.default
+        self.__dict__.update(state)
+
+
+def forwarded_headers(headers: Iterable[tuple[str, bytes | None]] | None, forward: ForwardHeaders) -> SinkHeaders:
+    """The input headers an outgoing record carries under `kafka.forward_headers`: all, none, or
+    those whose name is in the list (names compared exactly, as Kafka does). Order is kept; a name
+    given more than once keeps its last value, because the sink writes headers from a map."""
+    if headers is None or forward == "none":
+        return {}
+    wanted = None if forward == "all" else frozenset(forward)
+    out: SinkHeaders = {}
+    for name, value in headers:
+        if wanted is None or name in wanted:
+            out.pop(name, None)  # the last value of a repeated name, at its last position
+            out[name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -69,8 +141,11 @@ class Completion:
 
 
 class SinkRow(NamedTuple):
-    """One Kafka record for the exactly-once sink: the topic decides output or dead letter."""
+    """One Kafka record for the exactly-once sink: the topic decides output or dead letter.
+    `headers`: None or empty for none; a header with a null value is not written (the connector
+    skips it)."""
 
     key: bytes | None
     value: bytes
     topic: str
+    headers: SinkHeaders | None = None

@@ -42,6 +42,9 @@ class KeyedState:
     def values(self) -> Iterable[Any]:
         return list(self._map().values())
 
+    def items(self) -> Iterable[tuple[str, Any]]:
+        return list(self._map().items())
+
     def snapshot(self) -> dict[Any, dict[str, Any]]:
         return copy.deepcopy({k: v for k, v in self.data.items() if v})
 
@@ -137,9 +140,12 @@ class Harness:
     def _at(self, key: Any) -> None:
         self.state.current_key = self.ctx.key = self.timers.key = key
 
-    def element(self, bucket: int, value: bytes | None, offset: int, key: bytes | None = b"k") -> None:
+    def element(self, bucket: int, value: bytes | None, offset: int, key: bytes | None = b"k", *,
+                topic: str = "in", partition: int = 0, headers: dict[str, bytes | None] | None = None) -> None:
+        """One input row as the source table hands it over (`udfs.operators.INPUT_ROW_TYPE`):
+        `headers` is the connector's header map (empty when the record has none)."""
         self._at(bucket)
-        row = Row(key, value, "in", 0, offset, 1_700_000_000_000)
+        row = Row(key, value, topic, partition, offset, 1_700_000_000_000, {} if headers is None else headers)
         self.out.extend(self.function.process_element(row, self.ctx))  # type: ignore[arg-type]
 
     def tick(self, bucket: int) -> None:
@@ -171,6 +177,10 @@ class Harness:
 
     def bodies(self, topic: str) -> list[dict[str, Any]]:
         return [json.loads(bytes(r[1])) for r in self.out if r[2] == topic]
+
+    def headers(self, topic: str) -> list[dict[str, bytes | None] | None]:
+        """The headers of each row written to `topic`, in order (None: no headers)."""
+        return [r[3] for r in self.out if r[2] == topic]
 
 
 def record(i: int) -> bytes:

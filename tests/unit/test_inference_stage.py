@@ -137,7 +137,7 @@ def test_a_snapshot_holds_exactly_what_is_not_emitted_and_a_restore_issues_it_ag
     feed(first, range(20))  # 16 admitted at once, the last 4 waited for slots
     checkpoint = first.state.snapshot()
     emitted = {b["id"] for b in first.bodies("out")}
-    stored = {json.loads(v[1])["id"] for bucket in checkpoint.values() for v in bucket.values()}
+    stored = {json.loads(v.value)["id"] for bucket in checkpoint.values() for v in bucket.values()}
     assert stored and not stored & emitted
     assert stored | emitted == {f"id-{i}" for i in range(20)}
     # Every call of the first instance has reached the server before it is counted afresh: on a
@@ -174,7 +174,7 @@ def test_a_restored_bucket_is_issued_again_on_its_first_element_too(
     second.element(0, record(100), offset=100)
     second.end_of_input()
     ids = Counter(b["id"] for b in second.bodies("out"))
-    stored = {json.loads(v[1])["id"] for v in checkpoint[0].values()}
+    stored = {json.loads(v.value)["id"] for v in checkpoint[0].values()}
     assert ids == Counter({i: 1 for i in [*stored, "id-100"]})
 
 
@@ -209,7 +209,7 @@ def test_ticks_alone_restart_a_restored_state_when_no_input_comes(
     feed(first, range(8))
     checkpoint = first.state.snapshot()
     first.close()
-    stored = {json.loads(v[1])["id"] for bucket in checkpoint.values() for v in bucket.values()}
+    stored = {json.loads(v.value)["id"] for bucket in checkpoint.values() for v in bucket.values()}
     assert stored
 
     second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))

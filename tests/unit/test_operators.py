@@ -9,8 +9,10 @@ model client: no JVM, no network.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
+import pickle
 from typing import Any
 
 import pytest
@@ -28,16 +30,16 @@ from udfs.errors import (
     RetryableError,
 )
 from udfs.operators import epoch_ms
-from udfs.records import Completion, Request
+from udfs.records import Completion, PendingRecord, Request
 
 TS = 1_700_000_000_000
 
 
-def offline_config() -> JobConfig:
+def offline_config(**kafka: Any) -> JobConfig:
     """A config whose endpoint nothing listens on: any real call would fail, so a result proves the fake."""
     return config_from_dict({
         "kafka": {"bootstrap_servers": "127.0.0.1:9", "input_topic": "in", "output_topic": "out",
-                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t"},
+                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t", **kafka},
         "model": {"endpoint": "http://127.0.0.1:9/v1", "model": "fake", "max_tokens": 8},
         "async": {"capacity": 4, "request_timeout_s": 5.0, "record_deadline_s": 20.0},
         "retry": {"max_attempts": 1},
@@ -50,9 +52,10 @@ def answer(request: Request) -> Completion:
                       completed_ms=TS + 1)
 
 
-def stage(harnesses: list[Harness], complete: Any = None, state: KeyedState | None = None) -> Harness:
+def stage(harnesses: list[Harness], complete: Any = None, state: KeyedState | None = None,
+          config: JobConfig | None = None) -> Harness:
     """A stage whose model client is `complete` (default: answers every request)."""
-    h = Harness(offline_config(), state)
+    h = Harness(config or offline_config(), state)
     harnesses.append(h)
 
     async def answering(request: Request) -> Completion:
@@ -138,7 +141,7 @@ def test_a_decoder_bug_is_a_dead_letter_and_the_next_record_still_flows(
 def test_a_restored_record_the_decoder_now_fails_on_leaves_state_as_a_dead_letter(
         harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch) -> None:
     """A record stored before a restore and failing on decode after it (e.g. new limits)."""
-    state = KeyedState({0: {"0:5": (b"k", record(5), "in", 0, 5, TS)}})
+    state = KeyedState({0: {"in:0:5": PendingRecord(b"k", record(5), "in", 0, 5, TS)}})
 
     def decode(*args: Any) -> Request:
         raise RuntimeError("decoder bug after an upgrade")
@@ -184,7 +187,7 @@ def test_a_call_that_raises_past_its_own_guard_is_a_dead_letter_with_the_stored_
 
 def test_state_that_cannot_be_read_on_restore_is_a_dead_letter_not_a_crash(harnesses: list[Harness]) -> None:
     class UnreadableState(KeyedState):
-        def values(self) -> Any:
+        def items(self) -> Any:
             raise OSError("state backend unreachable")
 
     h = stage(harnesses, state=UnreadableState())
@@ -216,3 +219,139 @@ def test_an_instant_becomes_epoch_ms() -> None:
             return TS
 
     assert epoch_ms(Instant()) == TS
+
+
+# ---------------------------------------------------------------------- headers
+
+TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+INPUT_HEADERS = {"traceparent": TRACEPARENT, "tenant": b"acme", "empty": None}
+
+
+async def refusing(request: Request) -> Completion:
+    raise PermanentError("HTTP 400", status=400)
+
+
+async def never_answering(request: Request) -> Completion:
+    """A call still out when the test takes its checkpoint."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(("forward", "carried"), [
+    ("all", INPUT_HEADERS),
+    ("none", {}),
+    (["traceparent", "not-sent"], {"traceparent": TRACEPARENT}),
+])
+def test_results_and_dead_letters_carry_the_headers_forward_headers_lets_through(
+        harnesses: list[Harness], forward: Any, carried: dict[str, bytes | None]) -> None:
+    config = offline_config(forward_headers=forward)
+    answered, refused = stage(harnesses, config=config), stage(harnesses, refusing, config=config)
+    for h in (answered, refused):
+        h.element(0, record(1), offset=1, headers=dict(INPUT_HEADERS))
+        h.element(0, b"{not json", offset=2, headers=dict(INPUT_HEADERS))
+        h.end_of_input()
+    assert answered.headers("out") == [carried or None]
+    reason = {"llmstream-reason": b"invalid_json"}
+    assert answered.headers("dlq") == [{**carried, **reason}]
+    by_reason = {b["reason"]: headers for b, headers in zip(refused.bodies("dlq"), refused.headers("dlq"), strict=True)}
+    assert by_reason == {"invalid_json": {**carried, **reason},
+                         "inference_rejected": {**carried, "llmstream-reason": b"inference_rejected"}}
+
+
+def test_the_reason_header_follows_the_forwarded_ones_and_never_overwrites_a_users(
+        harnesses: list[Harness]) -> None:
+    h = stage(harnesses)
+    h.element(0, b"[1]", offset=1, headers={"a": b"1", "b": b"2"})
+    h.element(0, b"[2]", offset=2, headers={"llmstream-reason": b"the user's own", "a": b"1"})
+    first, second = h.headers("dlq")
+    assert first is not None and list(first.items()) == [("a", b"1"), ("b", b"2"), ("llmstream-reason", b"not_an_object")]
+    assert second == {"llmstream-reason": b"the user's own", "a": b"1"}
+    assert [b["reason"] for b in h.bodies("dlq")] == ["not_an_object", "not_an_object"]
+
+
+@pytest.mark.parametrize("headers", [None, {}])
+def test_a_record_without_headers_gets_none_and_its_dead_letter_only_the_reason(
+        harnesses: list[Harness], headers: dict[str, bytes] | None) -> None:
+    """The connector hands over an empty map for a record without headers; a NULL map (a row
+    built elsewhere) must work as well."""
+    h = stage(harnesses)
+    h._at(0)
+    for offset, value in ((1, record(1)), (2, b"{}")):
+        row = Row(b"k", value, "in", 0, offset, TS, headers)
+        h.out.extend(h.function.process_element(row, h.ctx))  # type: ignore[arg-type]
+    h.end_of_input()
+    assert h.headers("out") == [None]
+    assert h.headers("dlq") == [{"llmstream-reason": b"missing_field"}]
+
+
+def test_headers_survive_a_restore_with_the_record(harnesses: list[Harness]) -> None:
+    first = stage(harnesses, never_answering)
+    first.element(0, record(1), offset=1, headers={"traceparent": TRACEPARENT})
+    checkpoint = first.state.snapshot()
+    first.close()
+    second = stage(harnesses, state=KeyedState(checkpoint))
+    second.tick(0)
+    second.end_of_input()
+    assert second.headers("out") == [{"traceparent": TRACEPARENT}]
+
+
+def test_source_topic_says_which_input_topic_each_record_came_from(harnesses: list[Harness]) -> None:
+    """Two input topics: the same partition and offset in the same bucket are two records, two
+    state entries, two answers."""
+    h = stage(harnesses, never_answering)
+    h.element(0, record(1), offset=5, topic="orders")
+    h.element(0, record(2), offset=5, topic="refunds")
+    h.element(0, b"[]", offset=6, topic="refunds")
+    assert set(h.state.snapshot()[0]) == {"orders:0:5", "refunds:0:5"}
+    checkpoint = h.state.snapshot()
+    h.close()
+    second = stage(harnesses, state=KeyedState(checkpoint))
+    second.tick(0)
+    second.end_of_input()
+    assert sorted((b["id"], b["source"]["topic"]) for b in second.bodies("out")) == [
+        ("id-1", "orders"), ("id-2", "refunds")]
+    assert [b["source"]["topic"] for b in h.bodies("dlq")] == ["refunds"]
+
+
+# ---------------------------------------------------------------------- the pending record in state
+
+
+def test_the_state_holds_named_pending_records_under_topic_partition_offset(harnesses: list[Harness]) -> None:
+    h = stage(harnesses, never_answering)
+    h.element(2, record(3), offset=3, key=b"key-3", partition=1, headers={"tenant": b"acme"})
+    [(handle, stored)] = h.state.snapshot()[2].items()
+    assert handle == "in:1:3"
+    assert stored == PendingRecord(b"key-3", record(3), "in", 1, 3, TS, (("tenant", b"acme"),))
+
+
+def test_a_state_of_six_tuples_written_before_pending_records_still_resumes(harnesses: list[Harness]) -> None:
+    """A savepoint taken by the llmstream before `PendingRecord` holds `partition:offset` ->
+    (key, value, topic, partition, offset, timestamp_ms), pickled."""
+    legacy = pickle.loads(pickle.dumps((b"key-5", record(5), "in", 0, 5, TS)))
+    h = stage(harnesses, state=KeyedState({1: {"0:5": legacy}, 2: {"0:6": (None, b"[]", "in", 0, 6, None)}}))
+    h.tick(1)
+    h.tick(2)
+    h.end_of_input()
+    [body] = h.bodies("out")
+    assert body["id"] == "id-5" and body["source"] == {"topic": "in", "partition": 0, "offset": 5, "timestamp": TS}
+    assert [(b["reason"], b["source"]["offset"]) for b in dead_letters(h)] == [("not_an_object", 6)]
+    assert h.headers("out") == [None]
+    assert h.state.snapshot() == {} and h.metric("reissued") == 1
+
+
+def test_a_state_entry_that_is_no_pending_record_is_a_dead_letter_and_leaves_state(harnesses: list[Harness]) -> None:
+    h = stage(harnesses, state=KeyedState({0: {"0:1": ("not", "a", "record")}, 1: {"in:0:2": record(2)}}))
+    h.tick(0)
+    h.tick(1)
+    assert [b["reason"] for b in dead_letters(h)] == ["internal_error", "internal_error"]
+    assert h.state.snapshot() == {}
+
+
+def test_a_pending_record_pickled_before_a_field_was_added_takes_its_default() -> None:
+    """`headers` stands for any field a later llmstream adds: older pickles lack it."""
+    current = PendingRecord(b"k", b"v", "in", 0, 1, TS, (("a", b"1"),))
+    old_state = {k: v for k, v in vars(current).items() if k != "headers"}
+    older = PendingRecord.__new__(PendingRecord)
+    older.__setstate__(old_state)
+    assert pickle.loads(pickle.dumps(older)) == PendingRecord(b"k", b"v", "in", 0, 1, TS)
+    assert pickle.loads(pickle.dumps(current)) == current

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Any
+
+import pytest
 
 from udfs import dead_letter
 from udfs.encode import result_row
 from udfs.errors import BadInput, ResultTooLarge, RetryableError
-from udfs.records import Completion, Request, SourceRef
+from udfs.records import Completion, Request, SourceRef, forwarded_headers
 
 SOURCE = SourceRef("requests", 1, 42, 1_700_000_000_000)
 
@@ -83,3 +86,51 @@ def test_huge_original_is_cut_with_its_hash() -> None:
     assert body["original"]["size"] == len(raw)
     assert len(body["original"]["value"]) == dead_letter.ORIGINAL_LIMIT_BYTES
     assert len(body["original"]["sha256"]) == 64
+
+
+# ---------------------------------------------------------------------- headers
+
+PAIRS = (("traceparent", b"00-abc-def-01"), ("tenant", b"acme"), ("tenant", b"globex"), ("blank", None))
+
+
+@pytest.mark.parametrize(("forward", "expected"), [
+    ("all", [("traceparent", b"00-abc-def-01"), ("tenant", b"globex"), ("blank", None)]),
+    ("none", []),
+    (["tenant", "traceparent"], [("traceparent", b"00-abc-def-01"), ("tenant", b"globex")]),
+    (["Traceparent"], []),
+])
+def test_forwarded_headers_keep_order_and_the_last_value_of_a_repeated_name(
+        forward: Any, expected: list[tuple[str, bytes | None]]) -> None:
+    assert list(forwarded_headers(PAIRS, forward).items()) == expected
+
+
+def test_no_headers_forward_nothing() -> None:
+    assert forwarded_headers(None, "all") == {} and forwarded_headers((), ["a"]) == {}
+
+
+def test_a_result_carries_the_forwarded_headers_and_they_count_towards_its_size() -> None:
+    request = Request(id="r1", key=b"k", source=SOURCE, prompt="hi")
+    completion = Completion(output="hello", model="m", finish_reason="stop", prompt_tokens=1, completion_tokens=1,
+                            latency_ms=1.0, attempts=1, endpoint="e", started_ms=1, completed_ms=2)
+    headers = {"traceparent": b"t" * 55}
+    row = result_row(request, completion, "results", headers=headers)
+    assert row.headers == headers
+    assert result_row(request, completion, "results").headers is None
+    size = len(row.value) + len(b"k") + len("traceparent") + 55
+    assert result_row(request, completion, "results", max_bytes=size, headers=headers).headers == headers
+    with pytest.raises(ResultTooLarge):
+        result_row(request, completion, "results", max_bytes=size - 1, headers=headers)
+
+
+def test_a_dead_letter_adds_its_reason_header_after_the_forwarded_ones_without_overwriting() -> None:
+    err = BadInput("invalid_json", "nope")
+    row = dead_letter.for_error(err, key=None, value=b"{", source=SOURCE, record_id=None, job="j", topic="dlq",
+                                headers={"traceparent": b"t"})
+    assert row.headers is not None
+    assert list(row.headers.items()) == [("traceparent", b"t"), (dead_letter.REASON_HEADER, b"invalid_json")]
+    mine = dead_letter.for_error(err, key=None, value=b"{", source=SOURCE, record_id=None, job="j", topic="dlq",
+                                 headers={"llmstream-reason": b"user value"})
+    assert mine.headers == {"llmstream-reason": b"user value"}
+    assert json.loads(mine.value)["reason"] == "invalid_json"
+    bare = dead_letter.for_error(err, key=None, value=b"{", source=SOURCE, record_id=None, job="j", topic="dlq")
+    assert bare.headers == {"llmstream-reason": b"invalid_json"}
