@@ -406,7 +406,7 @@ def test_the_stage_batches_admitted_records_and_a_restore_batches_the_pending_on
         first.element(i % 2, json.dumps({"id": f"id-{i}", "prompt": stage_text(i)}).encode(), offset=i)
     checkpoint = first.state.snapshot()
     emitted = {b["id"] for b in [*first.bodies("out"), *first.bodies("dlq")]}
-    stored = {json.loads(v[1])["id"] for bucket in checkpoint.values() for v in bucket.values()}
+    stored = {json.loads(v.value)["id"] for bucket in checkpoint.values() for v in bucket.values()}
     assert stored and not stored & emitted and stored | emitted == {f"id-{i}" for i in range(24)}
     deadline = time.monotonic() + 60
     while sim.stats()["requests_total"] < 2 and time.monotonic() < deadline:
