@@ -2,9 +2,14 @@
 
 This module only wires stages from the config; the stages live in `udfs/`. The Kafka ends
 are Flink's Kafka table connector (the DataStream `KafkaSource`/`KafkaSink` underneath),
-because only the table connector hands Python the record key and its topic, partition and
-offset, and writes a key and a per-record topic (output or dead letter) through one
-exactly-once sink.
+because only the table connector hands Python the record key, its topic, partition, offset
+and headers, and writes a key, headers and a per-record topic (output or dead letter)
+through one exactly-once sink.
+
+Headers travel as the connector's `headers` metadata, a `MAP<STRING, BYTES>` both ways: it
+holds one value per name (a name repeated in the input keeps its last value) and its order
+is the connector's hash map's, not the record's. `kafka.forward_headers` picks which reach
+the output (`udfs/records.py`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ def _with(options: dict[str, str]) -> str:
 def source_options(config: JobConfig) -> dict[str, str]:
     """Kafka source: the consumer group's committed offsets, earliest where there are none,
     when no state is restored; offsets are committed to the group when a checkpoint completes.
+    New partitions, and with a pattern new topics, are found every `kafka.discovery_interval_ms`
+    and read from their earliest offset.
 
     Never bounded: a restored source keeps the stopping offsets its splits were created
     with, so a bounded backfill resumed from an unbounded run's state would never end (and
@@ -82,6 +89,7 @@ def source_options(config: JobConfig) -> dict[str, str]:
         "value.format": "raw",
         "value.fields-include": "EXCEPT_KEY",
         "scan.parallelism": str(config.parallelism.of("source")),
+        "scan.topic-partition-discovery.interval": f"{kafka.discovery_interval_ms} ms",
     }
     out.update(_client_properties(config))
     return out
@@ -257,8 +265,11 @@ for e^-8 of the seconds) that wake the inference stage when no input comes:
 after a restore, the stage starts again what its state holds on the first element (or timer)
 of each bucket, and a restored job whose input is already consumed would otherwise get none
 (restored processing-time timers did not reach the Python function, measured)."""
+HEADERS_SQL = "MAP<STRING, BYTES>"
+"""The Kafka connector's `headers` metadata type, read and written (measured: what 5.0.0-2.2 accepts)."""
 INPUT_ROW_SQL = ("ROW<k BYTES, v BYTES, `topic` STRING, `partition` INT, `offset` BIGINT, "
-                 "ts TIMESTAMP_LTZ(3)>")
+                 f"ts TIMESTAMP_LTZ(3), `headers` {HEADERS_SQL}>")
+"""`udfs.operators.INPUT_ROW_TYPE` in SQL."""
 
 
 def _as_rows(t_env: StreamTableEnvironment, table: Table, row_type: Any) -> DataStream:
@@ -269,11 +280,13 @@ def _as_rows(t_env: StreamTableEnvironment, table: Table, row_type: Any) -> Data
     return stream
 
 
-def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int) -> KeyedStream:
+def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
+                   with_headers: bool = True) -> KeyedStream:
     """The input rows keyed by bucket, with the bucket computed in SQL and the key taken on the
     JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip) in front.
     A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a second, and
-    the buckets of other parallelisms (`tick_keys`) about once a second."""
+    the buckets of other parallelisms (`tick_keys`) about once a second. Without `with_headers`
+    the rows carry NULL headers and the source does not read them (`kafka.forward_headers: none`)."""
     keys, other_keys = tick_keys(parallelism, env.get_max_parallelism() if env.get_max_parallelism() > 0 else None)
     cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(keys))
     # Tick slots: each own key TICKS_PER_BUCKET_PER_S times, each other key OTHER_TICKS_PER_BUCKET_PER_S.
@@ -289,9 +302,11 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
             "fields.n.max": "1000000",
         }) + "\n)")
     row_type = Types.ROW([Types.INT(), INPUT_ROW_TYPE]).get_java_type_info()
+    headers = "`headers`" if with_headers else f"CAST(NULL AS {HEADERS_SQL})"
     requests = _as_rows(t_env, t_env.sql_query(
         f"SELECT CASE MOD(`offset`, {len(keys)}) {cases} END AS bucket,\n"
-        f"  CAST(ROW(k, v, `topic`, `partition`, `offset`, ts) AS {INPUT_ROW_SQL}) AS rec FROM {SOURCE_TABLE}"),
+        f"  CAST(ROW(k, v, `topic`, `partition`, `offset`, ts, {headers}) AS {INPUT_ROW_SQL}) AS rec\n"
+        f"FROM {SOURCE_TABLE}"),
         row_type)
     config = t_env.get_config()
     uid_format = config.get("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
@@ -315,21 +330,25 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
     # built twice, or after a change elsewhere in the graph, would not find its state again.
     # Each Kafka end gets fixed uids instead; the DataStream operators set their own.
     t_env.get_config().set("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
+    # Without forwarded headers the source does not read them at all (the planner keeps a
+    # declared metadata column in the scan even when the query only selects NULL in its place).
+    with_headers = config.kafka.forward_headers != "none"
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n"
         "  k BYTES, v BYTES,\n"
         "  `topic` STRING METADATA VIRTUAL, `partition` INT METADATA VIRTUAL,\n"
-        "  `offset` BIGINT METADATA VIRTUAL, ts TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL\n"
-        f") WITH (\n  {_with(source_options(config))}\n)"
+        "  `offset` BIGINT METADATA VIRTUAL, ts TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL"
+        + (f",\n  `headers` {HEADERS_SQL} METADATA VIRTUAL" if with_headers else "")
+        + f"\n) WITH (\n  {_with(source_options(config))}\n)"
     )
     t_env.execute_sql(
-        f"CREATE TEMPORARY TABLE {SINK_TABLE} (k BYTES, v BYTES, `topic` STRING METADATA)\n"
+        f"CREATE TEMPORARY TABLE {SINK_TABLE} (k BYTES, v BYTES, `topic` STRING METADATA, `headers` {HEADERS_SQL} METADATA)\n"
         f"WITH (\n  {_with(sink_options(config))}\n)"
     )
     inference_parallelism = config.parallelism.of("inference")
     if config.python.unaligned_checkpoints:
         env.get_checkpoint_config().enable_unaligned_checkpoints()
-    keyed = keyed_requests(t_env, env, inference_parallelism)
+    keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers)
     outgoing = (
         keyed.process(InferenceStage(config), output_type=SINK_ROW_TYPE)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
