@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+from udfs import pricing
 from udfs.config import BudgetConfig, PriceConfig
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class SpendBudget:
             self.cost = 0.0
 
     def price(self, prompt_tokens: float, completion_tokens: float) -> float:
-        return prompt_tokens / 1000 * self.prices.prompt_per_1k + completion_tokens / 1000 * self.prices.completion_per_1k
+        """`pricing.cost` at `model.prices` (free without them: then only a token cap applies)."""
+        return pricing.cost(self.prices, prompt_tokens, completion_tokens)
 
     def _fits(self, tokens: float, cost: float) -> bool:
         if self.tokens == 0 and self.cost == 0:

@@ -11,6 +11,7 @@ import pytest
 
 from jobs.dev.simulator import ThreadedSimulator
 from tests.unit.test_client import job_config, request, run
+from udfs import pricing
 from udfs.budget import SpendBudget
 from udfs.client import InferenceClient
 from udfs.config import (
@@ -63,6 +64,14 @@ def test_cost_budget_prices_the_calls() -> None:
             await budget.acquire(10, 10)  # 0.03 each: one per window
         return budget.pauses
     assert run(go) == 2
+
+
+def test_answers_and_the_budget_share_one_price_formula() -> None:
+    prices = PriceConfig(prompt_per_1k=1.0, completion_per_1k=2.0)
+    assert pricing.cost(prices, 1500, 250) == 2.0
+    assert pricing.cost_or_none(prices, 1500, 250) == 2.0 and pricing.cost_or_none(None, 1500, 250) is None
+    assert SpendBudget(BudgetConfig(max_cost_per_hour=1.0), prices).price(1500, 250) == 2.0
+    assert SpendBudget(BudgetConfig(max_tokens_per_hour=10), None).price(1500, 250) == 0.0
 
 
 def test_a_call_larger_than_the_share_still_runs_alone() -> None:
