@@ -8,7 +8,8 @@ and dead-letter paths see one call per record as before. A batch is sent when it
 `max_size` items or when its oldest item has waited `max_wait_s`, whichever comes first;
 items only share a batch when their `group` is equal (e.g. the same model).
 
-`split_on_rejection` is the failure policy: the batch is retried as a whole by the one retry
+`batch_group` says which request bodies may share a batch and `batch_payload` makes their one
+body. `split_on_rejection` is the failure policy: the batch is retried as a whole by the one retry
 layer inside `send_batch`; if the server rejects it permanently with a 4xx, one bad input may
 be the cause, so every item is sent again on its own and only the bad one fails.
 """
@@ -16,9 +17,10 @@ be the cause, so every item is sent again on its own and only the bad one fails.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from udfs.errors import InferenceError, PermanentError
 
@@ -175,3 +177,15 @@ def share_usage(total: int, weights: Sequence[int]) -> list[int]:
     for i in by_remainder[:left]:
         shares[i] += 1
     return shares
+
+
+def batch_group(payload: dict[str, Any]) -> str:
+    """Records whose bodies differ only in `input` can share a batch request."""
+    if len(payload) == 2 and "input" in payload and "model" in payload:  # the usual embeddings body
+        return str(payload["model"])
+    return json.dumps({k: v for k, v in payload.items() if k != "input"}, sort_keys=True)
+
+
+def batch_payload(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One embeddings body for bodies of one `batch_group`: their fields, every input in order."""
+    return {**payloads[0], "input": [payload["input"] for payload in payloads]}

@@ -424,7 +424,8 @@ def test_close_leaves_no_connection_open(make_sim: Callable[..., ThreadedSimulat
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.parametrize("loop_state", ["running", "closed"])
 def test_close_from_another_loop_as_pyflink_does(make_sim: Callable[..., ThreadedSimulator], loop_state: str) -> None:
-    """PyFlink runs `async_invoke` on a loop in its own thread and closes that loop before `close()`."""
+    """The calls run on a loop in another thread (the stage's `CallRunner`); `close()` may come from
+    another loop, while the calls' loop still runs or after it was closed."""
     sim = make_sim()
     client = InferenceClient(job_config(sim.url, async_={"capacity": 8}))
     loop = asyncio.new_event_loop()
