@@ -40,6 +40,7 @@ _UNKNOWN_TOPIC_OR_PARTITION = 3
 __all__ = [
     "BrokerConfig",
     "BrokerError",
+    "Listener",
     "LocalBroker",
     "add_arguments",
     "default_data_dir",
@@ -57,13 +58,24 @@ def default_data_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class Listener:
+    """A client listener on 127.0.0.1 besides the main one: its name, port and security protocol."""
+
+    name: str
+    port: int
+    protocol: str
+
+
+@dataclass(frozen=True)
 class BrokerConfig:
     """Where and how one local broker runs.
 
     ``transaction.max.timeout.ms`` is set explicitly to the broker default (15 min)
     because Flink's exactly-once sink must use a ``transaction.timeout.ms`` no larger
     than it; override it through ``extra_properties`` if a job needs longer.
-    ``controller_port`` 0 means ``port + 1``.
+    ``controller_port`` 0 means ``port + 1``. ``listener`` names the listener on ``port``, which
+    is also its security protocol and the inter-broker listener; ``extra_listeners`` are more
+    client listeners (their TLS/SASL settings go in ``extra_properties``).
     """
 
     port: int = DEFAULT_PORT
@@ -71,13 +83,20 @@ class BrokerConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     heap: str = DEFAULT_HEAP
     extra_properties: dict[str, str] = field(default_factory=dict)
+    listener: str = "PLAINTEXT"
+    extra_listeners: tuple[Listener, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.controller_port:
             object.__setattr__(self, "controller_port", self.port + 1)
-        if self.port == self.controller_port:
-            raise ValueError(f"port and controller_port must differ (both {self.port})")
+        if len(set(self.ports)) != len(self.ports):
+            raise ValueError(f"every port must differ (got {', '.join(map(str, self.ports))})")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().resolve())
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port the broker listens on: the main listener's, the extra ones', the controller's."""
+        return (self.port, *(extra.port for extra in self.extra_listeners), self.controller_port)
 
     @classmethod
     def ephemeral(cls, data_dir: Path, **kwargs: Any) -> BrokerConfig:
@@ -90,7 +109,13 @@ class BrokerConfig:
 
     def server_properties(self) -> dict[str, str]:
         data = self.data_dir / "data"
-        listeners = f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}"
+        names = [(self.listener, self.port, self.listener)] + [
+            (extra.name, extra.port, extra.protocol) for extra in self.extra_listeners
+        ]
+        listeners = ",".join(
+            [f"{name}://127.0.0.1:{port}" for name, port, _ in names] + [f"CONTROLLER://127.0.0.1:{self.controller_port}"]
+        )
+        protocols = ",".join(["CONTROLLER:PLAINTEXT"] + [f"{name}:{protocol}" for name, _, protocol in names])
         props = {
             "process.roles": "broker,controller",
             "node.id": "1",
@@ -98,8 +123,8 @@ class BrokerConfig:
             "listeners": listeners,
             "advertised.listeners": listeners,
             "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "inter.broker.listener.name": self.listener,
+            "listener.security.protocol.map": protocols,
             "log.dirs": str(data),
             "offsets.topic.replication.factor": "1",
             "transaction.state.log.replication.factor": "1",
@@ -208,13 +233,17 @@ class LocalBroker:
 
     def is_ready(self, timeout_s: float = 3.0) -> bool:
         """True if our process is alive and the broker answers a metadata request."""
-        return self.pid() is not None and answers(self.bootstrap_servers, timeout_s)
+        return self.pid() is not None and self._answers(timeout_s)
+
+    def _answers(self, timeout_s: float) -> bool:
+        """Whether the broker answers a metadata request; a secured broker asks with credentials."""
+        return answers(self.bootstrap_servers, timeout_s)
 
     def status(self) -> dict[str, Any]:
         pid = self.pid()
         return {
             "running": pid is not None,
-            "ready": pid is not None and answers(self.bootstrap_servers, 3.0),
+            "ready": pid is not None and self._answers(3.0),
             "pid": pid,
             "bootstrap": self.bootstrap_servers,
             "controller": f"127.0.0.1:{self.config.controller_port}",
@@ -241,8 +270,16 @@ class LocalBroker:
     def _java_base(self) -> list[str]:
         return [_java(), f"-Dlog4j2.configurationFile={self.log4j_file}", "-cp", jars.classpath("broker")]
 
+    def _format_args(self) -> list[str]:
+        """More ``StorageTool format`` arguments (e.g. ``--add-scram``); they may hold secrets."""
+        return []
+
     def _format_storage(self) -> None:
-        """Format ``log.dirs`` once; a formatted dir keeps its cluster id across restarts."""
+        """Format ``log.dirs`` once; a formatted dir keeps its cluster id across restarts.
+
+        ``_format_args`` reach the tool through an argument file (its ``@file``, one argument a
+        line, mode 0600, removed afterwards), so no password shows in the process list.
+        """
         if (self.data_dir / "data" / "meta.properties").exists():
             return
         base = [*self._java_base(), "-Xmx256m", "kafka.tools.StorageTool"]
@@ -250,10 +287,21 @@ class LocalBroker:
         cluster_id = uuid_proc.stdout.strip().splitlines()[-1] if uuid_proc.stdout.strip() else ""
         if uuid_proc.returncode != 0 or not cluster_id:
             raise BrokerError(f"kafka StorageTool random-uuid failed:\n{uuid_proc.stdout}{uuid_proc.stderr}")
-        fmt = subprocess.run(
-            [*base, "format", "-t", cluster_id, "-c", str(self.properties_file), "--standalone"],
-            check=False, capture_output=True, text=True, timeout=120,
-        )
+        cmd = [*base, "format", "-t", cluster_id, "-c", str(self.properties_file), "--standalone"]
+        extra = self._format_args()
+        args_file = self.data_dir / "format.args"
+        if extra:
+            if any("\n" in arg for arg in extra):
+                raise BrokerError("a StorageTool format argument holds a newline")
+            args_file.unlink(missing_ok=True)
+            fd = os.open(args_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write("".join(f"{arg}\n" for arg in extra))
+            cmd.append(f"@{args_file}")
+        try:
+            fmt = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+        finally:
+            args_file.unlink(missing_ok=True)
         if fmt.returncode != 0:
             raise BrokerError(f"kafka StorageTool format failed:\n{fmt.stdout}{fmt.stderr}")
 
@@ -271,7 +319,7 @@ class LocalBroker:
                 )
             self._wait_ready(timeout)
             return
-        for port in (self.config.port, self.config.controller_port):
+        for port in self.config.ports:
             if port_in_use(port):
                 raise BrokerError(f"port {port} on 127.0.0.1 is already in use; pick another (--port)")
         jars.ensure("broker")
@@ -319,7 +367,7 @@ class LocalBroker:
                     f"kafka broker not ready after {timeout:g}s at {self.bootstrap_servers}; "
                     f"last lines of {self.log_file}:\n{self._log_tail()}"
                 )
-            if answers(self.bootstrap_servers, min(3.0, max(remaining, 0.5))):
+            if self._answers(min(3.0, max(remaining, 0.5))):
                 return
             time.sleep(0.3)
 
