@@ -79,9 +79,10 @@ class CallRunner:
 
     def submit(self, bucket: Hashable, handle: Hashable, call: Callable[[], Coroutine[Any, Any, Any]]) -> None:
         """Starts `call()` on the loop once a slot is free (blocking until then); its value goes
-        to `bucket` under `handle`. `call` must not raise (a raise is logged, its value is `None`)."""
+        to `bucket` under `handle`. `call` must not raise (a raise is logged, its value is `None`).
+        Raises `RuntimeError` once the runner is closed, also in a submit blocked at capacity."""
         with self._lock:
-            while self._in_flight >= self.capacity:
+            while self._closed or self._in_flight >= self.capacity:
                 if self._closed:
                     raise RuntimeError("CallRunner is closed")
                 self._lock.wait(0.5)
