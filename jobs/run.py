@@ -35,10 +35,12 @@ from typing import Any
 from kafka import TopicPartition  # type: ignore[import-untyped]
 
 from jobs import jars, preflight
-from jobs.dev.processes import free_port
+from jobs.flink_rest import last_error_line
 from jobs.kafka_admin import GroupProgress
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
+from jobs.ports import free_port
 from jobs.state import StateDir, check_identity, resume_point
+from jobs.state_location import checked_state_dir
 from jobs.status import LocalRun, Observer
 from jobs.status import line as status_line
 from udfs.cache import resolve_cache_location
@@ -176,7 +178,7 @@ def run_job(
     savepoint), CANCELED or FAILED. `options` names the state directory and how to resume."""
     options = options or RunOptions()
     stop = stop or StopRequest.new()
-    state = StateDir.for_job(config, options.state_dir)
+    state = checked_state_dir(config, options.state_dir, create=True)
     # The local result cache lives beside the job's snapshots (the workers get this path pickled).
     config = resolve_cache_location(config, state.path)
     preflight.check(config)
@@ -289,8 +291,7 @@ def _watch(job_client: Any, progress: GroupProgress, stop: StopRequest, targets:
 
 
 def _root_cause(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if "Exception:" in line or "Error:" in line]
-    return (lines[-1] if lines else str(err).splitlines()[0] if str(err) else type(err).__name__).strip()[:500]
+    return last_error_line(str(err)) if str(err).strip() else type(err).__name__
 
 
 def exit_code(state: str) -> int:

@@ -23,8 +23,10 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from jobs.cluster_address import target
 from jobs.flink_rest import ClusterError, FlinkRest
 from jobs.state import StateDir
+from jobs.state_location import checked_state_dir
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.status")
@@ -577,15 +579,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rest_url(args: argparse.Namespace, config: JobConfig, state: StateDir) -> tuple[str | None, LocalRun | None]:
+    """The REST API to ask (None: a local run that has ended, shown from its record), and that run.
+    Raises a `ConfigError` naming ``--jobmanager`` when no cluster answers."""
     if args.jobmanager:
-        address = args.jobmanager
-        return (address if address.startswith("http") else f"http://{address}"), None
+        return target(args.jobmanager).rest_url, None
     run = LocalRun.load(state)
     if run is not None and run.job_name == config.name:
         return (None if run.ended_at else run.rest_url), run
-    from jobs.dev.local_cluster import ClusterConfig
-
-    return f"http://localhost:{ClusterConfig.existing().rest_port}", None
+    return target(None, also_absent=f"no local run of {config.name!r} is recorded in {state.location}").rest_url, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -600,7 +601,7 @@ def run(args: argparse.Namespace) -> int:
     from udfs.config import load_config
 
     config = load_config(args.config)  # a ConfigError is the CLI's to report (exit 2, naming the key)
-    state = StateDir.for_job(config, args.state_dir)
+    state = checked_state_dir(config, args.state_dir, create=False)
     rest_url, run = _rest_url(args, config, state)
     with contextlib.ExitStack() as stack:
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))

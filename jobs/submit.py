@@ -2,7 +2,8 @@
 
 A job is submitted with Flink's own ``bin/flink run -d -py jobs/inference_job.py``
 (`jobs/flink_cli.py`) after `jobs.preflight.check`, to ``--jobmanager HOST:PORT`` or by
-default to the local cluster of ``llmstream cluster`` (`jobs/dev/local_cluster.py`). Every submit
+default to the local cluster of ``llmstream cluster``, found through the address it records
+(`jobs/cluster_address.py`). Every submit
 restores the newest snapshot in the job's state directory (`jobs/state.py`); ``stop`` and
 ``upgrade`` go through a savepoint, so no restart writes output twice or skips input.
 """
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,10 +19,12 @@ from typing import TYPE_CHECKING
 from kafka import TopicPartition  # type: ignore[import-untyped]
 
 from jobs import jars
-from jobs.flink_cli import flink_home, run_job_script
-from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
+from jobs.cluster_address import target
+from jobs.flink_cli import client_env, run_job_script
+from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest, last_error_line
 from jobs.kafka_admin import GroupProgress
 from jobs.state import StateDir, check_identity, resume_point
+from jobs.state_location import checked_state_dir
 
 if TYPE_CHECKING:
     from jobs.pipeline import RunOptions
@@ -35,26 +36,11 @@ __all__ = ["stop_job", "submit", "upgrade"]
 
 
 def _target(jobmanager: str | None) -> tuple[str, dict[str, str], FlinkRest]:
-    """(``flink run -m`` address, environment for Flink's CLI, REST client) of the cluster to use."""
-    from jobs.dev.local_cluster import (
-        ClusterConfig,
-        LocalCluster,
-        conf_source_dir,
-        default_work_dir,
-    )
-
-    local = LocalCluster(ClusterConfig.existing())
-    if not jobmanager:
-        if not local.is_running():
-            raise ClusterError(f"no local Flink cluster answers at {local.rest_url}; start one with "
-                               "`llmstream cluster start` or pass --jobmanager HOST:PORT")
-        return local.address, local.env(), local
-    env = dict(os.environ)
-    conf_dir = local.conf_dir if local.conf_dir.is_dir() else conf_source_dir()
-    log_dir = default_work_dir() / "log"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env.update(FLINK_HOME=str(flink_home()), FLINK_CONF_DIR=str(conf_dir), FLINK_LOG_DIR=str(log_dir))
-    return jobmanager, env, FlinkRest(f"http://{jobmanager}")
+    """(``flink run -m`` address, environment for Flink's CLI, REST client) of the cluster to use:
+    ``jobmanager``, else the local cluster (`jobs/cluster_address.py`, which raises a `ConfigError`
+    naming ``--jobmanager`` if it does not answer)."""
+    cluster = target(jobmanager)
+    return cluster.address, client_env(Path(cluster.conf_dir), Path(cluster.log_dir)), cluster.rest()
 
 
 def _load(config_path: str | None) -> tuple[Path, JobConfig]:
@@ -78,35 +64,32 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     Refuses while a job of the same name is live: two jobs committing the same state and
     transactional ids would duplicate output. With ``until_end`` it then waits until the group
     has committed the records present at submission and stops the job with a draining
-    savepoint. Returns 0, or 1 if the cluster refused. A `ConfigError` propagates (exit 2).
+    savepoint. Returns 0. Raises `ConfigError` for a setting (the state directory, the cluster's
+    address, the broker; exit 2), `ClusterError` when the cluster refuses or the job fails (exit 1).
     """
     from jobs import preflight
     from jobs.pipeline import RunOptions
 
     options = options or RunOptions()
     path, config = _load(config_path)
+    state = checked_state_dir(config, options.state_dir, create=True)
+    address, env, rest = _target(jobmanager)
     preflight.check(config)
     jars.ensure("connector")
-    try:
-        address, env, rest = _target(jobmanager)
-        live = rest.live_jobs(config.name)
-        if live:
-            raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
-                               "use `llmstream upgrade` to change it or `llmstream stop` first")
-        state = StateDir.for_job(config, options.state_dir)
-        check_identity(state, config, fresh=options.fresh)
-        restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
-        print(f"llmstream: {how}")
-        targets = _end_offsets(config) if options.until_end else None
-        job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location)
-        print(f"llmstream: submitted job {config.name} as {job_id}")
-        print(f"llmstream: web UI {rest.rest_url}/#/job/running/{job_id}/overview")
-        if targets is not None:
-            return _finish_backfill(rest, job_id, config, state, targets)
-        return 0
-    except ClusterError as err:
-        print(f"llmstream: {err}", file=sys.stderr)
-        return 1
+    live = rest.live_jobs(config.name)
+    if live:
+        raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
+                           "use `llmstream upgrade` to change it or `llmstream stop` first")
+    check_identity(state, config, fresh=options.fresh)
+    restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
+    print(f"llmstream: {how}")
+    targets = _end_offsets(config) if options.until_end else None
+    job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location)
+    print(f"llmstream: submitted job {config.name} as {job_id}")
+    print(f"llmstream: web UI {rest.rest_url}/#/job/running/{job_id}/overview")
+    if targets is not None:
+        return _finish_backfill(rest, job_id, config, state, targets)
+    return 0
 
 
 def _end_offsets(config: JobConfig) -> dict[TopicPartition, int]:
@@ -122,7 +105,8 @@ def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: Sta
         while not progress.reached(targets):
             status = rest.job_status(job_id)
             if status in TERMINAL_STATES:
-                raise ClusterError(f"job {job_id} ended {status} before the backfill was done: {rest.failure(job_id)}")
+                raise ClusterError(f"job {job_id} ended {status} before the backfill was done: "
+                                   f"{last_error_line(rest.failure(job_id))}")
             time.sleep(poll_s)
     savepoint = _stop_when_running(rest, job_id, state, drain=True)
     print(f"llmstream: backfill done; stopped with savepoint {savepoint}")
@@ -144,17 +128,14 @@ def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: 
 
 
 def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
-    """``llmstream stop``: stop the config's running job with a savepoint in its state directory."""
+    """``llmstream stop``: stop the config's running job with a savepoint in its state directory.
+    Returns 0; raises as `submit` does (``ClusterError`` also when no such job runs)."""
     _, config = _load(config_path)
-    try:
-        _, _, rest = _target(jobmanager)
-        job_id = _live_job(rest, config)
-        state = StateDir.for_job(config, state_dir)
-        print(f"llmstream: stopping job {config.name} ({job_id}) with a savepoint ...")
-        savepoint = _stop_when_running(rest, job_id, state, drain=False)
-    except ClusterError as err:
-        print(f"llmstream: {err}", file=sys.stderr)
-        return 1
+    state = checked_state_dir(config, state_dir, create=False)
+    _, _, rest = _target(jobmanager)
+    job_id = _live_job(rest, config)
+    print(f"llmstream: stopping job {config.name} ({job_id}) with a savepoint ...")
+    savepoint = _stop_when_running(rest, job_id, state, drain=False)
     print(f"llmstream: stopped; savepoint {savepoint}")
     print("llmstream: `llmstream submit` resumes from it")
     return 0
@@ -162,24 +143,24 @@ def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: 
 
 def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
     """``llmstream upgrade``: stop the running job with a savepoint and resubmit it from there with
-    the (changed) config: capacity, retries, endpoint, parallelism. The config is checked first,
-    so a broken one never stops a healthy job."""
+    the (changed) config: capacity, retries, endpoint, parallelism. The config, the state directory,
+    the cluster and the broker are checked first, so a broken one never stops a healthy job.
+    Returns 0; raises as `submit` does."""
     from jobs import preflight
 
     path, config = _load(config_path)
+    state = checked_state_dir(config, state_dir, create=state_dir is None)
+    address, env, rest = _target(jobmanager)
     preflight.check(config)
     jars.ensure("connector")
+    job_id = _live_job(rest, config)
+    check_identity(state, config, fresh=False)
+    print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")
+    savepoint = _stop_when_running(rest, job_id, state, drain=False)
+    print(f"llmstream: savepoint {savepoint}; resubmitting with {path}")
     try:
-        address, env, rest = _target(jobmanager)
-        job_id = _live_job(rest, config)
-        state = StateDir.for_job(config, state_dir)
-        check_identity(state, config, fresh=False)
-        print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")
-        savepoint = _stop_when_running(rest, job_id, state, drain=False)
-        print(f"llmstream: savepoint {savepoint}; resubmitting with {path}")
         new_id = run_job_script(path, address, env=env, savepoint=savepoint, state_dir=state.location)
     except ClusterError as err:
-        print(f"llmstream: {err}", file=sys.stderr)
-        return 1
+        raise ClusterError(f"{err}; the job is stopped: `llmstream submit` resumes it from {savepoint}") from None
     print(f"llmstream: upgraded: job {config.name} runs as {new_id}, restored from {savepoint}")
     return 0

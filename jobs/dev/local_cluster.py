@@ -15,7 +15,9 @@ The apache-flink wheel is a complete FLINK_HOME (``<site-packages>/pyflink``: ``
 
 Daemons are started with Flink's own ``jobmanager.sh start`` / ``taskmanager.sh start`` and
 a cluster counts as up when its REST API answers and the TaskManagers have registered.
-Jobs are submitted to it by `jobs/submit.py` (``llmstream submit``).
+Once its REST API answers, it records its address in ``cluster.json`` in the work dir
+(`jobs/cluster_address.py`), through which `jobs/submit.py` (``llmstream submit``) and
+``llmstream status`` find it.
 
 `LocalCluster` is the programmatic API (tests use it: kill a TaskManager, read restarts,
 cancel, stop with a savepoint); `main` is ``llmstream cluster start|stop|status``.
@@ -40,17 +42,12 @@ from typing import Any, Self
 import yaml
 
 from jobs import jars
-from jobs.dev.processes import (
-    children,
-    cmdline,
-    free_port,
-    pid_alive,
-    port_in_use,
-    terminate,
-    wait_gone,
-)
-from jobs.flink_cli import flink_home, python_jar, run_job_script
+from jobs.cluster_address import ClusterAddress, default_work_dir
+from jobs.dev.processes import children, cmdline, pid_alive, terminate, wait_gone
+from jobs.flink_cli import client_env, flink_home, python_jar, run_job_script
+from jobs.flink_cli import flink_conf_dir as conf_source_dir
 from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
+from jobs.ports import free_port, port_in_use
 
 log = logging.getLogger("llmstream.cluster")
 
@@ -102,15 +99,6 @@ def write_lib_dir(target: Path) -> Path:
         if not link.exists():
             link.symlink_to(source)
     return target
-
-
-def conf_source_dir() -> Path:
-    """The repo's ``flink-conf/``: the configuration every cluster here is generated from."""
-    return jars.repo_root() / "flink-conf"
-
-
-def default_work_dir() -> Path:
-    return jars.repo_root() / "var" / "flink"
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -237,19 +225,15 @@ class LocalCluster(FlinkRest):
         return self.pid_dir / f"flink-{IDENT}-{daemon}.pid"
 
     def env(self) -> dict[str, str]:
-        """Environment for Flink's bin scripts and CLI: this cluster's conf, log and pid dirs."""
-        env = dict(os.environ)
-        venv_bin = str(Path(sys.executable).parent)
-        env.update(
-            FLINK_HOME=str(flink_home()),
-            FLINK_LIB_DIR=str(self.lib_dir),
-            FLINK_CONF_DIR=str(self.conf_dir),
-            FLINK_LOG_DIR=str(self.log_dir),
-            FLINK_PID_DIR=str(self.pid_dir),
-            FLINK_IDENT_STRING=IDENT,
-            PATH=venv_bin + os.pathsep + env.get("PATH", ""),
-        )
+        """Environment for Flink's bin scripts and CLI: this cluster's conf, lib, log and pid dirs."""
+        env = client_env(self.conf_dir, self.log_dir)
+        env.update(FLINK_LIB_DIR=str(self.lib_dir), FLINK_PID_DIR=str(self.pid_dir), FLINK_IDENT_STRING=IDENT)
         return env
+
+    def record_address(self) -> None:
+        """Say in the work dir where this cluster answers (`jobs/cluster_address.py`): how
+        ``llmstream submit | stop | upgrade | status`` find it without --jobmanager."""
+        ClusterAddress(address=self.address, conf_dir=str(self.conf_dir), log_dir=str(self.log_dir)).write(self.work_dir)
 
     def write_conf(self) -> None:
         """(Re)generate ``conf/`` from ``flink-conf/`` with this cluster's ports and paths."""
@@ -339,6 +323,7 @@ class LocalCluster(FlinkRest):
         """Start the JobManager and ``taskmanagers`` TaskManagers, or top up a running cluster to that many."""
         if self.jobmanager_pid() is not None:
             self._wait("the REST API", self.overview, timeout)
+            self.record_address()
             missing = taskmanagers - len(self.taskmanager_pids())
             for _ in range(max(0, missing)):
                 self.add_taskmanager(timeout=timeout)
@@ -350,6 +335,7 @@ class LocalCluster(FlinkRest):
         try:
             self._script("jobmanager.sh", "start")
             self._wait("the REST API", self.overview, timeout)
+            self.record_address()
             for _ in range(taskmanagers):
                 self._script("taskmanager.sh", "start")
             self._wait_taskmanagers(taskmanagers, timeout)

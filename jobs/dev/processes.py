@@ -1,35 +1,21 @@
-"""Process and port facts shared by the services llmstream starts (broker, Flink cluster, model
-servers), on psutil rather than /proc parsing."""
+"""Process facts shared by the services llmstream starts (broker, Flink cluster, model servers),
+on psutil rather than /proc parsing. The port helpers live on the job's side (`jobs/ports.py`,
+which `llmstream run` uses too) and are re-exported here."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Iterable
 
 import psutil
 
+from jobs.ports import free_port, port_in_use
+
+__all__ = ["children", "cmdline", "free_port", "pid_alive", "port_in_use", "terminate", "wait_gone"]
+
 log = logging.getLogger("llmstream.processes")
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the usual race applies; fine for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether ``host:port`` cannot be bound (something listens there or holds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,0 +1,165 @@
+"""How the modules of `jobs/` and `udfs/` may depend on each other, read from their source (AST).
+
+- The job's own path never stands on development tooling: no module of `udfs/`, or of `jobs/`
+  outside `jobs/dev/`, imports `jobs.dev`, at module level or inside a function, except the face
+  (`jobs/cli.py` registers the dev commands, `jobs/demo.py` starts throwaway services).
+- No import cycle among `jobs/` and `udfs/` modules (imports inside ``if TYPE_CHECKING:`` do
+  not run and are left out; imports inside functions are counted: they are dependencies too).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("jobs", "udfs")
+DEV = "jobs.dev"
+FACE = {"jobs.cli", "jobs.demo"}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str
+    target: str
+    line: int
+    type_checking: bool
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an imported name refers to (``jobs.jars`` for ``from jobs import jars``)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(module: str, path: Path) -> Iterator[Import]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(node: ast.AST, type_checking: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.body:
+                    yield from visit_stmt(stmt, True)
+                for stmt in child.orelse:
+                    yield from visit_stmt(stmt, type_checking)
+                continue
+            yield from visit_stmt(child, type_checking)
+
+    def visit_stmt(node: ast.AST, type_checking: bool) -> Iterator[Import]:
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from jobs import jars` imports the module jobs.jars; `from jobs.jars import x`, jobs.jars.
+            names = [f"{base}.{alias.name}" for alias in node.names] if base else []
+        for name in names:
+            target = _resolve(name)
+            if target is not None and target != module:
+                yield Import(module, target, getattr(node, "lineno", 0), type_checking)
+        yield from visit(node, type_checking)
+
+    yield from visit(ast.parse(path.read_text(), filename=str(path)), False)
+
+
+IMPORTS = [imp for module, path in MODULES.items() for imp in _imports(module, path)]
+
+
+def _is_dev(module: str) -> bool:
+    return module == DEV or module.startswith(DEV + ".")
+
+
+def _on_the_jobs_path(module: str) -> bool:
+    return not _is_dev(module) and module not in FACE
+
+
+def test_the_jobs_path_imports_no_dev_tooling() -> None:
+    offending = [f"{MODULES[i.module].relative_to(ROOT)}:{i.line} imports {i.target}" for i in IMPORTS
+                 if _on_the_jobs_path(i.module) and _is_dev(i.target)]
+    assert not offending, "the job's path imports jobs/dev/:\n" + "\n".join(offending)
+
+
+def test_imports_inside_functions_are_seen() -> None:
+    """The checks can fail: `jobs/cli.py` imports the model-server modules inside a function."""
+    assert {("jobs.cli", "jobs.dev.real_models"), ("jobs.cli", "jobs.dev.simulator.cli")} <= {
+        (i.module, i.target) for i in IMPORTS if not i.type_checking}
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for i in IMPORTS:
+        if not i.type_checking:
+            graph[i.module].add(i.target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_import_cycles_among_jobs_and_udfs() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
