@@ -27,9 +27,11 @@ only so that keyed state and timers exist; they have no meaning. Per bucket:
 
 A result leaves state in the same call that emits it, so a snapshot never holds a request
 whose answer is already downstream. Results and dead letters carry the input record's
-headers as `kafka.forward_headers` lets through (`records.forwarded_headers`). Nothing raises out of the function: an unexpected
-exception is a bug, an `InternalError`; it becomes an `internal_error` dead letter and is
-logged with its traceback (tests/unit/test_operators.py).
+headers as `kafka.forward_headers` lets through (`records.forwarded_headers`).
+
+Nothing raises out of the function: an unexpected exception is a bug, an `InternalError`;
+it becomes an `internal_error` dead letter and is logged with its traceback
+(tests/unit/test_operators.py).
 """
 
 from __future__ import annotations

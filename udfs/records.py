@@ -84,8 +84,10 @@ class PendingRecord:
 
 def forwarded_headers(headers: Iterable[tuple[str, bytes | None]] | None, forward: ForwardHeaders) -> SinkHeaders:
     """The input headers an outgoing record carries under `kafka.forward_headers`: all, none, or
-    those whose name is in the list (names compared exactly, as Kafka does). Order is kept; a name
-    given more than once keeps its last value, because the sink writes headers from a map."""
+    those whose name is in the list (names compared exactly, as Kafka does). The order given is
+    kept; a name given more than once keeps its last value, because the sink writes headers from
+    a map. (The Kafka table connector reads and writes headers through a Java `HashMap`, so on
+    the wire neither the input's order nor its repeated names survive: measured.)"""
     if headers is None or forward == "none":
         return {}
     wanted = None if forward == "all" else frozenset(forward)
