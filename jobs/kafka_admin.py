@@ -12,11 +12,11 @@ llmstream opens exactly as the job's own Kafka ends reach it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
-import ssl
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from kafka.admin import (  # type: ignore[import-untyped]
@@ -26,7 +26,7 @@ from kafka.admin import (  # type: ignore[import-untyped]
     OffsetSpec,
 )
 from kafka.consumer.fetcher import ConsumerRecord  # type: ignore[import-untyped]
-from kafka.errors import KafkaError, SaslAuthenticationFailedError, for_code  # type: ignore[import-untyped]
+from kafka.errors import KafkaError, for_code  # type: ignore[import-untyped]
 from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[import-untyped]
 
 from udfs import kafka_security
@@ -34,6 +34,7 @@ from udfs.config import JobConfig, KafkaConfig
 from udfs.errors import ConfigError
 from udfs.secrets import mask
 
+T = TypeVar("T")
 Cluster: TypeAlias = str | KafkaConfig | Mapping[str, Any]
 """A bootstrap string, the job's Kafka config, or kafka-python arguments (`bootstrap_servers` and security)."""
 
@@ -67,44 +68,108 @@ def client_args(cluster: Cluster) -> dict[str, Any]:
     return dict(cluster)
 
 
+class Unreachable(KafkaError):  # type: ignore[misc]
+    """No broker of a cluster could be bootstrapped. kafka-python retries every failed connection
+    until its deadline and then raises a bare timeout; `causes` are the errors it logged meanwhile
+    (a refused TLS handshake, a closed socket), which say why."""
+
+    def __init__(self, message: str, causes: list[str]) -> None:
+        super().__init__(message)
+        self.causes = causes
+
+
+class _BootstrapFailures(logging.Handler):
+    """Keeps what kafka-python logs about failed bootstrap connections (its only report of them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.causes: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.causes += [f"{type(a).__name__}: {a}" for a in record.args or () if isinstance(a, BaseException)]
+
+
+@contextlib.contextmanager
+def _bootstrap_failures() -> Iterator[_BootstrapFailures]:
+    """Records kafka-python's bootstrap failures whatever level its logger is set to (the CLI silences
+    it), without passing them on to the user's log."""
+    logger = logging.getLogger("kafka.net.manager")
+    handler = _BootstrapFailures()
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = propagate and logger.isEnabledFor(logging.WARNING) and \
+        logging.getLogger("kafka").getEffectiveLevel() <= logging.WARNING
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _hopeless(causes: list[str], args: dict[str, Any]) -> bool:
+    """Failures that waiting longer will not cure: TLS refused either way, or (with SASL) the broker
+    hanging up again and again after a good TLS handshake, as it does on wrong credentials."""
+    if any("SSL" in c or "Handshake failed" in c or "Invalid frame length" in c for c in causes):
+        return True
+    disconnects = sum("socket disconnected" in c for c in causes)
+    return disconnects >= 3
+
+
+FIRST_ATTEMPT_S = 5.0
+"""How long one bootstrap attempt may take before its failures are looked at."""
+
+
+def open_client(factory: Callable[..., T], cluster: Cluster, timeout_s: float = 30.0, **kwargs: Any) -> T:
+    """``factory(**client_args(cluster), **kwargs)`` (a kafka-python client), retried until ``timeout_s``
+    while no broker answers; raises `Unreachable` with the reasons at once when waiting cannot help
+    (a certificate refused, credentials refused), so a misconfiguration ends in seconds, not a timeout."""
+    args = client_args(cluster)
+    deadline = time.monotonic() + timeout_s
+    with _bootstrap_failures() as seen:
+        while True:
+            attempt_s = max(0.5, min(FIRST_ATTEMPT_S, deadline - time.monotonic()))
+            try:
+                return factory(**args, **kwargs, bootstrap_timeout_ms=int(attempt_s * 1000))
+            except KafkaError as err:
+                if time.monotonic() >= deadline or _hopeless(seen.causes, args):
+                    raise Unreachable(str(err), list(seen.causes)) from err
+
+
 def connection_error(kafka: KafkaConfig, args: dict[str, Any], err: BaseException) -> ConfigError:
-    """The one-line reason a connection to `kafka` failed (wrong credentials, an untrusted or mismatched
-    certificate, TLS refused, no broker), naming the setting to change; `args` are the client arguments
-    used, whose secrets are masked in anything quoted from the error."""
-    err = _cause(err)
-    text = str(err)
+    """The one-line reason a connection to `kafka` failed (credentials refused, an untrusted or
+    mismatched certificate, TLS or not, no broker), naming the setting to change; `args` are the
+    client arguments used, whose secrets are masked in anything quoted."""
+    causes = getattr(err, "causes", None) or [f"{type(err).__name__}: {err}"]
+    text = mask(" | ".join(dict.fromkeys(causes)), kafka_security.secret_values(args))
+    last = text.rsplit(" | ", 1)[-1][:200]
     bootstrap = kafka.bootstrap_servers
-    masked = kafka_security.secret_values(args)
-    if isinstance(err, SaslAuthenticationFailedError) or "Authentication failed" in text or "SASL" in text:
-        user = args.get("sasl_plain_username", "?")
-        return ConfigError("kafka.properties.sasl.jaas.config",
-                           f"the broker at {bootstrap} refused the credentials of user {user!r} "
-                           f"({args.get('sasl_mechanism')}): {mask(text, masked)[:200]}")
-    if isinstance(err, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
-        if re.search(r"(?i)hostname|ip address mismatch|doesn't match", text):
+    protocol = args.get("security_protocol", "PLAINTEXT")
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        if re.search(r"(?i)hostname mismatch|ip address mismatch|not valid for", text):
             return ConfigError("kafka.bootstrap_servers",
-                               f"the broker's TLS certificate does not name the host in {bootstrap} ({text[:160]}); "
-                               "connect by a name the certificate has (or, at your own risk, set "
-                               "kafka.properties.ssl.endpoint.identification.algorithm to '')")
-        ca = args.get("ssl_cafile") or "the system's CA store"
+                               f"the TLS certificate of the broker at {bootstrap} does not name that host; connect "
+                               "by a name the certificate has (or, at your own risk, set kafka.properties."
+                               "ssl.endpoint.identification.algorithm to '')")
         return ConfigError("kafka.properties.ssl.truststore.location",
-                           f"the broker at {bootstrap} presented a TLS certificate not signed by a CA in {ca} "
-                           f"({text[:160]})")
-    if isinstance(err, ssl.SSLError):
+                           f"the broker at {bootstrap} presented a TLS certificate not signed by a CA in "
+                           f"{args.get('ssl_cafile') or 'the system CA store'}")
+    if "ALERT_BAD_CERTIFICATE" in text or "ALERT_CERTIFICATE_REQUIRED" in text or "alert unknown ca" in text:
+        return ConfigError("kafka.properties.ssl.keystore.location",
+                           f"the broker at {bootstrap} refused this client's certificate (or its absence): the "
+                           "listener requires mutual TLS with a certificate its CA signed")
+    if "Invalid frame length" in text or (protocol == "PLAINTEXT" and "socket disconnected" in text):
         return ConfigError("kafka.properties.security.protocol",
-                           f"TLS with the broker at {bootstrap} failed: {text[:200]} (does the listener speak "
-                           f"{args.get('security_protocol')}? does it require a client certificate?)")
-    return ConfigError("kafka.bootstrap_servers", f"no Kafka broker answers at {bootstrap} ({text[:200]})")
-
-
-def _cause(err: BaseException) -> BaseException:
-    """The TLS or authentication error behind a generic `NoBrokersAvailable`, if kafka-python kept it."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, (ssl.SSLError, SaslAuthenticationFailedError)):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return err
+                           f"the listener at {bootstrap} does not speak {protocol} (does it need SSL or SASL_SSL?)")
+    if "SSL" in text or "Handshake failed" in text:
+        return ConfigError("kafka.properties.security.protocol", f"TLS with the broker at {bootstrap} failed: {last}")
+    if protocol.startswith("SASL_") and "socket disconnected" in text:
+        return ConfigError("kafka.properties.sasl.jaas.config",
+                           f"the broker at {bootstrap} closed every connection while authenticating user "
+                           f"{args.get('sasl_plain_username')!r} with {args.get('sasl_mechanism')}: wrong password "
+                           "or unknown user (or the listener does not offer that mechanism)")
+    return ConfigError("kafka.bootstrap_servers", f"no Kafka broker answers at {bootstrap} ({last})")
 
 
 def answers(cluster: Cluster, timeout_s: float) -> bool:
@@ -123,10 +188,9 @@ def answers(cluster: Cluster, timeout_s: float) -> bool:
 
 
 def connect(cluster: Cluster, timeout_s: float = 30.0, client_id: str = "llmstream-admin") -> KafkaAdminClient:
-    """An admin client for ``cluster``; raises kafka-python's error if no broker answers."""
-    ms = int(timeout_s * 1000)
-    return KafkaAdminClient(**client_args(cluster), request_timeout_ms=ms, bootstrap_timeout_ms=ms,
-                            client_id=client_id)
+    """An admin client for ``cluster``; raises `Unreachable` (a `KafkaError`) if no broker answers."""
+    return open_client(KafkaAdminClient, cluster, timeout_s, request_timeout_ms=int(timeout_s * 1000),
+                       client_id=client_id)
 
 
 @contextlib.contextmanager
@@ -309,12 +373,11 @@ class GroupProgress:
 
     def __init__(self, config: JobConfig) -> None:
         self._kafka = config.kafka
-        args = config.kafka.client_args()
         try:
-            self._consumer = KafkaConsumer(**args, group_id=config.kafka.group_id, enable_auto_commit=False,
-                                           client_id="llmstream-progress")
-        except (KafkaError, OSError) as err:
-            raise connection_error(config.kafka, args, err) from None
+            self._consumer = open_client(KafkaConsumer, config.kafka, group_id=config.kafka.group_id,
+                                         enable_auto_commit=False, client_id="llmstream-progress")
+        except KafkaError as err:
+            raise connection_error(config.kafka, config.kafka.client_args(), err) from None
 
     def _partitions(self) -> list[TopicPartition]:
         existing = self._consumer.topics() if self._kafka.input_topic_pattern is not None else ()

@@ -21,10 +21,13 @@ from kafka.admin import ACLOperation, KafkaAdminClient, NewTopic  # type: ignore
 from kafka.errors import (  # type: ignore[import-untyped]
     AuthorizationError,
     CoordinatorNotAvailableError,
+    GroupAuthorizationFailedError,
     KafkaError,
     NotCoordinatorError,
     TopicAlreadyExistsError,
+    for_code,
 )
+from kafka.protocol.consumer.group import JoinGroupRequest  # type: ignore[import-untyped]
 
 from jobs import kafka_admin
 from udfs.config import JobConfig
@@ -35,6 +38,8 @@ log = logging.getLogger("llmstream.preflight")
 OUTPUT_KEYS = ("output_topic", "dead_letter_topic")
 _UNKNOWN_TOPIC = 3
 _TOPIC_AUTHORIZATION_FAILED = 29
+JOIN_PROBE_SESSION_MS = 6000
+"""The broker's minimum session timeout by default: the probe's pending member is forgotten soonest."""
 PREFLIGHT_TRANSACTION_SUFFIX = "-llmstream-preflight"
 """A transactional id under the job's prefix that preflight initializes to check its ACL (the sink's
 own ids are `<prefix>-<subtask>-<n>`, so this one is never used by a running job)."""
@@ -118,24 +123,42 @@ def _check_topics(config: JobConfig, admin: KafkaAdminClient, principal: str) ->
                                               + _denied(principal, "CREATE", "topic", topic)) from None
 
 
+async def _join_probe(admin: KafkaAdminClient, group: str, request: Any) -> Any:
+    coordinator = await admin._find_coordinator_id(group)
+    return await admin._manager.send(request, node_id=coordinator)
+
+
 def _check_group(config: JobConfig, admin: KafkaAdminClient, principal: str, timeout_s: float) -> None:
+    """READ on the job's group (the source commits offsets to it), asked without joining it.
+
+    DescribeGroups reports authorized operations only for a group that exists, and a new job's group
+    does not. So preflight sends the JoinGroup a consumer would, with no member id: the broker checks
+    READ on the group first (GROUP_AUTHORIZATION_FAILED), and an authorized request is answered
+    MEMBER_ID_REQUIRED without joining anything (KIP-394). Uses kafka-python's internals (pinned).
+    """
     group = config.kafka.group_id
+    request = JoinGroupRequest(
+        group_id=group, session_timeout_ms=JOIN_PROBE_SESSION_MS, rebalance_timeout_ms=JOIN_PROBE_SESSION_MS,
+        member_id="", group_instance_id=None, protocol_type="consumer",
+        protocols=[JoinGroupRequest.JoinGroupRequestProtocol(name="range", metadata=b"")], max_version=7)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            described = admin.describe_groups([group])
-            break
+            response = admin._manager.run(_join_probe, admin, group, request)
+            error = for_code(response.error_code)
         except AuthorizationError:
-            raise ConfigError("kafka.group_id", _denied(principal, "READ (or even DESCRIBE)", "group", group)) from None
+            error = GroupAuthorizationFailedError
         except (CoordinatorNotAvailableError, NotCoordinatorError) as err:
-            # A fresh cluster creates its offsets topic on the first group request.
-            if time.monotonic() >= deadline:
-                log.warning("could not check the group ACL of %r: %s", group, err)
-                return
-            time.sleep(0.2)
-    allowed = _operations(described.get(group) or {}, "authorized_operations") if isinstance(described, dict) else None
-    if allowed is not None and "READ" not in allowed and "ALL" not in allowed:
-        raise ConfigError("kafka.group_id", _denied(principal, "READ", "group", group))
+            error = type(err)
+        if error is GroupAuthorizationFailedError:
+            raise ConfigError("kafka.group_id", _denied(principal, "READ", "group", group))
+        if error not in (CoordinatorNotAvailableError, NotCoordinatorError):
+            return
+        # A fresh cluster creates its offsets topic on the first group request.
+        if time.monotonic() >= deadline:
+            log.warning("could not check the group ACL of %r: %s", group, error.__name__)
+            return
+        time.sleep(0.2)
 
 
 def _check_transactions(config: JobConfig, args: dict[str, Any], principal: str, timeout_s: float) -> None:
