@@ -30,6 +30,8 @@ PLACEHOLDER = re.compile(r"\$\$\{|\$\{(env|file):([^}]+)\}")
 """A `$${` escape, or `${env:NAME}` / `${file:PATH}` (the kind and the name)."""
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MASK = "******"
+_WARNED: set[str] = set()
+"""Secret files already warned about: a worker reads the API key file on every request."""
 
 
 def has_placeholder(text: str) -> bool:
@@ -74,7 +76,8 @@ def read_secret_file(file: str, path: str) -> str:
         raise ConfigError(path, f"secret file {file} is not UTF-8 text") from None
     except OSError as err:
         raise ConfigError(path, f"secret file {file} cannot be read ({err.strerror})") from None
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
+    if mode & (stat.S_IRGRP | stat.S_IROTH) and str(target) not in _WARNED:
+        _WARNED.add(str(target))
         log.warning("%s: secret file %s is readable by other users (mode %o); chmod 600 it",
                     path, file, stat.S_IMODE(mode))
     return text.removesuffix("\n")
