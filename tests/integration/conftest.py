@@ -2,7 +2,8 @@
 
 Session fixtures start once whichever module asks first: one Kafka broker and one standalone
 cluster (each costs seconds and ~0.5 GB), on free ports and temp dirs so parallel checkouts and
-a developer's own ``llmstream kafka start`` on 9092 never collide. Each simulator fixture has its
+a developer's own ``llmstream kafka start`` on 9092 never collide (``secure_broker``, the same broker
+with TLS, SCRAM and ACLs, starts only for the tests that ask for it). Each simulator fixture has its
 own name because each means one pace:
 
 - ``fast_simulator``: 5 ms a call, shared by the session (jobs in the mini cluster); faults reset per test;
@@ -29,6 +30,7 @@ pytest.register_assert_rewrite("tests.integration.helpers")  # before its import
 from jobs.dev import simulator
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.local_kafka import BrokerConfig, LocalBroker
+from jobs.dev.secure_kafka import SecureBroker, SecureBrokerConfig
 from jobs.dev.simulator import SpawnedSimulator
 from jobs.kafka_admin import create_topics, delete_topics
 from tests.integration.helpers import (
@@ -50,6 +52,20 @@ log = logging.getLogger("llmstream.tests")
 def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
     broker = LocalBroker(BrokerConfig.ephemeral(tmp_path_factory.mktemp("kafka"), heap="512m"))
     broker.start(timeout=180)
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
+    """A second broker with TLS, SASL/SCRAM, mutual TLS and ACLs (`jobs/dev/secure_kafka.py`), started
+    on first use, on four free ports; its users exist, no ACL is granted (tests grant on uuid names)."""
+    broker = SecureBroker(SecureBrokerConfig.ephemeral(tmp_path_factory.mktemp("kafka-secure"), heap="512m"))
+    started = time.monotonic()
+    broker.start(timeout=180)
+    log.info("secured kafka up at %s in %.1f s", broker.bootstrap_servers, time.monotonic() - started)
     try:
         yield broker
     finally:
