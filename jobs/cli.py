@@ -24,6 +24,7 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from jobs import python_worker_shutdown
 from udfs.errors import ConfigError, LLMStreamError
 
 log = logging.getLogger("llmstream.cli")
@@ -269,6 +270,8 @@ def _one_line(err: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the program itself, not a caller whose process goes on (tests)
+        python_worker_shutdown.install()
     argv = sys.argv[1:] if argv is None else argv
     _clean_inherited_environment()
     args = build_parser().parse_args(argv)

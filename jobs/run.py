@@ -39,6 +39,7 @@ from jobs.flink_rest import last_error_line
 from jobs.kafka_admin import GroupProgress
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
 from jobs.ports import free_port
+from jobs.python_worker_shutdown import quiet_worker_shutdown
 from jobs.state import StateDir, check_identity, resume_point
 from jobs.state_location import checked_state_dir
 from jobs.status import LocalRun, Observer
@@ -66,25 +67,6 @@ class StopRequest:
     @classmethod
     def new(cls) -> StopRequest:
         return cls(threading.Event(), threading.Event())
-
-
-@contextlib.contextmanager
-def _quiet_worker_shutdown() -> Iterator[None]:
-    """A stopping mini cluster cancels the gRPC streams of PyFlink's in-process Python workers,
-    whose reader thread then dies with a CANCELLED traceback: expected, so logged at debug."""
-    previous = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if "grpc" in type(args.exc_value).__module__ and "CANCELLED" in str(args.exc_value):
-            log.debug("python worker stream closed at shutdown: %s", args.exc_value)
-            return
-        previous(args)
-
-    threading.excepthook = hook
-    try:
-        yield
-    finally:
-        threading.excepthook = previous
 
 
 @contextlib.contextmanager
@@ -192,7 +174,7 @@ def run_job(
         report(f"llmstream: {how}")  # before the JVM starts: a run killed while it starts has said so
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
         stack.enter_context(_stop_on_signals(stop, report))
-        stack.enter_context(_quiet_worker_shutdown())
+        stack.enter_context(quiet_worker_shutdown())
         targets = progress.end_offsets() if options.until_end else None
         rest_port = config.metrics.rest_port or free_port()
         env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
