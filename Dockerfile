@@ -65,6 +65,9 @@ RUN mkdir -p "$FLINK_LIB_DIR" \
 
 COPY setup.py ./
 COPY flink-conf ./flink-conf
+# All of jobs/: the job (jobs/inference_job.py on the cluster) and `llmstream submit` never import
+# jobs/dev/ (tests/unit/test_layering.py), but the compose services that are not the job do: the
+# broker (jobs.dev.containers), the model-server simulator and the demo producer (jobs.demo).
 COPY jobs ./jobs
 COPY udfs ./udfs
 RUN pip install -q --no-deps --no-build-isolation --no-index -e . \

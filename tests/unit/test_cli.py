@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from jobs.cli import SERVICES, main
+from tests.conftest import SHELL_ENV
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,3 +56,37 @@ def test_a_subcommand_without_its_action_is_a_usage_error(capsys: pytest.Capture
         main(["-v", "kafka"])
     assert info.value.code == 2
     assert "required" in capsys.readouterr().err
+
+
+WITHOUT_THE_DEV_WING = """
+import json, sys
+sys.modules["jobs.dev"] = None  # as if jobs/dev/ had been left out: importing it fails
+from jobs.cli import build_parser, main
+commands = sorted(build_parser()._subparsers._group_actions[0].choices)
+codes = {name: main([*argv.split(), "--config", sys.argv[1]]) for name, argv in {
+    "submit": "submit --jobmanager 127.0.0.1:9",
+    "stop": "stop --jobmanager 127.0.0.1:9",
+    "status": "status --jobmanager 127.0.0.1:9",
+    "run": "run --state-dir " + sys.argv[1],
+}.items()}
+print(json.dumps({"commands": commands, "codes": codes}))
+"""
+
+
+def test_the_jobs_commands_work_without_the_dev_wing(tmp_path: Path) -> None:
+    """An image that only runs the job could leave jobs/dev/ out: the job's commands still parse
+    and fail as they should (here: no cluster at --jobmanager, a state directory that is a file),
+    the development commands are simply not offered."""
+    path = tmp_path / "job.yaml"
+    path.write_text("kafka: {bootstrap_servers: '127.0.0.1:9', input_topic: i, output_topic: o, "
+                    "dead_letter_topic: d, group_id: g, transactional_id_prefix: t}\n"
+                    "model: {endpoint: 'http://127.0.0.1:9/v1', model: m}\n")
+    result = subprocess.run([sys.executable, "-c", WITHOUT_THE_DEV_WING, str(path)], capture_output=True,
+                            text=True, timeout=180, env=SHELL_ENV, check=False)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.splitlines()[-1])
+    assert outcome["commands"] == sorted(["run", "plan", "submit", "stop", "upgrade", "fetch-jars", "status"])
+    assert outcome["codes"] == {"submit": 2, "stop": 2, "status": 2, "run": 2}
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("--jobmanager: no Flink REST API answers") == 3
+    assert "--state-dir" in result.stderr
