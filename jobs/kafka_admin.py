@@ -111,7 +111,8 @@ def _bootstrap_failures() -> Iterator[_BootstrapFailures]:
 def _hopeless(causes: list[str], args: dict[str, Any]) -> bool:
     """Failures that waiting longer will not cure: TLS refused either way, or (with SASL) the broker
     hanging up again and again after a good TLS handshake, as it does on wrong credentials."""
-    if any("SSL" in c or "Handshake failed" in c or "Invalid frame length" in c for c in causes):
+    if any("SSL" in c or "Handshake failed" in c or "Invalid frame length" in c or "SaslAuthenticationFailed" in c
+           for c in causes):
         return True
     disconnects = sum("socket disconnected" in c for c in causes)
     return disconnects >= 3
@@ -155,7 +156,7 @@ def connection_error(kafka: KafkaConfig, args: dict[str, Any], err: BaseExceptio
         return ConfigError("kafka.properties.ssl.truststore.location",
                            f"the broker at {bootstrap} presented a TLS certificate not signed by a CA in "
                            f"{args.get('ssl_cafile') or 'the system CA store'}")
-    if "ALERT_BAD_CERTIFICATE" in text or "ALERT_CERTIFICATE_REQUIRED" in text or "alert unknown ca" in text:
+    if re.search(r"ALERT_(BAD_CERTIFICATE|CERTIFICATE_REQUIRED|CERTIFICATE_UNKNOWN|UNKNOWN_CA)", text):
         return ConfigError("kafka.properties.ssl.keystore.location",
                            f"the broker at {bootstrap} refused this client's certificate (or its absence): the "
                            "listener requires mutual TLS with a certificate its CA signed")
@@ -164,7 +165,7 @@ def connection_error(kafka: KafkaConfig, args: dict[str, Any], err: BaseExceptio
                            f"the listener at {bootstrap} does not speak {protocol} (does it need SSL or SASL_SSL?)")
     if "SSL" in text or "Handshake failed" in text:
         return ConfigError("kafka.properties.security.protocol", f"TLS with the broker at {bootstrap} failed: {last}")
-    if protocol.startswith("SASL_") and "socket disconnected" in text:
+    if protocol.startswith("SASL_") and ("socket disconnected" in text or "SaslAuthenticationFailed" in text):
         return ConfigError("kafka.properties.sasl.jaas.config",
                            f"the broker at {bootstrap} closed every connection while authenticating user "
                            f"{args.get('sasl_plain_username')!r} with {args.get('sasl_mechanism')}: wrong password "
