@@ -4,7 +4,8 @@ Each command (`llmstream run | submit | stop | upgrade | status | plan`) runs as
 the installed entry point in a child process with the shell's environment, against
 
 - (a) a stopped broker: ``kafka.bootstrap_servers`` is a loopback port where nothing listens
-  (the Flink side, where a command needs one, is a stub REST API that runs no job);
+  (the Flink side, where a command needs one, is a stub REST API that runs no job, given as
+  ``--jobmanager`` or recorded as the local cluster);
 - (b) no Flink cluster: ``--jobmanager`` where nothing listens, or none given and no local cluster
   (``LLMSTREAM_HOME`` points at an empty directory, so the default work dir holds no record, or a
   record of a cluster that no longer answers);
@@ -70,6 +71,8 @@ CASES: dict[str, Case] = {
     "a-upgrade": Case("upgrade --config {config} --jobmanager {stub}", 2, "kafka.bootstrap_servers"),
     "a-status": Case("status --config {config} --jobmanager {stub}", 2, "kafka.bootstrap_servers"),
     "a-stop-needs-no-broker": Case("stop --config {config} --jobmanager {stub}", 1, "no running job called"),
+    "a-submit-local-cluster": Case("submit --config {config}", 2, "kafka.bootstrap_servers", home="{stub_home}"),
+    "a-status-local-cluster": Case("status --config {config}", 2, "kafka.bootstrap_servers", home="{stub_home}"),
     # (b) no Flink cluster
     "b-submit": Case("submit --config {config} --jobmanager {nobody}", 2, "--jobmanager"),
     "b-stop": Case("stop --config {config} --jobmanager {nobody}", 2, "--jobmanager"),
@@ -141,14 +144,15 @@ def _places(directory: Path, stub: str) -> dict[str, str]:
     state_file = with_overrides(config, checkpointing={"directory": str(a_file)})
     (directory / "job-state-file.yaml").write_text(yaml.safe_dump(to_dict(state_file), sort_keys=False))
     (directory / "empty-home").mkdir()
-    gone = directory / "gone-home" / "var" / "flink"
-    gone.mkdir(parents=True)
-    (gone / RECORD).write_text(json.dumps({"address": f"127.0.0.1:{free_port()}", "conf_dir": str(gone / "conf"),
-                                           "log_dir": str(gone / "log")}))
+    for home, address in (("gone-home", f"127.0.0.1:{free_port()}"), ("stub-home", stub)):
+        work_dir = directory / home / "var" / "flink"  # the local cluster's default work dir
+        work_dir.mkdir(parents=True)
+        (work_dir / RECORD).write_text(json.dumps({"address": address, "conf_dir": str(work_dir / "conf"),
+                                                   "log_dir": str(work_dir / "log")}))
     return {"config": str(directory / "job.yaml"), "config_state_file": str(directory / "job-state-file.yaml"),
             "stub": stub, "nobody": f"127.0.0.1:{free_port()}", "file": str(a_file),
             "missing": str(directory / "missing"), "empty_home": str(directory / "empty-home"),
-            "gone_home": str(directory / "gone-home")}
+            "gone_home": str(directory / "gone-home"), "stub_home": str(directory / "stub-home")}
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory, stub_flink: str) -> dict[
     places = _places(tmp_path_factory.mktemp("command-failures"), stub_flink)
     # Slowest first (the broker cases wait out the Kafka client's bootstrap timeout).
     order = sorted(CASES, key=lambda name: not name.startswith(("a-", "plan")))
-    with ThreadPoolExecutor(max_workers=6) as pool:
+    with ThreadPoolExecutor(max_workers=8) as pool:
         futures = {name: pool.submit(_run, CASES[name], places) for name in order}
         return {name: future.result() for name, future in futures.items()}
 
