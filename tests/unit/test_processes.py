@@ -1,12 +1,16 @@
-"""Process control of the local services (jobs/dev/processes.py), on real child processes."""
+"""Process control of the local services (jobs/dev/processes.py), on real child processes, and the
+loopback port helpers they and `llmstream run` share (jobs/ports.py)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from jobs import ports
+from jobs.dev import processes
 from jobs.dev.processes import pid_alive, terminate, wait_gone
 
 IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
@@ -33,3 +37,16 @@ def test_wait_gone_returns_what_still_runs() -> None:
     finally:
         proc.kill()
     assert wait_gone([proc.pid], timeout=30) == []
+
+
+def test_a_listening_port_is_in_use_and_a_free_one_is_not() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        assert ports.port_in_use(listener.getsockname()[1])
+    assert not ports.port_in_use(ports.free_port())
+
+
+def test_the_dev_wing_uses_the_jobs_port_helpers() -> None:
+    """One implementation: jobs/dev/processes re-exports jobs/ports (`llmstream run` needs a free port too)."""
+    assert processes.free_port is ports.free_port and processes.port_in_use is ports.port_in_use
