@@ -31,7 +31,7 @@ from pyflink.table import StreamTableEnvironment, Table
 
 from jobs import jars
 from jobs.state import StateDir
-from udfs import secrets
+from udfs import kafka_security
 from udfs.config import JobConfig
 from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
 
@@ -96,9 +96,10 @@ def source_options(config: JobConfig) -> dict[str, str]:
 
 
 def _client_properties(config: JobConfig) -> dict[str, str]:
-    """`kafka.properties` as table options, secrets resolved: they go into the job graph's Kafka
-    clients, which mask password-typed values in their own logs, and never into Flink's configuration."""
-    return {f"properties.{k}": v for k, v in secrets.resolve_all(config.kafka.properties, "kafka.properties").items()}
+    """`kafka.properties` as table options (`udfs/kafka_security.py`: secrets resolved, Kafka class names
+    relocated into the connector's shaded package): they go into the job graph's Kafka clients, which
+    mask password-typed values in their own logs, and never into Flink's configuration."""
+    return {f"properties.{k}": v for k, v in kafka_security.flink_properties(config.kafka.properties).items()}
 
 
 def sink_options(config: JobConfig) -> dict[str, str]:

@@ -149,6 +149,25 @@ def client_args(properties: dict[str, str], path: str = "kafka.properties") -> d
     return args
 
 
+SHADED_PREFIX = "org.apache.flink.kafka.shaded."
+"""Where flink-sql-connector-kafka relocates the Kafka client it carries (`org.apache.kafka` inside it)."""
+CLASS_NAME = re.compile(r"(?<![\w.])org\.apache\.kafka\.")
+
+
+def flink_properties(properties: dict[str, str], path: str = "kafka.properties") -> dict[str, str]:
+    """`properties` for Flink's Kafka source and sink: secrets resolved, and Kafka class names (the login
+    module in `sasl.jaas.config`, callback handlers) relocated into the connector's shaded package.
+
+    The SQL connector jar shades kafka-clients, so `...scram.ScramLoginModule` as every Kafka guide
+    writes it fails inside the job with "No LoginModule found" and a restart loop (measured); the
+    Python clients take the unshaded name. Users write the usual name; this rewrites it for Flink.
+    """
+    resolved = {name: secrets.resolve(value, _key(path, name)) for name, value in properties.items()}
+    return {name: CLASS_NAME.sub(SHADED_PREFIX + "org.apache.kafka.", value)
+            if name == "sasl.jaas.config" or name.endswith(".class") else value
+            for name, value in resolved.items()}
+
+
 def secret_values(args: dict[str, Any]) -> list[str]:
     """The resolved secrets among `client_args`' result, to mask in messages built from library errors."""
     return [str(args[k]) for k in ("sasl_plain_password", "ssl_password") if args.get(k)]

@@ -10,6 +10,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import TopicAlreadyExistsError
 
 from jobs import kafka_admin
+from jobs.dev import kafka_cli
 from jobs.dev import local_kafka as lk
 from jobs.dev.processes import free_port
 
@@ -33,32 +34,32 @@ def test_cli_start_is_idempotent_and_stop_leaves_no_process(
             "--data-dir", str(config.data_dir), "--heap", "256m"]
     broker = lk.LocalBroker(config)
     try:
-        assert lk.main(["status", *argv]) == 1
-        assert lk.main(["start", *argv]) == 0
+        assert kafka_cli.main(["status", *argv]) == 1
+        assert kafka_cli.main(["start", *argv]) == 0
         pid = broker.pid()
         assert pid is not None and broker.is_ready()
         assert (config.data_dir / "data" / "meta.properties").exists()
         assert "kafka.Kafka" in (Path(f"/proc/{pid}/cmdline").read_bytes().decode())
 
-        assert lk.main(["start", *argv]) == 0
+        assert kafka_cli.main(["start", *argv]) == 0
         assert broker.pid() == pid
         assert "already running" in capsys.readouterr().out
         other_port = ["--port", str(free_port()), "--data-dir", str(config.data_dir)]
-        assert lk.main(["start", *other_port]) == 1
+        assert kafka_cli.main(["start", *other_port]) == 1
         assert "already runs with listeners" in capsys.readouterr().err
 
-        assert lk.main(["status", *argv]) == 0
+        assert kafka_cli.main(["status", *argv]) == 0
         status = broker.status()
         assert status["running"] and status["ready"] and status["pid"] == pid
         assert status["bootstrap"] == f"127.0.0.1:{config.port}"
         assert Path(status["log_file"]).stat().st_size > 0
         assert (config.data_dir / "logs" / "stdout.log").read_text() == ""
 
-        assert lk.main(["stop", *argv]) == 0
+        assert kafka_cli.main(["stop", *argv]) == 0
         assert _gone(pid)
         assert not broker.pid_file.exists()
-        assert lk.main(["status", *argv]) == 1
-        assert lk.main(["stop", *argv]) == 0
+        assert kafka_cli.main(["status", *argv]) == 1
+        assert kafka_cli.main(["stop", *argv]) == 0
     finally:
         broker.stop()
 

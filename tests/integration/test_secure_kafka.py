@@ -31,7 +31,7 @@ from kafka.errors import (
 from kafka.structs import OffsetAndMetadata
 
 from jobs import jars
-from jobs.dev import local_kafka as lk
+from jobs.dev import kafka_cli
 from jobs.dev.secure_kafka import (
     ADMIN,
     JOB,
@@ -422,7 +422,7 @@ def test_cli_start_secure_prints_client_properties_but_no_password(
             "--data-dir", str(config.data_dir), "--heap", "256m"]
     broker = SecureBroker(config)
     try:
-        assert lk.main(["start", *argv, "--timeout", "180"]) == 0
+        assert kafka_cli.main(["start", *argv, "--timeout", "180"]) == 0
         out, err = capsys.readouterr()
         passwords = _secrets(broker)
         assert passwords and not [p for p in passwords if p in out or p in err]
@@ -434,10 +434,10 @@ def test_cli_start_secure_prints_client_properties_but_no_password(
         assert f"password=\"${{file:{broker.password_file(JOB)}}}\"" in snippet
         assert "ssl.key.password: ${file:" in snippet  # the mutual-TLS alternative, commented out
 
-        assert lk.main(["status", *argv, "--json"]) == 0
+        assert kafka_cli.main(["status", *argv, "--json"]) == 0
         status = json.loads(capsys.readouterr().out)
         assert status["ready"] and status["ssl_bootstrap"] == broker.ssl_bootstrap_servers
-        assert lk.main(["stop", *argv]) == 0
-        assert lk.main(["status", *argv]) == 1
+        assert kafka_cli.main(["stop", *argv]) == 0
+        assert kafka_cli.main(["status", *argv]) == 1
     finally:
         broker.stop()

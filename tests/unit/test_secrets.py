@@ -183,3 +183,18 @@ def test_the_secured_kafka_example_loads_with_its_secrets_in_files(tmp_path: Pat
     config = load_config(path)
     assert config.kafka.client_args()["sasl_plain_password"] == SECRET and config.api_key() == SECRET
     assert SECRET not in repr(config)
+
+
+def test_flink_gets_the_login_module_of_its_shaded_kafka_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connector jar relocates kafka-clients: the usual module name would find no LoginModule."""
+    monkeypatch.setenv("LLMSTREAM_TEST_SECRET", SECRET)
+    props = {**scram("${env:LLMSTREAM_TEST_SECRET}"), "sasl.login.callback.handler.class": "org.apache.kafka.x.Handler",
+             "client.id": "org.apache.kafka.is-not-a-class-here"}
+    flink = kafka_security.flink_properties(props)
+    assert flink["sasl.jaas.config"].startswith(
+        "org.apache.flink.kafka.shaded.org.apache.kafka.common.security.scram.ScramLoginModule required")
+    assert f'password="{SECRET}"' in flink["sasl.jaas.config"]
+    assert flink["sasl.login.callback.handler.class"] == "org.apache.flink.kafka.shaded.org.apache.kafka.x.Handler"
+    assert flink["client.id"] == props["client.id"]
+    assert kafka_security.flink_properties({"sasl.jaas.config": flink["sasl.jaas.config"]}) == {
+        "sasl.jaas.config": flink["sasl.jaas.config"]}   # already shaded: unchanged
