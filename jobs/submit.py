@@ -73,8 +73,8 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     options = options or RunOptions()
     path, config = _load(config_path)
     state = checked_state_dir(config, options.state_dir, create=True)
-    address, env, rest = _target(jobmanager)
     preflight.check(config)
+    address, env, rest = _target(jobmanager)
     jars.ensure("connector")
     live = rest.live_jobs(config.name)
     if live:
@@ -144,14 +144,14 @@ def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: 
 def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
     """``llmstream upgrade``: stop the running job with a savepoint and resubmit it from there with
     the (changed) config: capacity, retries, endpoint, parallelism. The config, the state directory,
-    the cluster and the broker are checked first, so a broken one never stops a healthy job.
+    the broker and the cluster are checked first, so a broken one never stops a healthy job.
     Returns 0; raises as `submit` does."""
     from jobs import preflight
 
     path, config = _load(config_path)
     state = checked_state_dir(config, state_dir, create=state_dir is None)
-    address, env, rest = _target(jobmanager)
     preflight.check(config)
+    address, env, rest = _target(jobmanager)
     jars.ensure("connector")
     job_id = _live_job(rest, config)
     check_identity(state, config, fresh=False)

@@ -6,9 +6,10 @@ the installed entry point in a child process with the shell's environment, again
 - (a) a stopped broker: ``kafka.bootstrap_servers`` is a loopback port where nothing listens
   (the Flink side, where a command needs one, is a stub REST API that runs no job, given as
   ``--jobmanager`` or recorded as the local cluster);
-- (b) no Flink cluster: ``--jobmanager`` where nothing listens, or none given and no local cluster
-  (``LLMSTREAM_HOME`` points at an empty directory, so the default work dir holds no record, or a
-  record of a cluster that no longer answers);
+- (b) no Flink cluster, with the session's broker (submit and upgrade check the broker first):
+  ``--jobmanager`` where nothing listens, or none given and no local cluster (``LLMSTREAM_HOME``
+  points at an empty directory, so the default work dir holds no record, or a record of a
+  cluster that no longer answers);
 - (c) a state directory that is a file, cannot be created, or (named by ``--state-dir`` to a
   command that continues a job) does not exist.
 
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ import yaml
 
 from jobs import kafka_admin
 from jobs.cluster_address import RECORD
+from jobs.dev.local_kafka import LocalBroker
 from jobs.ports import free_port
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import JobConfigFactory, unique_records, write_config
@@ -71,17 +74,16 @@ CASES: dict[str, Case] = {
     "a-upgrade": Case("upgrade --config {config} --jobmanager {stub}", 2, "kafka.bootstrap_servers"),
     "a-status": Case("status --config {config} --jobmanager {stub}", 2, "kafka.bootstrap_servers"),
     "a-stop-needs-no-broker": Case("stop --config {config} --jobmanager {stub}", 1, "no running job called"),
-    "a-submit-local-cluster": Case("submit --config {config}", 2, "kafka.bootstrap_servers", home="{stub_home}"),
     "a-status-local-cluster": Case("status --config {config}", 2, "kafka.bootstrap_servers", home="{stub_home}"),
-    # (b) no Flink cluster
-    "b-submit": Case("submit --config {config} --jobmanager {nobody}", 2, "--jobmanager"),
-    "b-stop": Case("stop --config {config} --jobmanager {nobody}", 2, "--jobmanager"),
-    "b-upgrade": Case("upgrade --config {config} --jobmanager {nobody}", 2, "--jobmanager"),
-    "b-status": Case("status --config {config} --jobmanager {nobody}", 2, "--jobmanager"),
-    "b-submit-no-local-cluster": Case("submit --config {config}", 2, "--jobmanager", home="{empty_home}"),
-    "b-stop-no-local-cluster": Case("stop --config {config}", 2, "--jobmanager", home="{empty_home}"),
-    "b-upgrade-local-cluster-gone": Case("upgrade --config {config}", 2, "--jobmanager", home="{gone_home}"),
-    "b-status-local-cluster-gone": Case("status --config {config}", 2, "--jobmanager", home="{gone_home}"),
+    # (b) no Flink cluster (and a broker that answers: submit and upgrade check it first)
+    "b-submit": Case("submit --config {live} --jobmanager {nobody}", 2, "--jobmanager"),
+    "b-stop": Case("stop --config {live} --jobmanager {nobody}", 2, "--jobmanager"),
+    "b-upgrade": Case("upgrade --config {live} --jobmanager {nobody}", 2, "--jobmanager"),
+    "b-status": Case("status --config {live} --jobmanager {nobody}", 2, "--jobmanager"),
+    "b-submit-no-local-cluster": Case("submit --config {live}", 2, "--jobmanager", home="{empty_home}"),
+    "b-stop-no-local-cluster": Case("stop --config {live}", 2, "--jobmanager", home="{empty_home}"),
+    "b-upgrade-local-cluster-gone": Case("upgrade --config {live}", 2, "--jobmanager", home="{gone_home}"),
+    "b-status-local-cluster-gone": Case("status --config {live}", 2, "--jobmanager", home="{gone_home}"),
     # (c) the state directory
     "c-run-file": Case("run --config {config} --state-dir {file}", 2, "--state-dir"),
     "c-run-under-a-file": Case("run --config {config} --state-dir {file}/state", 2, "--state-dir"),
@@ -134,11 +136,20 @@ def stub_flink() -> Iterator[str]:
 # ---------------------------------------------------------------------- all cases, at once
 
 
-def _places(directory: Path, stub: str) -> dict[str, str]:
+def _places(directory: Path, stub: str, broker: str) -> dict[str, str]:
     dead_broker = f"127.0.0.1:{free_port()}"
     config = with_overrides(load_config(), kafka={"bootstrap_servers": dead_broker},
                             checkpointing={"directory": str(directory / "state")})
     (directory / "job.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    tag = uuid.uuid4().hex[:10]
+    live = with_overrides(config, kafka={"bootstrap_servers": broker, "input_topic": f"cf-{tag}-in",
+                                         "output_topic": f"cf-{tag}-out", "dead_letter_topic": f"cf-{tag}-dead",
+                                         "group_id": f"cf-{tag}", "transactional_id_prefix": f"cf-{tag}"},
+                          checkpointing={"directory": str(directory / "live-state")})
+    (directory / "live.yaml").write_text(yaml.safe_dump(to_dict(live), sort_keys=False))
+    k = live.kafka
+    # Created here, so that preflight has nothing to say (it logs each topic it creates).
+    kafka_admin.create_topics(broker, [k.topics()[0], k.output_topic, k.dead_letter_topic], partitions=2)
     a_file = directory / "a-file"
     a_file.write_text("not a directory\n")
     state_file = with_overrides(config, checkpointing={"directory": str(a_file)})
@@ -149,7 +160,7 @@ def _places(directory: Path, stub: str) -> dict[str, str]:
         work_dir.mkdir(parents=True)
         (work_dir / RECORD).write_text(json.dumps({"address": address, "conf_dir": str(work_dir / "conf"),
                                                    "log_dir": str(work_dir / "log")}))
-    return {"config": str(directory / "job.yaml"), "config_state_file": str(directory / "job-state-file.yaml"),
+    return {"config": str(directory / "job.yaml"), "live": str(directory / "live.yaml"), "config_state_file": str(directory / "job-state-file.yaml"),
             "stub": stub, "nobody": f"127.0.0.1:{free_port()}", "file": str(a_file),
             "missing": str(directory / "missing"), "empty_home": str(directory / "empty-home"),
             "gone_home": str(directory / "gone-home"), "stub_home": str(directory / "stub-home")}
@@ -174,8 +185,8 @@ def _run(case: Case, places: dict[str, str]) -> Outcome:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory, stub_flink: str) -> dict[str, Outcome]:
-    places = _places(tmp_path_factory.mktemp("command-failures"), stub_flink)
+def outcomes(tmp_path_factory: pytest.TempPathFactory, stub_flink: str, kafka_broker: LocalBroker) -> dict[str, Outcome]:
+    places = _places(tmp_path_factory.mktemp("command-failures"), stub_flink, kafka_broker.bootstrap_servers)
     # Slowest first (the broker cases wait out the Kafka client's bootstrap timeout).
     order = sorted(CASES, key=lambda name: not name.startswith(("a-", "plan")))
     with ThreadPoolExecutor(max_workers=8) as pool:
