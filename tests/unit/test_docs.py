@@ -151,3 +151,15 @@ def test_relative_links_resolve(path: Path) -> None:
 ])
 def test_github_slug(heading: str, slug: str) -> None:
     assert github_slug(heading) == slug
+
+
+def test_every_dead_letter_reason_in_the_code_is_in_the_record_contract() -> None:
+    """A reason code a user may find in a dead letter has a row in docs/record-contract.md."""
+    import re
+
+    code = "".join(path.read_text() for path in (ROOT / "udfs").glob("*.py"))
+    reasons = set(re.findall(r'BadInput\(\s*"([a-z_]+)"', code)) | set(re.findall(r'reason = "([a-z_]+)"', code))
+    table = (ROOT / "docs" / "record-contract.md").read_text()
+    documented = {code for row in table.splitlines() if row.startswith("| `")
+                  for code in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert reasons and not sorted(reasons - documented), f"undocumented reasons: {sorted(reasons - documented)}"
