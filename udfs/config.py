@@ -27,7 +27,7 @@ import yaml
 
 from udfs import kafka_security, secrets
 from udfs.errors import ConfigError
-from udfs.structured import load_schema
+from udfs.json_schema import load_schema
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "inference.yaml"
 
@@ -61,6 +61,15 @@ def _template_error(text: str) -> str | None:
     except (ValueError, IndexError) as err:
         return str(err)
     return None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A value the loader replaces by what it names, carried in the field's type: `load(value, path)`
+    (a schema file becomes the schema). The config then holds what the workers need, and a frozen
+    section never rewrites itself in `validate`."""
+
+    load: Callable[[Any, str], Any]
 
 
 POSITIVE = Rule(lambda v: v > 0, "must be > 0, got {value}")
@@ -213,7 +222,7 @@ class ModelConfig:
     # Structured output (udfs/structured.py): a JSON Schema, inline or a file path read at load
     # (the config then carries the schema itself); how the server is asked for it; how many
     # more answers an invalid one may be replaced by before the record is dead-lettered.
-    response_format: dict[str, Any] | str | None = None
+    response_format: Annotated[dict[str, Any] | str | None, Loaded(load_schema)] = None
     response_format_mode: Literal["native", "json_object", "prompt"] = "native"
     max_invalid_retries: NonNegativeInt = 2
     tls: ModelTlsConfig = field(default_factory=ModelTlsConfig)
@@ -232,9 +241,6 @@ class ModelConfig:
         if self.response_format is not None:
             _require(self.api != "embeddings", _join(path, "response_format"),
                      "needs model.api: chat or completions (embeddings answer with vectors)")
-            # The schema, not its path, travels with the config to the workers.
-            object.__setattr__(self, "response_format",
-                               load_schema(self.response_format, _join(path, "response_format")))
 
 
 @dataclass(frozen=True)
@@ -478,6 +484,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         for rule in rules:
             if isinstance(rule, Rule):
                 rule.check(converted, path)
+            elif isinstance(rule, Loaded) and converted is not None:
+                converted = rule.load(converted, path)
         return converted
     if origin in (Union, types.UnionType):
         options = get_args(tp)

@@ -1,7 +1,7 @@
 """Structured output: answers that match a JSON Schema, or a dead letter that says why not.
 
-`model.response_format` holds a JSON Schema, inline or as a file path; `load_schema` reads
-and checks it when the config loads (a bad schema is a `ConfigError` naming the key, before
+`model.response_format` holds a JSON Schema, inline or as a file path; the config loader reads
+and checks it (`udfs/json_schema.py`) (a bad schema is a `ConfigError` naming the key, before
 the job starts), and the config then carries the schema itself, so a cluster's workers never
 need the file. The schema reaches the model in one of three ways (`model.response_format_mode`):
 
@@ -34,14 +34,13 @@ import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
-import yaml
-from jsonschema.exceptions import SchemaError, best_match
+from jsonschema.exceptions import best_match
 
-from udfs.errors import ConfigError, InferenceError, InvalidModelOutput
+from udfs.errors import InferenceError, InvalidModelOutput
+from udfs.json_schema import load_schema
 
 if TYPE_CHECKING:
     from udfs.config import ModelConfig
@@ -57,30 +56,6 @@ PROMPT_INSTRUCTION = (
     "Answer with one JSON value and nothing else (no prose, no code fence). " + PROMPT_SCHEMA_MARKER + "{schema}"
 )
 """The instruction of `response_format_mode: prompt`; `{schema}` is the schema as compact JSON."""
-
-
-def load_schema(value: Any, key: str) -> dict[str, Any]:
-    """The JSON Schema `value` names: a mapping is the schema, a string a JSON or YAML file
-    (relative paths from the current directory). Raises `ConfigError(key, ...)` when the file
-    cannot be read or parsed, or the schema is not a valid JSON Schema of its draft."""
-    if isinstance(value, str):
-        path = Path(value).expanduser()
-        try:
-            text = path.read_text()
-        except OSError as err:
-            raise ConfigError(key, f"cannot read schema file {str(path)!r}: {err.strerror}") from None
-        try:
-            value = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as err:
-            raise ConfigError(key, f"schema file {str(path)!r} is not valid JSON/YAML: {err}"[:500]) from None
-    if not isinstance(value, dict):
-        raise ConfigError(key, f"expected a JSON Schema (a mapping) or a file path, got {type(value).__name__}")
-    try:
-        jsonschema.validators.validator_for(value).check_schema(value)
-    except SchemaError as err:
-        where = "/".join(str(p) for p in err.absolute_path) or "(root)"
-        raise ConfigError(key, f"not a valid JSON Schema at {where}: {err.message}"[:500]) from None
-    return value
 
 
 def schema_name(schema: dict[str, Any]) -> str:

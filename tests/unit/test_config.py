@@ -14,6 +14,7 @@ import yaml
 from udfs.config import (
     DEFAULT_CONFIG,
     JobConfig,
+    Loaded,
     Rule,
     config_from_dict,
     load_config,
@@ -156,5 +157,5 @@ def test_every_number_and_name_in_the_config_states_its_rule_in_its_type() -> No
                 if tp in (int, float, str) and f.name not in FREE_TEXT:
                     unruled.append(f"{section.__name__}.{f.name}")
                 if typing.get_origin(tp) is typing.Annotated:
-                    assert any(isinstance(r, Rule) for r in typing.get_args(tp)[1:]), f"{section.__name__}.{f.name}"
+                    assert any(isinstance(r, (Rule, Loaded)) for r in typing.get_args(tp)[1:]), f"{section.__name__}.{f.name}"
     assert unruled == []
