@@ -64,7 +64,8 @@ sys.modules["jobs.dev"] = None  # as if jobs/dev/ had been left out: importing i
 from jobs.cli import build_parser, main
 commands = sorted(build_parser()._subparsers._group_actions[0].choices)
 codes = {name: main([*argv.split(), "--config", sys.argv[1]]) for name, argv in {
-    "submit": "submit --jobmanager 127.0.0.1:9",
+    "submit": "submit --state-dir " + sys.argv[1],
+    "upgrade": "upgrade --state-dir " + sys.argv[1] + ".missing",
     "stop": "stop --jobmanager 127.0.0.1:9",
     "status": "status --jobmanager 127.0.0.1:9",
     "run": "run --state-dir " + sys.argv[1],
@@ -75,8 +76,8 @@ print(json.dumps({"commands": commands, "codes": codes}))
 
 def test_the_jobs_commands_work_without_the_dev_wing(tmp_path: Path) -> None:
     """An image that only runs the job could leave jobs/dev/ out: the job's commands still parse
-    and fail as they should (here: no cluster at --jobmanager, a state directory that is a file),
-    the development commands are simply not offered."""
+    and fail as they should (here: no cluster at --jobmanager, a state directory that is a file or
+    missing; checked before the broker), the development commands are simply not offered."""
     path = tmp_path / "job.yaml"
     path.write_text("kafka: {bootstrap_servers: '127.0.0.1:9', input_topic: i, output_topic: o, "
                     "dead_letter_topic: d, group_id: g, transactional_id_prefix: t}\n"
@@ -86,7 +87,7 @@ def test_the_jobs_commands_work_without_the_dev_wing(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])
     assert outcome["commands"] == sorted(["run", "plan", "submit", "stop", "upgrade", "fetch-jars", "status"])
-    assert outcome["codes"] == {"submit": 2, "stop": 2, "status": 2, "run": 2}
+    assert outcome["codes"] == {"submit": 2, "upgrade": 2, "stop": 2, "status": 2, "run": 2}
     assert "Traceback" not in result.stderr
-    assert result.stderr.count("--jobmanager: no Flink REST API answers") == 3
-    assert "--state-dir" in result.stderr
+    assert result.stderr.count("--jobmanager: no Flink REST API answers") == 2
+    assert result.stderr.count("--state-dir: ") == 3
