@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 # subcommand -> (module with `add_arguments(parser)` and `run(args)`, help); `model-server` is
 # wired separately, because it joins the simulator's flags with the real backends'.
 SERVICES: dict[str, tuple[str, str]] = {
-    "kafka": ("jobs.dev.local_kafka", "start, stop or inspect the local single-node Kafka broker"),
+    "kafka": ("jobs.dev.kafka_cli", "start, stop or inspect the local single-node Kafka broker"),
     "cluster": ("jobs.dev.local_cluster", "start, stop or inspect a local standalone Flink cluster"),
     "bench": ("jobs.dev.bench.main", "benchmark llmstream against hand-written consumers"),
     "status": ("jobs.status", "one screen: lag, records/s, calls and latency, checkpoints, dead letters, cost"),
