@@ -27,6 +27,7 @@ from jobs.cluster_address import target
 from jobs.flink_rest import ClusterError, FlinkRest
 from jobs.state import StateDir
 from jobs.state_location import checked_state_dir
+from udfs import pricing
 from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.status")
@@ -298,7 +299,7 @@ def _cost(config: JobConfig, prompt: float | None, completion: float | None, raw
     prices = config.model.prices
     cost_per_hour = None
     if span > 0 and prices is not None:
-        cost = d_prompt / 1000 * prices.prompt_per_1k + d_completion / 1000 * prices.completion_per_1k
+        cost = pricing.cost(prices, d_prompt, d_completion)
         cost_per_hour = round(cost / span * 3600, 4)
     return {"prompt_tokens": int(prompt), "completion_tokens": int(completion),
             "tokens_per_min": _round(per_min), "cost_per_hour": cost_per_hour}
@@ -330,11 +331,25 @@ class DeadLetterTally:
         if self._parts:
             self._consumer.seek_to_beginning(*self._parts)
         self.counts: Counter[str] = Counter()
+        self.denied = False
 
-    def read(self, timeout_s: float = 5.0) -> dict[str, int]:
-        """Reads up to the topic's last stable offsets as of now (or until `timeout_s`)."""
-        if not self._parts:
-            return {}
+    def read(self, timeout_s: float = 5.0) -> dict[str, int] | None:
+        """Reads up to the topic's last stable offsets as of now (or until `timeout_s`); None when this
+        principal may not read the topic (a job's own principal usually only writes it): the figures
+        then count dead letters from the job's metrics."""
+        from kafka.errors import AuthorizationError
+
+        if not self._parts or self.denied:
+            return None if self.denied else {}
+        try:
+            return self._read(timeout_s)
+        except AuthorizationError:
+            self.denied = True
+            log.warning("may not read the dead-letter topic %s: dead letters are counted from the job's metrics",
+                        self._topic)
+            return None
+
+    def _read(self, timeout_s: float) -> dict[str, int]:
         deadline = time.monotonic() + timeout_s
         targets = self._consumer.end_offsets(self._parts)
         while time.monotonic() < deadline and any(self._consumer.position(tp) < end for tp, end in targets.items()):
