@@ -76,7 +76,7 @@ def read_secret_file(file: str, path: str) -> str:
         raise ConfigError(path, f"secret file {file} is not UTF-8 text") from None
     except OSError as err:
         raise ConfigError(path, f"secret file {file} cannot be read ({err.strerror})") from None
-    if mode & (stat.S_IRGRP | stat.S_IROTH) and str(target) not in _WARNED:
+    if stat.S_ISREG(mode) and mode & (stat.S_IRGRP | stat.S_IROTH) and str(target) not in _WARNED:
         _WARNED.add(str(target))
         log.warning("%s: secret file %s is readable by other users (mode %o); chmod 600 it",
                     path, file, stat.S_IMODE(mode))

@@ -43,8 +43,18 @@ def _dockerfile(compose: dict[str, Any]) -> str:
     return (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).read_text()
 
 
+API_KEY_SECRET = "/run/secrets/llmstream_api_key"
+"""Where compose mounts the API key file in the containers; the host has none, so `/dev/null` (the
+compose default, an empty key) stands in when the config is loaded here."""
+
+
 def _job_config_text(compose: dict[str, Any]) -> str:
     return str(compose["services"]["submitter"]["environment"]["LLMSTREAM_JOB_CONFIG"])
+
+
+def _loadable(raw: str) -> str:
+    assert API_KEY_SECRET in raw
+    return raw.replace(API_KEY_SECRET, "/dev/null")
 
 
 def _env(compose: dict[str, Any], service: str) -> dict[str, str]:
@@ -145,18 +155,23 @@ def test_submitted_job_config_is_valid_and_the_model_is_switchable(
         compose: dict[str, Any], env: dict[str, str]) -> None:
     raw = _job_config_text(compose)
     assert "${LLMSTREAM_MODEL_ENDPOINT" in raw
-    config = config_from_dict(yaml.safe_load(interpolate(raw, env)))
+    config = config_from_dict(yaml.safe_load(_loadable(interpolate(raw, env))))
     assert config.model.endpoint == env.get("LLMSTREAM_MODEL_ENDPOINT", "http://model-server:8000/v1")
     assert config.kafka.bootstrap_servers == "kafka:9092"
-    assert config.model.api_key_env == "LLMSTREAM_API_KEY"
+    assert config.model.api_key_file == "/dev/null" and API_KEY_SECRET in raw
     if env:
         host = env["LLMSTREAM_MODEL_ENDPOINT"].split("//")[1].split(":")[0]
         assert host in compose["services"], f"no service {host} for the endpoint"
 
 
-def test_secrets_only_from_the_environment(compose: dict[str, Any]) -> None:
+def test_secrets_only_as_files_never_in_a_containers_environment(compose: dict[str, Any]) -> None:
+    """`docker inspect` shows a container's environment: the API key is a compose secret (a file)."""
     text = COMPOSE.read_text()
-    assert "LLMSTREAM_API_KEY: ${LLMSTREAM_API_KEY:-}" in text
+    assert compose["secrets"]["llmstream_api_key"]["file"] == "${LLMSTREAM_API_KEY_FILE:-/dev/null}"
+    for service in ("taskmanager", "submitter"):
+        assert compose["services"][service]["secrets"] == ["llmstream_api_key"]
+    for name, service in compose["services"].items():
+        assert not any(re.search(r"(?i)key|password|token|secret", str(k)) for k in (service.get("environment") or {})), name
     assert not re.search(r"(?i)(api_key|password|secret)\s*[:=]\s*['\"]?[A-Za-z0-9]{16,}", text)
 
 
@@ -165,7 +180,7 @@ def test_broker_allows_the_jobs_transaction_timeout(compose: dict[str, Any]) -> 
     from jobs.dev.local_kafka import BrokerConfig
 
     props = BrokerConfig().server_properties()
-    config = config_from_dict(yaml.safe_load(interpolate(_job_config_text(compose))))
+    config = config_from_dict(yaml.safe_load(_loadable(interpolate(_job_config_text(compose)))))
     assert config.kafka.transaction_timeout_ms <= int(props["transaction.max.timeout.ms"])
     assert props["auto.create.topics.enable"] == "false"
     assert config.kafka.bootstrap_servers == "kafka:9092"
