@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from jobs import python_worker_shutdown
 from udfs.errors import ConfigError, LLMStreamError
+from udfs.secrets import MaskSecrets
 
 log = logging.getLogger("llmstream.cli")
 
@@ -248,6 +249,10 @@ def _configure_logging(verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(MaskSecrets())
+    # Even at -v: kafka-python's admin client logs its whole configuration, SASL password included.
+    logging.getLogger("kafka.admin.client").setLevel(logging.INFO)
     if not verbose:
         # kafka-python logs every refused connection (e.g. while a broker starts) at ERROR;
         # llmstream reports Kafka problems itself, naming the setting, so keep it quiet.

@@ -31,6 +31,10 @@ PLACEHOLDER = re.compile(r"\$\$\{|\$\{(env|file):([^}]+)\}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MASK = "******"
 _WARNED: set[str] = set()
+_RESOLVED: set[str] = set()
+"""Every secret this process has resolved, for `MaskSecrets`."""
+MIN_MASKED_CHARS = 4
+"""Shorter values (an empty key, a one-letter test value) are not masked: they would mangle every line."""
 """Secret files already warned about: a worker reads the API key file on every request."""
 
 
@@ -80,7 +84,7 @@ def read_secret_file(file: str, path: str) -> str:
         _WARNED.add(str(target))
         log.warning("%s: secret file %s is readable by other users (mode %o); chmod 600 it",
                     path, file, stat.S_IMODE(mode))
-    return text.removesuffix("\n")
+    return remember(text.removesuffix("\n"))
 
 
 def resolve(text: str, path: str) -> str:
@@ -94,7 +98,7 @@ def resolve(text: str, path: str) -> str:
         kind, name = match.group(1), match.group(2)
         if kind is None:
             return "${"
-        return _read_env(name, path) if kind == "env" else read_secret_file(name, path)
+        return remember(_read_env(name, path) if kind == "env" else read_secret_file(name, path))
 
     return PLACEHOLDER.sub(replace, text)
 
@@ -107,6 +111,27 @@ def resolve_all(values: dict[str, str], path: str) -> dict[str, str]:
 def check(text: str, path: str) -> None:
     """Fails at load, naming `path`, if a placeholder in `text` cannot be resolved now."""
     resolve(text, path)
+
+
+def remember(secret: str) -> str:
+    """Notes a resolved secret so that `MaskSecrets` keeps it out of every log line; returns it."""
+    if len(secret) >= MIN_MASKED_CHARS:
+        _RESOLVED.add(secret)
+    return secret
+
+
+class MaskSecrets(logging.Filter):
+    """A log handler's filter that replaces every secret resolved in this process by a mask, whichever
+    library logs it: with `-v`, kafka-python logs its admin client's whole configuration at DEBUG,
+    SASL password included. Installed on the CLI's handlers (`jobs/cli.py`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _RESOLVED:
+            message = record.getMessage()
+            masked = mask(message, list(_RESOLVED))
+            if masked != message:
+                record.msg, record.args = masked, None
+        return True
 
 
 def mask(text: str, secrets: list[str]) -> str:

@@ -198,3 +198,22 @@ def test_flink_gets_the_login_module_of_its_shaded_kafka_client(monkeypatch: pyt
     assert flink["client.id"] == props["client.id"]
     assert kafka_security.flink_properties({"sasl.jaas.config": flink["sasl.jaas.config"]}) == {
         "sasl.jaas.config": flink["sasl.jaas.config"]}   # already shaded: unchanged
+
+
+def test_a_library_logging_a_resolved_secret_is_masked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With -v, kafka-python logs its admin configuration, password included: the CLI's handler masks it."""
+    import io
+
+    monkeypatch.setenv("LLMSTREAM_TEST_SECRET", SECRET)
+    args = kafka_security.client_args(scram("${env:LLMSTREAM_TEST_SECRET}"))
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(secrets.MaskSecrets())
+    logger = logging.getLogger("kafka.test-masking")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        logger.debug("Starting KafkaAdminClient with configuration: %s", args)
+    finally:
+        logger.removeHandler(handler)
+    assert SECRET not in stream.getvalue() and "sasl_plain_password': '******'" in stream.getvalue()
