@@ -1,0 +1,352 @@
+"""llmstream against a secured Kafka (`secure_broker`: TLS, SASL/SCRAM-SHA-512, mutual TLS, ACLs).
+
+What a user sees: a job run (`llmstream run`) and a cluster submission (`llmstream submit`) over
+SCRAM and over mutual TLS write every id exactly once, read back by a read_committed consumer on
+the same secured listener; each misconfiguration ends `llmstream run` at preflight in seconds
+with exit 2 and one line naming the setting; and a canary password and API key used for a whole
+`-v` run appear nowhere llmstream writes or serves: its output and logs, `llmstream plan` and
+`llmstream status --json`, the state directory, Flink's REST configuration, the records.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from jobs import cli, kafka_admin
+from jobs import submit as submit_mod
+from jobs.dev.local_cluster import LocalCluster
+from jobs.dev.secure_kafka import JOB, LACKING_USERS, WRONG_HOST, SecureBroker, job_acls
+from jobs.dev.simulator import SpawnedSimulator
+from jobs.pipeline import RunOptions
+from tests.conftest import SHELL_ENV
+from tests.integration.helpers import unique_records, write_config
+from udfs.config import JobConfig, load_config, with_overrides
+
+pytestmark = pytest.mark.integration
+
+REPORT = Path(__file__).resolve().parents[2] / "var" / "security-report.md"
+PREFLIGHT_BOUND_S = 30.0
+
+
+@dataclass(frozen=True)
+class Names:
+    """One test's topics, group and transactional prefix, all under one uuid tag."""
+
+    tag: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [f"sec-{self.tag}-in-a", f"sec-{self.tag}-in-b"]
+
+    @property
+    def output(self) -> str:
+        return f"sec-{self.tag}-out"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"sec-{self.tag}-dlq"
+
+    def kafka(self) -> dict[str, Any]:
+        return {"output_topic": self.output, "dead_letter_topic": self.dead_letter,
+                "group_id": f"sec-{self.tag}-group", "transactional_id_prefix": f"sec-{self.tag}-tx"}
+
+
+Secured = Callable[..., tuple[JobConfig, Names]]
+
+
+@pytest.fixture
+def secured(secure_broker: SecureBroker, fast_simulator: SpawnedSimulator,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    """Factory ``secured(user=JOB, via="scram", omit=None, **sections)``: a job config on fresh topics
+    of the secured broker (created as admin), ``user`` granted what the job needs but ``omit``."""
+    made: list[str] = []
+
+    def make(user: str = JOB, via: str = "scram", omit: str | None = None, **sections: Any) -> tuple[JobConfig, Names]:
+        names = Names(uuid.uuid4().hex[:10])
+        topics = [*names.inputs, names.output, names.dead_letter]
+        kafka_admin.create_topics(secure_broker.kafka_python_config("admin"), topics, partitions=2)
+        made.extend(topics)
+        secure_broker.grant(user, input_topics=names.inputs, output_topic=names.output,
+                            dead_letter_topic=names.dead_letter, group_id=names.kafka()["group_id"],
+                            transactional_id_prefix=names.kafka()["transactional_id_prefix"],
+                            omit=omit)  # type: ignore[arg-type]
+        bootstrap = secure_broker.bootstrap_servers if via == "scram" else secure_broker.ssl_bootstrap_servers
+        kafka = {"bootstrap_servers": bootstrap, "input_topic": None, "input_topics": names.inputs, **names.kafka(),
+                 "properties": secure_broker.client_properties(user, via),  # type: ignore[arg-type]
+                 **sections.pop("kafka", {})}
+        config = with_overrides(
+            load_config(), kafka=kafka, model={"endpoint": fast_simulator.url, **sections.pop("model", {})},
+            checkpointing={"interval_ms": 1000, "directory": str(tmp_path_factory.mktemp(f"state-{names.tag}"))},
+            retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.5}, **sections)
+        return config, names
+
+    yield make
+    with kafka_admin.admin(secure_broker.kafka_python_config("admin")) as admin:
+        admin.delete_topics(made)
+
+
+def _produce(broker: SecureBroker, names: Names, n: int, prefix: str) -> list[str]:
+    """``n`` requests spread over both input topics, each with a traceparent, and one malformed record."""
+    admin = broker.kafka_python_config("admin")
+    records = unique_records(n, prefix)
+    traced = [(k, v, [("traceparent", f"00-{uuid.uuid4().hex}-{'1' * 16}-01".encode())]) for k, v in records]
+    kafka_admin.produce(admin, names.inputs[0], traced[: n // 2])
+    kafka_admin.produce(admin, names.inputs[1], traced[n // 2:])
+    kafka_admin.produce(admin, names.inputs[1], [(b"bad", b"{not json")])
+    return [k.decode() for k, _ in records]
+
+
+def _exactly_once(broker: SecureBroker, names: Names, ids: list[str]) -> list[Any]:
+    """Every id once in the output and the malformed record in the dead letters, read over the
+    SASL_SSL listener by a read_committed consumer (the admin: the job may only write there)."""
+    reader = broker.kafka_python_config("admin")
+    out = kafka_admin.consume_committed(reader, names.output, expected=len(ids), timeout_s=60)
+    dead = kafka_admin.consume_committed(reader, names.dead_letter, expected=1, timeout_s=60)
+    seen = Counter(json.loads(m.value)["id"] for m in out)
+    assert set(seen) == set(ids) and max(seen.values()) == 1, f"{len(seen)} of {len(ids)} ids, duplicates " \
+        f"{[i for i, c in seen.items() if c > 1][:5]}"
+    assert [json.loads(m.value)["reason"] for m in dead] == ["invalid_json"]
+    topics = Counter(json.loads(m.value)["source"]["topic"] for m in out)
+    assert set(topics) == set(names.inputs)
+    assert all(dict(m.headers).get("traceparent", b"").startswith(b"00-") for m in out)
+    return [*out, *dead]
+
+
+def _grep(secret: str, places: dict[str, bytes]) -> list[str]:
+    needle = secret.encode()
+    return [where for where, blob in places.items() if needle in blob]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+class RestWatcher(threading.Thread):
+    """Keeps what Flink's REST API serves about the job while it runs: its configuration, the
+    JobManager's, the job graph and the exceptions."""
+
+    def __init__(self, rest_url: Callable[[], str | None]) -> None:
+        super().__init__(daemon=True)
+        self._rest_url = rest_url
+        self.pages: dict[str, bytes] = {}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(0.5):
+            base = self._rest_url()
+            if not base:
+                continue
+            try:
+                jobs = requests.get(f"{base}/jobs", timeout=2).json().get("jobs", [])
+                paths = ["/jobmanager/config", "/taskmanagers"]
+                for job in jobs:
+                    paths += [f"/jobs/{job['id']}", f"/jobs/{job['id']}/config", f"/jobs/{job['id']}/exceptions",
+                              f"/jobs/{job['id']}/plan"]
+                for path in paths:
+                    self.pages[path] = requests.get(base + path, timeout=2).content
+            except (requests.RequestException, ValueError):
+                continue
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
+        secured: Secured, secure_broker: SecureBroker, tmp_path: Path) -> None:
+    """`llmstream -v run --until-end` over SASL_SSL/SCRAM with two input topics, the password and an
+    API key in files: every id once with its traceparent; then the canary hunt."""
+    api_key = f"sk-canary-{uuid.uuid4().hex}"
+    key_file = tmp_path / "api-key"
+    key_file.write_text(api_key + "\n")
+    key_file.chmod(0o600)
+    password = secure_broker.password_file(JOB).read_text().strip()
+    config, names = secured(model={"api_key_env": None, "api_key_file": str(key_file),
+                                   "headers": {"X-Api-Key": f"${{file:{key_file}}}"}})
+    path = write_config(config, tmp_path)
+    ids = _produce(secure_broker, names, 300, "scram")
+    state_dir = Path(str(config.checkpointing.directory))
+
+    def rest_url() -> str | None:
+        try:
+            return str(json.loads((state_dir / "run.json").read_text())["rest_url"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    watcher = RestWatcher(rest_url)
+    watcher.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "run", "--config", str(path), "--until-end"],
+                              capture_output=True, timeout=900, env=SHELL_ENV, check=False)
+    finally:
+        watcher.stop()
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    records = _exactly_once(secure_broker, names, ids)
+
+    plan = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "plan", "--config", str(path)],
+                          capture_output=True, timeout=300, env=SHELL_ENV, check=False)
+    status = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "status", "--json", "--config", str(path)],
+                            capture_output=True, timeout=300, env=SHELL_ENV, check=False)
+    assert status.returncode == 0, status.stderr.decode()[-2000:]
+    figures = json.loads(status.stdout)
+    assert figures["input"]["group_committed"] == len(ids) + 1   # lag against the secured broker: none left
+    assert figures["input"]["end_offset"] == len(ids) + 1
+    assert any(b"/jobs/" in k.encode() for k in watcher.pages), "the REST API was never read while the job ran"
+
+    places = {"run stdout": done.stdout, "run stderr (-v)": done.stderr, "plan": plan.stdout + plan.stderr,
+              "status --json": status.stdout + status.stderr, "config file": path.read_bytes(),
+              "records and headers": b"\n".join(m.value + repr(m.headers).encode() for m in records),
+              **{f"REST {p}": page for p, page in watcher.pages.items()},
+              **_files(state_dir)}
+    for secret in (password, api_key):
+        assert not _grep(secret, places), f"a secret leaked into: {_grep(secret, places)}"
+
+
+def test_submit_over_mutual_tls_with_a_pattern_every_id_once(
+        secured: Secured, secure_broker: SecureBroker, cluster: LocalCluster, tmp_path: Path) -> None:
+    """`llmstream submit --until-end` to the standalone cluster over mutual TLS, reading the inputs by
+    pattern: every id once; the key password appears in none of the cluster's REST pages or logs."""
+    config, names = secured(via="mtls")
+    config = with_overrides(config, kafka={"input_topics": None, "input_topic_pattern": f"sec-{names.tag}-in-.*"})
+    path = write_config(config, tmp_path)
+    ids = _produce(secure_broker, names, 200, "mtls")
+    assert submit_mod.submit(str(path), jobmanager=cluster.address, options=RunOptions(until_end=True)) == 0
+    records = _exactly_once(secure_broker, names, ids)
+    key_password_file = Path(secure_broker.client_properties(JOB, "mtls")["ssl.key.password"][len("${file:"):-1])
+    key_password = key_password_file.read_text().strip()
+    rest = cluster.rest_url
+    pages = {p: requests.get(rest + p, timeout=10).content for p in ("/jobmanager/config", "/jobs/overview")}
+    for job in requests.get(rest + "/jobs", timeout=10).json()["jobs"]:
+        for suffix in ("/config", "/exceptions", "/plan"):
+            pages[f"/jobs/{job['id']}{suffix}"] = requests.get(f"{rest}/jobs/{job['id']}{suffix}", timeout=10).content
+    places = {**pages, **_files(cluster.log_dir), "records": b"\n".join(m.value for m in records)}
+    assert not _grep(key_password, places), f"the key password leaked into: {_grep(key_password, places)}"
+
+
+LACKING_KEYS = {"read_input": "kafka.input_topics", "read_group": "kafka.group_id",
+                "write_output": "kafka.output_topic", "write_dead_letter": "kafka.dead_letter_topic",
+                "transactional_id": "kafka.transactional_id_prefix"}
+MISCONFIGURATIONS = [
+    # (case, how to break the job's kafka config, the key named, words the message has)
+    ("wrong password", "wrong_password", "kafka.properties.sasl.jaas.config", "wrong password or unknown user"),
+    ("broker certificate from an unknown CA", "other_ca", "kafka.properties.ssl.truststore.location",
+     "not signed by a CA"),
+    ("broker certificate for another host", "wrong_host", "kafka.bootstrap_servers", "does not name that host"),
+    ("no client certificate on the mutual-TLS listener", "no_client_cert", "kafka.properties.ssl.keystore.location",
+     "refused this client's certificate"),
+    ("PLAINTEXT to the TLS listener", "plaintext", "kafka.properties.security.protocol", "does not speak PLAINTEXT"),
+    *[(f"principal lacks {omit}", user, LACKING_KEYS[omit], f"principal User:{user} may not")
+      for user, omit in LACKING_USERS.items()],
+]
+
+
+def _broken(case: str, secured: Secured, broker: SecureBroker, tmp_path: Path) -> JobConfig:
+    if case in LACKING_USERS:
+        return secured(user=case, omit=LACKING_USERS[case])[0]
+    if case == "no_client_cert":
+        config, _ = secured(via="mtls")
+        props = {k: v for k, v in config.kafka.properties.items() if not k.startswith(("ssl.keystore", "ssl.key."))}
+        return with_overrides(config, kafka={"properties": props})
+    config, _ = secured()
+    props = dict(config.kafka.properties)
+    if case == "wrong_password":
+        wrong = tmp_path / "wrong-password"
+        wrong.write_text("not-the-password\n")
+        wrong.chmod(0o600)
+        props["sasl.jaas.config"] = props["sasl.jaas.config"].replace(str(broker.password_file(JOB)), str(wrong))
+    elif case == "other_ca":
+        props["ssl.truststore.location"] = str(broker.other_ca_file)
+    elif case == "wrong_host":
+        return with_overrides(config, kafka={"bootstrap_servers": broker.wrong_host_bootstrap_servers})
+    elif case == "plaintext":
+        props = {}
+    return with_overrides(config, kafka={"properties": props})
+
+
+@pytest.fixture(scope="module")
+def report_rows() -> Iterator[list[str]]:
+    rows: list[str] = []
+    yield rows
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text("| misconfiguration | exit | seconds | what `llmstream run` says |\n|---|---|---|---|\n"
+                      + "\n".join(rows) + "\n")
+
+
+@pytest.mark.parametrize(("label", "case", "key", "words"), MISCONFIGURATIONS, ids=[m[0] for m in MISCONFIGURATIONS])
+def test_a_misconfiguration_ends_run_at_preflight_naming_the_setting(
+        label: str, case: str, key: str, words: str, secured: Secured, secure_broker: SecureBroker,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], report_rows: list[str]) -> None:
+    config = _broken(case, secured, secure_broker, tmp_path)
+    path = write_config(config, tmp_path)
+    started = time.monotonic()
+    code = cli.main(["run", "--config", str(path)])
+    took = time.monotonic() - started
+    err = capsys.readouterr().err.strip()
+    report_rows.append(f"| {label} | {code} | {took:.1f} | `{err}` |")
+    assert code == 2, err
+    assert err.startswith(f"llmstream: config error: {key}: ") and words in err, err
+    assert "\n" not in err and "Traceback" not in err
+    assert took < PREFLIGHT_BOUND_S
+    assert WRONG_HOST not in err or case == "wrong_host"
+
+
+@pytest.mark.slow
+def test_revoked_credentials_fail_the_job_visibly_and_the_next_run_resumes_exactly_once(
+        secured: Secured, secure_broker: SecureBroker, tmp_path: Path) -> None:
+    """WRITE on the output topic revoked while the job runs: the job fails within its restart strategy
+    (2 restarts, 1 s apart) and `llmstream run` exits non-zero saying so; granted again, the next run
+    resumes from the retained checkpoint and every id is written exactly once."""
+    config, names = secured(flink={"restart-strategy.type": "fixed-delay",
+                                   "restart-strategy.fixed-delay.attempts": "2",
+                                   "restart-strategy.fixed-delay.delay": "1 s"})
+    path = write_config(config, tmp_path)
+    first = _produce(secure_broker, names, 200, "before")
+    admin = secure_broker.kafka_python_config("admin")
+    run = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "--config", str(path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=SHELL_ENV)
+    try:
+        committed = kafka_admin.consume_committed(admin, names.output, expected=len(first), timeout_s=300)
+        assert len(committed) >= len(first), f"{len(committed)} of {len(first)} results before the revocation"
+        write_output = [acl for acl in job_acls(
+            JOB, input_topics=names.inputs, output_topic=names.output, dead_letter_topic=names.dead_letter,
+            group_id=names.kafka()["group_id"], transactional_id_prefix=names.kafka()["transactional_id_prefix"])
+            if acl.resource_pattern.resource_name == names.output and acl.operation.name == "WRITE"]
+        with kafka_admin.admin(admin) as client:
+            client.delete_acls(write_output)
+        revoked_at = time.monotonic()
+        second = unique_records(100, "after")
+        kafka_admin.produce(admin, names.inputs[0], second)
+        _, err = run.communicate(timeout=300)
+        failed_after = time.monotonic() - revoked_at
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=30)
+    assert run.returncode != 0
+    assert b"Authorization" in err or b"not authorized" in err.lower(), err.decode()[-3000:]
+    assert b"Traceback" not in err
+    secure_broker.grant(JOB, input_topics=names.inputs, output_topic=names.output,
+                        dead_letter_topic=names.dead_letter, group_id=names.kafka()["group_id"],
+                        transactional_id_prefix=names.kafka()["transactional_id_prefix"])
+    again = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--config", str(path), "--until-end"],
+                           capture_output=True, timeout=900, env=SHELL_ENV, check=False)
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert b"resuming from" in again.stdout + again.stderr
+    _exactly_once(secure_broker, names, first + [k.decode() for k, _ in second])
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    (REPORT.parent / "security-revocation.txt").write_text(
+        f"WRITE on the output topic revoked: llmstream run exited {run.returncode} {failed_after:.1f} s later; "
+        "after the grant, the next run resumed and wrote every id once\n")
