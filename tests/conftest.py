@@ -1,5 +1,9 @@
-"""Test-wide hooks: the shell's environment and the run order. Markers, warning filters and test
-paths are in ``pyproject.toml``."""
+"""Test-wide hooks: the shared fixture modules, the shell's environment, and the run order.
+
+Markers, warning filters and test paths are in ``pyproject.toml``. What test modules share lives
+in ``tests/support/`` (see its ``__init__``); its fixture modules are plugins, listed here because
+pytest takes ``pytest_plugins`` only from the top conftest.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,13 @@ import pytest
 # PyFlink's in-process (loopback) workers merge their own settings into os.environ, and a
 # command a test starts should see what a user's command would see.
 SHELL_ENV = dict(os.environ)
+
+pytest.register_assert_rewrite("tests.support")  # before any import of it: its asserts explain themselves
+
+pytest_plugins = [
+    "tests.support.servers",
+    "tests.support.stages",
+]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

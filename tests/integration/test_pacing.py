@@ -14,7 +14,8 @@ import time
 import pytest
 
 from tests.integration.helpers import SpawnSimulator
-from tests.unit.test_client import job_config, request, run
+from tests.support.calls import run
+from tests.support.configs import job_config, request
 from udfs.client import InferenceClient
 from udfs.config import JobConfig
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from pyflink.common import Row
 
+from tests.support.fakes import MetricGroup
 from udfs.config import JobConfig
 from udfs.operators import FLUSH_AT, InferenceStage
 
@@ -47,36 +48,6 @@ class KeyedState:
 
     def snapshot(self) -> dict[Any, dict[str, Any]]:
         return copy.deepcopy({k: v for k, v in self.data.items() if v})
-
-
-class Metric:
-    def __init__(self) -> None:
-        self.total = 0
-
-    def inc(self, n: int = 1) -> None:
-        self.total += n
-
-    def update(self, value: int) -> None:
-        self.total += 1
-
-
-class MetricGroup:
-    def __init__(self) -> None:
-        self.metrics: dict[str, Metric] = {}
-        self.gauges: dict[str, Callable[[], int]] = {}
-
-    def add_group(self, name: str, value: str | None = None) -> MetricGroup:
-        """Both forms of PyFlink's: a named group, and a key/value (label) group."""
-        return self
-
-    def counter(self, name: str) -> Metric:
-        return self.metrics.setdefault(name, Metric())
-
-    def distribution(self, name: str) -> Metric:
-        return self.metrics.setdefault(name, Metric())
-
-    def gauge(self, name: str, obj: Callable[[], int]) -> None:
-        self.gauges[name] = obj
 
 
 class RuntimeContext:

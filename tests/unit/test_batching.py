@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from jobs.dev.simulator import ThreadedSimulator, embedding_vector
+from tests.support.waiting import wait_until
 from tests.unit.fake_flink import Harness, KeyedState
 from udfs.batching import Batcher, is_rejection, share_usage, split_on_rejection
 from udfs.client import InferenceClient
@@ -408,9 +409,8 @@ def test_the_stage_batches_admitted_records_and_a_restore_batches_the_pending_on
     emitted = {b["id"] for b in [*first.bodies("out"), *first.bodies("dlq")]}
     stored = {json.loads(v.value)["id"] for bucket in checkpoint.values() for v in bucket.values()}
     assert stored and not stored & emitted and stored | emitted == {f"id-{i}" for i in range(24)}
-    deadline = time.monotonic() + 60
-    while sim.stats()["requests_total"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: sim.stats()["requests_total"] >= 2, timeout=60, interval=0.02,
+               message="the first instance's two batches to reach the server")
     first.close()
 
     sim.reset_stats()

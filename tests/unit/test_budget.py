@@ -10,7 +10,8 @@ import time
 import pytest
 
 from jobs.dev.simulator import ThreadedSimulator
-from tests.unit.test_client import job_config, request, run
+from tests.support.calls import run
+from tests.support.configs import job_config, request
 from udfs import pricing
 from udfs.budget import SpendBudget
 from udfs.client import InferenceClient

@@ -16,7 +16,9 @@ import pytest
 
 from jobs.dev.simulator import ThreadedSimulator
 from tests.redis_server import RedisServer
-from tests.unit.test_client import job_config, request, run
+from tests.support.calls import run
+from tests.support.configs import job_config, request
+from tests.support.waiting import wait_until_async
 from udfs.cache import (
     GuardedCache,
     LocalCache,
@@ -39,6 +41,10 @@ def model(**changes: Any) -> ModelConfig:
 
 def key_of(config: ModelConfig, **request_changes: Any) -> str:
     return cache_key(config.api, build_payload(request(**request_changes), config))
+
+
+async def expired(cache: LocalCache | RedisCache, key: str) -> bool:
+    return await cache.get(key) is None
 
 
 def cached_config(endpoint: str, tmp_path: Path, **cache: Any) -> JobConfig:
@@ -100,10 +106,7 @@ def test_local_cache_round_trip_and_ttl(tmp_path: Path) -> None:
         assert await cache.get("k") is None
         await cache.put("k", ANSWER)
         assert await cache.get("k") == ANSWER
-        deadline = time.monotonic() + 30
-        while await cache.get("k") is not None:
-            assert time.monotonic() < deadline, "the entry never expired"
-            await asyncio.sleep(0.05)
+        await wait_until_async(lambda: expired(cache, "k"), timeout=30, interval=0.05, message="the entry to expire")
         await cache.close()
     run(go)
 
@@ -150,10 +153,7 @@ def test_redis_cache_round_trip_ttl_and_restart(redis_server: RedisServer) -> No
         other = RedisCache(redis_server.url)  # another subtask, another machine: same entry
         assert await other.get("k") == ANSWER
         await other.close()
-        deadline = time.monotonic() + 30
-        while await cache.get("k") is not None:
-            assert time.monotonic() < deadline, "the entry never expired"
-            await asyncio.sleep(0.1)
+        await wait_until_async(lambda: expired(cache, "k"), timeout=30, interval=0.1, message="the entry to expire")
         await cache.close()
     run(go)
 

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from aiohttp import web
 
 from jobs.dev.simulator import ThreadedSimulator
+from jobs.ports import free_port
+from tests.support.calls import complete_one, failure, run
+from tests.support.configs import job_config, request
+from tests.support.fakes import MetricGroup
+from tests.support.servers import serve_app
+from tests.support.waiting import wait_until
 from udfs import client as client_module
 from udfs.client import InferenceClient
-from udfs.config import JobConfig, config_from_dict
 from udfs.errors import (
     BadInput,
     DeadlineExceeded,
@@ -32,58 +36,10 @@ from udfs.errors import (
     UnsupportedResponse,
 )
 from udfs.metrics import InferenceMetrics
-from udfs.records import Completion, Request, SourceRef
+from udfs.records import Completion
 
-T = TypeVar("T")
 KEY_ENV = "LLMSTREAM_TEST_API_KEY"
 SECRET = "sk-llmstream-test-7f3a9c2e"
-
-
-def job_config(endpoint: str, *, model: dict[str, Any] | None = None, async_: dict[str, Any] | None = None,
-               retry: dict[str, Any] | None = None, rate_limit: dict[str, Any] | None = None) -> JobConfig:
-    return config_from_dict({
-        "kafka": {"bootstrap_servers": "127.0.0.1:9", "input_topic": "in", "output_topic": "out",
-                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t"},
-        "model": {"endpoint": endpoint, "model": "sim", "max_tokens": 16, **(model or {})},
-        "async": {"capacity": 16, "request_timeout_s": 5.0, "record_deadline_s": 20.0, **(async_ or {})},
-        "retry": {"max_attempts": 4, "initial_backoff_s": 0.001, "max_backoff_s": 0.005, **(retry or {})},
-        "rate_limit": {**(rate_limit or {})},
-    })
-
-
-def request(prompt: str = "What is the capital of France?", **changes: Any) -> Request:
-    fields = {"id": "r-1", "prompt": prompt}
-    return Request(**{"id": "r-1", "key": b"k", "source": SourceRef("in", 0, 42), "prompt": prompt,
-                      "fields": fields, **changes})
-
-
-def run(make: Callable[[], Awaitable[T]], timeout: float = 60.0) -> T:
-    """Runs a test coroutine on a fresh loop, with a guard so a bug fails instead of hanging."""
-    async def guarded() -> T:
-        return await asyncio.wait_for(make(), timeout)
-
-    return asyncio.run(guarded())
-
-
-async def complete_one(config: JobConfig, req: Request | None = None) -> tuple[Completion, InferenceClient]:
-    async with InferenceClient(config) as client:
-        return await client.complete(req or request()), client
-
-
-async def failure(config: JobConfig, req: Request | None = None) -> tuple[Exception, float, InferenceClient]:
-    started = time.monotonic()
-    async with InferenceClient(config) as client:
-        try:
-            await client.complete(req or request())
-        except Exception as err:  # noqa: BLE001 - the test inspects whatever was raised
-            return err, time.monotonic() - started, client
-    raise AssertionError("complete() succeeded; a failure was expected")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ------------------------------------------------------------------ answers
@@ -131,21 +87,8 @@ def test_client_construction_does_no_io() -> None:
     assert client.session is None
 
 
-class FakeMetricGroup:
-    """Records the gauges registered on it, as PyFlink's metric group would take them."""
-
-    def __init__(self) -> None:
-        self.gauges: dict[str, Callable[[], int]] = {}
-
-    def gauge(self, name: str, obj: Callable[[], int]) -> None:
-        self.gauges[name] = obj
-
-    def add_group(self, name: str, extra: str | None = None) -> FakeMetricGroup:
-        return FakeMetricGroup()
-
-
 def test_metrics_reach_the_flink_metric_group(sim: ThreadedSimulator) -> None:
-    group = FakeMetricGroup()
+    group = MetricGroup()
     metrics = InferenceMetrics(group)
     config = job_config(sim.url, async_={"capacity": 8})
 
@@ -314,17 +257,6 @@ def test_the_api_key_never_appears_in_logs_errors_or_outputs(
     assert any(r.name.startswith("udfs.") for r in caplog.records)
 
 
-async def serve_app(routes: list[web.RouteDef]) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.add_routes(routes)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}/v1"
-
-
 def test_a_server_that_echoes_the_key_in_its_error_is_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
     async def echo(req: web.Request) -> web.Response:
         return web.json_response({"error": {"message": f"bad auth {req.headers.get('Authorization')}"}},
@@ -415,9 +347,8 @@ def test_close_leaves_no_connection_open(make_sim: Callable[..., ThreadedSimulat
         assert client.session is None
 
     run(scenario)
-    deadline = time.monotonic() + 3
-    while sim.stats()["open_connections"] and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=3, interval=0.02,
+               message="the simulator to see every connection closed")
     assert sim.stats()["open_connections"] == 0
 
 
@@ -445,7 +376,6 @@ def test_close_from_another_loop_as_pyflink_does(make_sim: Callable[..., Threade
         thread.join(10)
         loop.close()
     asyncio.run(client.close())
-    deadline = time.monotonic() + 3
-    while sim.stats()["open_connections"] and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=3, interval=0.02,
+               message="the simulator to see every connection closed")
     assert sim.stats()["open_connections"] == 0

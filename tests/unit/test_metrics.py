@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
 
+from tests.support.fakes import MetricGroup
 from udfs.metrics import COUNTERS, Distribution, InferenceMetrics
 
 
-class FakeGroup:
-    """Records gauges and sub-groups as PyFlink's metric group would take them."""
-
-    def __init__(self) -> None:
-        self.gauges: dict[str, Callable[[], int]] = {}
-        self.groups: dict[tuple[str, str | None], FakeGroup] = {}
-
-    def gauge(self, name: str, obj: Callable[[], int]) -> None:
-        self.gauges[name] = obj
-
-    def add_group(self, name: str, extra: str | None = None) -> Any:
-        return self.groups.setdefault((name, extra), FakeGroup())
-
-
 def test_every_metric_is_a_gauge_reading_the_python_value() -> None:
-    group = FakeGroup()
+    group = MetricGroup()
     metrics = InferenceMetrics(group)
     assert set(COUNTERS) <= set(group.gauges)
     assert {"in_flight", "admitted", "concurrency_limit", "latency_count", "latency_sum_ms", "latency_max_ms",
@@ -36,7 +21,7 @@ def test_every_metric_is_a_gauge_reading_the_python_value() -> None:
 
 def test_counts_made_on_another_thread_reach_the_gauges() -> None:
     """The calls run on their own asyncio thread; a gauge read on the operator thread sees them."""
-    group = FakeGroup()
+    group = MetricGroup()
     metrics = InferenceMetrics(group)
     worker = threading.Thread(target=lambda: [metrics.requests.inc() for _ in range(1000)])
     worker.start()
@@ -45,7 +30,7 @@ def test_counts_made_on_another_thread_reach_the_gauges() -> None:
 
 
 def test_dead_letters_by_reason_get_a_reason_group() -> None:
-    group = FakeGroup()
+    group = MetricGroup()
     metrics = InferenceMetrics(group)
     metrics.dead_letter("invalid_json")
     metrics.dead_letter("invalid_json")

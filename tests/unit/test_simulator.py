@@ -23,6 +23,7 @@ from jobs.dev.simulator import (
     SimulatorConfig,
     ThreadedSimulator,
 )
+from tests.support.waiting import wait_until
 from tests.unit.tls_certs import make_certs
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
@@ -369,9 +370,8 @@ def test_hang_fault_holds_until_client_gives_up(sim: ThreadedSimulator) -> None:
     with pytest.raises(requests.ReadTimeout):
         requests.post(sim.url + "/chat/completions", json=CHAT, timeout=0.3)
     assert sim.stats()["hangs"] == 1
-    deadline = time.monotonic() + 2
-    while sim.stats()["open_connections"] and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=2, interval=0.02,
+               message="the hung connection to be closed")
     assert sim.stats()["open_connections"] == 0
 
 
@@ -379,9 +379,8 @@ def test_client_disconnect_frees_concurrency_slot(make_sim: Callable[..., Thread
     sim = make_sim(latency="fixed:5000", concurrency=1)
     with pytest.raises(requests.ReadTimeout):
         post(sim, "/chat/completions", CHAT, timeout=0.2)
-    deadline = time.monotonic() + 2
-    while sim.stats()["in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: sim.stats()["in_flight"] == 0, timeout=2, interval=0.02,
+               message="the slot of the disconnected call to be freed")
     assert sim.stats()["in_flight"] == 0 and sim.stats()["cancelled"] == 1
 
 

@@ -14,7 +14,9 @@ import yaml
 from aiohttp import ClientSession, web
 
 from jobs.dev.simulator import ThreadedSimulator
-from tests.unit.test_client import job_config, request, run, serve_app
+from tests.support.calls import run
+from tests.support.configs import job_config, request
+from tests.support.servers import serve_app
 from udfs import dead_letter
 from udfs.client import InferenceClient
 from udfs.config import DEFAULT_CONFIG, config_from_dict, load_config, with_overrides

@@ -1,5 +1,6 @@
-"""Fixtures of the unit tests: the model-server simulator in a thread (real HTTP on loopback) and
-inference stages on a fake PyFlink runtime."""
+"""In-process model servers of the unit tests, on free loopback ports: the simulator in a thread
+(fixtures ``make_sim`` and ``sim``, a plugin listed in ``tests/conftest.py``) and any aiohttp app
+(``serve_app``) for answers the simulator does not give."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from jobs.dev.simulator import SimulatorConfig, ThreadedSimulator, start_in_thread
-from tests.unit.fake_flink import Harness
 
 
 @pytest.fixture
@@ -32,10 +33,14 @@ def sim(make_sim: Callable[..., ThreadedSimulator]) -> ThreadedSimulator:
     return make_sim()
 
 
-@pytest.fixture
-def harnesses() -> Iterator[list[Harness]]:
-    """Inference stages driven by fake PyFlink (tests/unit/fake_flink.py), closed after the test."""
-    made: list[Harness] = []
-    yield made
-    for h in made:
-        h.close()
+async def serve_app(routes: list[web.RouteDef]) -> tuple[web.AppRunner, str]:
+    """An aiohttp app with ``routes`` on a free loopback port: its runner (``cleanup()`` it) and
+    its ``/v1`` base URL."""
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}/v1"
