@@ -1,9 +1,10 @@
 """Plain helpers for the integration tests (the fixtures themselves live in conftest.py).
 
 Jobs on a standalone cluster with their own uuid topics (`make_job`), the records they read
-(`unique_records`), what a downstream consumer sees (`CommittedReader`, read_committed, with
-arrival times), the exactly-once tally over output and dead letters, and the numbers the fault
-tests write to ``var/fault-report.md`` / ``.json`` (`FaultReport`) for the README.
+(`unique_records`; `BAD_RECORDS`, which the job dead-letters), what a downstream consumer sees
+(`CommittedReader`, read_committed, with arrival times), the exactly-once tally over output and
+dead letters, and the numbers the fault tests write to ``var/fault-report.md`` / ``.json``
+(`FaultReport`) for the README. Scenarios built from these are in ``tests/support/runs.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -28,6 +30,7 @@ from jobs import jars, kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from jobs.flink_rest import TERMINAL_STATES, FlinkRest
+from tests.support.waiting import wait_until
 from udfs.config import JobConfig, config_from_dict, load_config, to_dict
 
 JobConfigFactory = Callable[..., JobConfig]
@@ -57,15 +60,15 @@ def heal(cluster: LocalCluster, taskmanagers: int = 1, timeout: float = 180) -> 
                 cluster.cancel(job["jid"], timeout=60)
     cluster.reap_orphans(grace_s=5)
     cluster.start(taskmanagers=taskmanagers, timeout=timeout)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def settled() -> bool:
         ov = cluster.overview() or {}
-        if ov.get("taskmanagers") == len(cluster.taskmanager_pids()) and ov.get("slots-available") == ov.get(
-                "slots-total"):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"cluster did not settle: {ov}, TaskManager pids {cluster.taskmanager_pids()}")
-        time.sleep(1)
+        return bool(ov.get("taskmanagers") == len(cluster.taskmanager_pids())
+                    and ov.get("slots-available") == ov.get("slots-total"))
+
+    wait_until(settled, timeout, interval=1,
+               message=lambda: f"the cluster to settle: {cluster.overview()}, TaskManager pids "
+                               f"{cluster.taskmanager_pids()}")
 
 
 def wait_for_checkpoints(cluster: FlinkRest, job_id: str, n: int = 3, timeout: float = 240) -> int:
@@ -73,14 +76,15 @@ def wait_for_checkpoints(cluster: FlinkRest, job_id: str, n: int = 3, timeout: f
     reports them: what the job had written is then committed, and anything late or duplicated would
     show. Returns the number seen, early if the job stopped running (no checkpoint will come)."""
     start = cluster.completed_checkpoints(job_id)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def more() -> tuple[int] | None:  # a tuple: 0 more is an answer too, when the job stopped
         done = cluster.completed_checkpoints(job_id) - start
-        if done >= n or cluster.job_status(job_id) in TERMINAL_STATES:
-            return done
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{done} of {n} more checkpoints of job {job_id} completed in {timeout:g} s")
-        time.sleep(0.5)
+        return (done,) if done >= n or cluster.job_status(job_id) in TERMINAL_STATES else None
+
+    (done,) = wait_until(more, timeout, interval=0.5,
+                         message=lambda: f"{n} more checkpoints of job {job_id} "
+                                         f"({cluster.completed_checkpoints(job_id) - start} completed)")
+    return done
 
 
 # ---------------------------------------------------------------------- jobs and records
@@ -139,11 +143,20 @@ def make_job(directory: Path, bootstrap: str, endpoint: str, *, name: str, parti
     return JobSetup(config, path)
 
 
+LLMSTREAM = Path(sys.executable).parent / "llmstream"
+"""The installed entry point, for tests that run a command as a user does."""
+
+
 def write_config(config: JobConfig, directory: Path) -> Path:
     """The config as a YAML file, for tests that go through the CLI."""
     path = directory / "job.yaml"
     path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return path
+
+
+BAD_RECORDS: list[tuple[bytes, bytes]] = [(b"bad-1", b'{"id": "x" "prompt": 1}'), (b"bad-2", b"[1, 2]"),
+                                          (b"bad-3", b'{"id": "b3"}')]
+"""Three records the decode stage dead-letters: invalid_json, not_an_object, missing_field."""
 
 
 def unique_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:

@@ -24,8 +24,9 @@ import pytest
 
 from jobs import jars, kafka_admin
 from jobs.dev import containers
-from jobs.dev.processes import free_port
+from jobs.ports import free_port
 from tests.integration.helpers import Tally, check_exactly_once, tally, unique_records
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.containers]
 
@@ -128,10 +129,13 @@ def project(llmstream_image: str) -> Iterator[ComposeProject]:
     try:
         proj.compose("up", "-d", timeout=900)
         submitter = proj.container("submitter")
-        deadline = time.monotonic() + 300
-        while (state := proj.state(submitter))[0] != "exited":
-            assert time.monotonic() < deadline, f"submitter still {state[0]} after 300 s\n{proj.logs()}"
-            time.sleep(2)
+
+        def exited() -> tuple[str, int] | None:
+            state = proj.state(submitter)
+            return state if state[0] == "exited" else None
+
+        state = wait_until(exited, timeout=300, interval=2,
+                           message=lambda: f"the submitter to exit (still {proj.state(submitter)[0]})\n{proj.logs()}")
         assert state[1] == 0, f"submitter exited {state[1]}\n{proj.logs()}"
         yield proj
     finally:
@@ -149,14 +153,14 @@ def test_compose_up_500_records_exactly_once(project: ComposeProject) -> None:
 def test_taskmanager_killed_mid_stream_every_id_exactly_once(project: ComposeProject) -> None:
     before = len(project.produced)
     ids = produce(project, 500, "killed")
-    deadline = time.monotonic() + 240
-    while True:
+
+    def some_new_visible() -> int | None:
         seen = committed(project)
         visible_new = len(project.produced) - seen.lost - before
-        if visible_new > 0:
-            break
-        assert time.monotonic() < deadline, f"no output for the new records within 240 s\n{project.logs()}"
-        time.sleep(1)
+        return visible_new if visible_new > 0 else None
+
+    visible_new = wait_until(some_new_visible, timeout=240, interval=1,
+                             message=lambda: f"output for the new records\n{project.logs()}")
     assert visible_new < len(ids), "the whole batch was committed before the kill: not mid-stream"
     taskmanager = project.container("taskmanager")
     subprocess.run(["docker", "kill", taskmanager], capture_output=True, timeout=60, check=True)

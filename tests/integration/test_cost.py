@@ -18,21 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from jobs import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from tests.integration.helpers import (
     FaultReport,
     FaultResult,
-    JobSetup,
     Tally,
     check_exactly_once,
     make_job,
     unique_records,
 )
-from tests.integration.test_faults import RECORDS, Run, start_run
 from tests.redis_server import RedisServer
+from tests.support.runs import RECORDS, Run, start_records, start_run
 from udfs.config import JobConfig
 from udfs.prompts import build_payload, input_tokens
 
@@ -118,17 +116,6 @@ def test_exact_repeats_are_answered_once(
                     notes=f"{distinct} distinct requests among {RECORDS}")
     assert served == distinct
     assert result.cached == RECORDS - distinct
-
-
-def start_records(cluster: LocalCluster, setup: JobSetup, records: list[tuple[bytes, bytes]]) -> Run:
-    from tests.integration.helpers import CommittedReader
-
-    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
-    reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
-    reader.start()
-    run = Run(cluster, setup, [k.decode() for k, _ in records], reader)
-    run.submit()
-    return run
 
 
 # ---------------------------------------------------------------------- spend budget

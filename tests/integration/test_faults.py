@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -24,76 +23,17 @@ from jobs.dev import local_kafka, simulator
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from tests.integration.helpers import (
-    CommittedReader,
     FaultReport,
     FaultResult,
-    JobSetup,
     Tally,
     check_exactly_once,
-    final_tally,
     make_job,
     unique_records,
-    wait_for_checkpoints,
 )
+from tests.support.runs import Run, start_run
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
-
-RECORDS = 5000
-
-
-@dataclass
-class Run:
-    """One scenario in progress: its job(s), the records sent and the committed reader."""
-
-    cluster: LocalCluster
-    setup: JobSetup
-    ids: list[str]
-    reader: CommittedReader
-    job_ids: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def job_id(self) -> str:
-        return self.job_ids[-1]
-
-    def submit(self, savepoint: str | None = None) -> str:
-        job_id = self.cluster.submit(self.setup.path, savepoint=savepoint)
-        self.job_ids.append(job_id)
-        self.cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
-        return job_id
-
-    def not_failed(self) -> None:
-        state = self.cluster.job_status(self.job_id)
-        assert state != "FAILED", f"job {self.job_id} FAILED: {self.cluster.failure(self.job_id)}"
-
-    def wait_mid_stream(self, fraction: float = 0.15, timeout: float = 120) -> None:
-        """Until a fraction of the ids is committed, so the fault lands mid-stream."""
-        assert self.reader.wait_for(int(len(self.ids) * fraction), timeout, check=self.not_failed), (
-            f"only {self.reader.unique_ids()} of {len(self.ids)} committed before the fault")
-        assert self.reader.unique_ids() < len(self.ids), "the stream finished before the fault"
-
-    def restarts(self) -> int:
-        return sum(self.cluster.num_restarts(j) for j in self.job_ids)
-
-    def finish(self, timeout: float = 300) -> Tally:
-        """Wait for every id, give late duplicates three more checkpoints to appear, then count independently."""
-        done = self.reader.wait_for(len(self.ids), timeout, check=self.not_failed)
-        wait_for_checkpoints(self.cluster, self.job_id, 3)
-        self.reader.stop()
-        result = final_tally(self.setup, self.ids)
-        assert done, f"not every id arrived within {timeout} s: {result}"
-        return result
-
-
-def start_run(cluster: LocalCluster, setup: JobSetup, prefix: str, n: int = RECORDS) -> Run:
-    records = unique_records(n, prefix)
-    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
-    reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
-    reader.start()
-    run = Run(cluster, setup, [k.decode() for k, _ in records], reader)
-    run.submit()
-    return run
-
 
 def report(fault_report: FaultReport, name: str, run: Run, result: Tally, *, recovery_s: float | None,
            notes: str, **extra: object) -> None:
@@ -310,15 +250,14 @@ def _wait_for_full_capacity(run: Run, sim: SpawnedSimulator, capacity: int, comm
                             timeout: float = 180) -> int:
     """Until `committed` ids are visible (a checkpoint with calls in flight has completed) and
     the server holds at least `capacity` calls; returns the calls in flight."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def full() -> int | None:
         run.not_failed()
         in_flight = int(sim.stats().get("in_flight") or 0)
-        if in_flight >= capacity and run.reader.unique_ids() >= committed:
-            return in_flight
-        time.sleep(0.2)
-    raise AssertionError(f"never {capacity} calls in flight with {committed} committed: {sim.stats()}, "
-                         f"{run.reader.unique_ids()} committed")
+        return in_flight if in_flight >= capacity and run.reader.unique_ids() >= committed else None
+
+    return wait_until(full, timeout, interval=0.2,
+                      message=lambda: f"{capacity} calls in flight with {committed} committed: {sim.stats()}, "
+                                      f"{run.reader.unique_ids()} committed")
 
 
 def test_taskmanager_sigkill_with_calls_in_flight_reissues_them(

@@ -8,15 +8,11 @@ Every wait is for a condition with a generous deadline, never a fixed sleep.
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import subprocess
-import sys
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,57 +21,26 @@ import pytest
 import requests
 
 from jobs import jars
-from jobs.dev.processes import free_port
 from jobs.kafka_admin import consume_committed, produce
 from jobs.pipeline import RunOptions
+from jobs.ports import free_port
 from jobs.run import StopRequest, run_job
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import (
+    BAD_RECORDS,
+    LLMSTREAM,
     JobConfigFactory,
     write_config,
 )
+from tests.support.prometheus import parse_prometheus, total
+from tests.support.waiting import wait_until
 from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-LLMSTREAM = Path(sys.executable).parent / "llmstream"
 SERVED_METRICS = jars.repo_root() / "grafana" / "served-metrics.txt"
 """Names the exporter served in this test's scrape; the dashboard may only query these
 (tests/integration/test_compose.py checks it statically)."""
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text format: metric name -> [(labels, value)]."""
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match or line.startswith("#"):
-            continue
-        labels = dict(_LABEL.findall(match.group(3) or ""))
-        samples.setdefault(match.group(1), []).append((labels, float(match.group(4))))
-    return samples
-
-
-def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
-    return sum(value for _, value in samples.get(name, []) if not math.isnan(value))
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 180.0, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = check()
-            if result:
-                return result
-        except Exception as err:  # noqa: BLE001 - e.g. the endpoint is not up yet
-            last_error = err
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last error: {last_error})")
-
 
 def _stable(name: str) -> bool:
     """Names worth recording: Flink's, llmstream's, and of the Kafka clients' many only the lag."""
@@ -89,10 +54,6 @@ def _stable(name: str) -> bool:
 def good_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
     return [(f"{prefix}-{i}".encode(), json.dumps({"id": f"{prefix}-{i}", "prompt": f"Question {i}?"}).encode())
             for i in range(n)]
-
-
-BAD_RECORDS: list[tuple[bytes, bytes]] = [(b"bad-1", b'{"id": "x" "prompt": 1}'), (b"bad-2", b"[1, 2]"),
-                                          (b"bad-3", b'{"id": "b3"}')]
 
 
 @contextmanager
@@ -138,7 +99,8 @@ def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobC
                         and total(samples, "flink_jobmanager_job_numberOfCompletedCheckpoints") >= 1)
                 return samples if done else None
 
-            samples = wait_for("every record counted and a checkpoint completed", worked)
+            samples = wait_until(worked, timeout=180, message="every record counted and a checkpoint completed",
+                                 ignoring=(Exception,))
     finally:
         fast_simulator.configure({"latency": "fixed:5"})
 
@@ -202,8 +164,8 @@ def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[n
                 return figures if done else None
 
             try:
-                during = wait_for("llmstream status to show every record processed", caught_up, timeout=300,
-                                  interval=1.0)
+                during = wait_until(caught_up, timeout=300, interval=1.0,
+                                    message="llmstream status to show every record processed", ignoring=(Exception,))
             except AssertionError as err:
                 last = seen[-1] if seen else {}
                 raise AssertionError(f"{err}; simulator {fast_simulator.stats()['requests_total']} calls; last status: "

@@ -16,14 +16,9 @@ from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import make_job, unique_records
-from tests.integration.test_observe import (
-    BAD_RECORDS,
-    LLMSTREAM,
-    parse_prometheus,
-    total,
-    wait_for,
-)
+from tests.integration.helpers import BAD_RECORDS, LLMSTREAM, make_job, unique_records
+from tests.support.prometheus import parse_prometheus, total
+from tests.support.waiting import wait_until
 
 # The cluster and simulator fixtures, registered once per session (as test_cluster.py does).
 
@@ -75,11 +70,16 @@ def test_cluster_reporter_and_status_of_a_submitted_job(
               and sum(figures["dead_letters"]["by_reason"].values()) == len(BAD_RECORDS))
         return figures if ok else None
 
-    figures = wait_for("llmstream status --jobmanager to show every record processed", done, timeout=300)
+    figures = wait_until(done, timeout=300, message="llmstream status --jobmanager to show every record processed",
+                         ignoring=(Exception,))
     assert figures["job"]["state"] == "RUNNING" and figures["job"]["restarts"] == 0
     assert figures["calls"]["capacity"] == setup.config.async_.capacity
-    scraped = wait_for("the cluster's reporter to serve the job's llmstream metrics",
-                       lambda: (m := _scrape_job(job_id)) and m.get("requests", 0) >= good and m, timeout=120)
+    def served() -> dict[str, float] | None:
+        m = _scrape_job(job_id)
+        return m if m and m.get("requests", 0) >= good else None
+
+    scraped = wait_until(served, timeout=120, message="the cluster's reporter to serve the job's llmstream metrics",
+                         ignoring=(Exception,))
     assert scraped["records_in"] == good + len(BAD_RECORDS) and scraped["bad_input"] == len(BAD_RECORDS)
     assert scraped["latency_count"] >= good and scraped["latency_p99_ms"] >= scraped["latency_p50_ms"] > 0
     cluster.cancel(job_id)

@@ -37,20 +37,11 @@ from tests.integration.helpers import (
     make_job,
     unique_records,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 STARTED = "started in a local mini cluster"
-
-
-def _wait_for(what: str, check, timeout: float, interval: float = 0.5):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(interval)
 
 
 def _record(fault_report: FaultReport, name: str, result: Tally, *, started: float, restarts: int, notes: str,
@@ -108,8 +99,10 @@ def test_run_interrupted_15_times_loses_and_duplicates_nothing(
         outcomes = []
         for i, kind in enumerate(kinds):
             run = LocalRun(setup.path, tmp_path / f"run-{i:02d}.log")
-            _wait_for(f"run {i} to start its job", lambda r=run: STARTED in r.output() or r.process.poll() is not None,
-                      timeout=180)
+            def job_started(r: LocalRun = run) -> bool:
+                return STARTED in r.output() or r.process.poll() is not None
+
+            wait_until(job_started, timeout=180, message=f"run {i} to start its job")
             assert run.process.poll() is None, f"run {i} exited early:\n{run.output()[-3000:]}"
             time.sleep(rng.uniform(0.5, 8.0))  # a random moment: the point is where it lands, not how long
             if kind == "SIGINT":
@@ -193,7 +186,7 @@ class ClusterRun:
                 state = self.cluster.job_status(job)
                 assert state != "FAILED", self.cluster.failure(job)
             return self.committed_output() >= at_least
-        _wait_for(f"{at_least} committed outputs", enough, timeout)
+        wait_until(enough, timeout, message=f"{at_least} committed outputs")
 
     def restarts(self) -> int:
         return sum(self.cluster.num_restarts(j) for j in self.jobs)

@@ -19,10 +19,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from jobs.dev.processes import free_port
 from jobs.flink_rest import FlinkRest
 from jobs.kafka_admin import consume_committed, produce
 from jobs.pipeline import RunOptions
+from jobs.ports import free_port
 from jobs.run import run_job
 from tests.integration.helpers import JobConfigFactory
 

@@ -1,0 +1,81 @@
+"""Scenarios on the standalone cluster, as the fault and cost tests run them: records with unique
+ids into the input topic, a committed reader on the output and dead-letter topics, the job
+submitted; then the test injects its fault and `Run.finish` counts what a consumer saw."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jobs import kafka_admin
+from jobs.dev.local_cluster import LocalCluster
+from tests.integration.helpers import (
+    CommittedReader,
+    JobSetup,
+    Tally,
+    final_tally,
+    unique_records,
+    wait_for_checkpoints,
+)
+
+RECORDS = 5000
+"""Records of one scenario: ~40 s of work at the fault tests' pace, so a fault lands mid-stream."""
+
+
+@dataclass
+class Run:
+    """One scenario in progress: its job(s), the records sent and the committed reader."""
+
+    cluster: LocalCluster
+    setup: JobSetup
+    ids: list[str]
+    reader: CommittedReader
+    job_ids: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def job_id(self) -> str:
+        return self.job_ids[-1]
+
+    def submit(self, savepoint: str | None = None) -> str:
+        job_id = self.cluster.submit(self.setup.path, savepoint=savepoint)
+        self.job_ids.append(job_id)
+        self.cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
+        return job_id
+
+    def not_failed(self) -> None:
+        state = self.cluster.job_status(self.job_id)
+        assert state != "FAILED", f"job {self.job_id} FAILED: {self.cluster.failure(self.job_id)}"
+
+    def wait_mid_stream(self, fraction: float = 0.15, timeout: float = 120) -> None:
+        """Until a fraction of the ids is committed, so the fault lands mid-stream."""
+        assert self.reader.wait_for(int(len(self.ids) * fraction), timeout, check=self.not_failed), (
+            f"only {self.reader.unique_ids()} of {len(self.ids)} committed before the fault")
+        assert self.reader.unique_ids() < len(self.ids), "the stream finished before the fault"
+
+    def restarts(self) -> int:
+        return sum(self.cluster.num_restarts(j) for j in self.job_ids)
+
+    def finish(self, timeout: float = 300) -> Tally:
+        """Wait for every id, give late duplicates three more checkpoints to appear, then count independently."""
+        done = self.reader.wait_for(len(self.ids), timeout, check=self.not_failed)
+        wait_for_checkpoints(self.cluster, self.job_id, 3)
+        self.reader.stop()
+        result = final_tally(self.setup, self.ids)
+        assert done, f"not every id arrived within {timeout} s: {result}"
+        return result
+
+
+def start_records(cluster: LocalCluster, setup: JobSetup, records: list[tuple[bytes, bytes]]) -> Run:
+    """``records`` (key = id) into the input topic, the reader started, the job submitted and RUNNING."""
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+    reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
+    reader.start()
+    run = Run(cluster, setup, [k.decode() for k, _ in records], reader)
+    run.submit()
+    return run
+
+
+def start_run(cluster: LocalCluster, setup: JobSetup, prefix: str, n: int = RECORDS) -> Run:
+    """`start_records` with ``n`` valid requests whose ids are ``<prefix>-<i>``."""
+    return start_records(cluster, setup, unique_records(n, prefix))
