@@ -1,0 +1,94 @@
+"""How the tests are laid out, read from their source (AST): no module under ``tests/`` imports a
+test module (``test_*.py``).
+
+A helper that two test modules need lives in ``tests/support/`` (fixtures in its plugin modules),
+so running one test module never drags in another's tests, and pytest imports each test module
+once, under one name (a test module imported from elsewhere is a second copy under another name).
+Imports are counted wherever they are, inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+
+PENDING: dict[str, str] = {
+    "tests/unit/test_model_tls.py": "tests.unit.test_client",
+}
+"""Modules outside issue 20's change that still import a test module, and the one they import;
+each entry goes when its module imports the same names from ``tests.support`` (the names are
+still there, imported by ``test_client``), and a stale entry fails the test below."""
+
+
+def _imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) of every module an import statement names; ``from a import b`` names
+    ``a`` and ``a.b`` (b may be a module), relative names keep their leading dots."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            if node.module:
+                yield node.lineno, base
+            for alias in node.names:
+                yield node.lineno, f"{base}{alias.name}" if base.endswith(".") else f"{base}.{alias.name}"
+
+
+def _is_test_module(name: str, test_modules: set[str]) -> bool:
+    """Whether an imported name is one of our test modules: as ``tests.<dir>.test_x``, relative
+    (``.test_x``), or bare (``test_x``, importable when pytest puts a test directory on sys.path)."""
+    parts = name.lstrip(".").split(".")
+    if parts[-1] not in test_modules:
+        return False
+    return name.startswith(".") or parts[0] == "tests" or len(parts) == 1
+
+
+def _violations() -> dict[str, list[str]]:
+    test_modules = {p.stem for p in TESTS.rglob("test_*.py")}
+    found: dict[str, list[str]] = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in _imports(tree):
+            if _is_test_module(name, test_modules):
+                found.setdefault(path.relative_to(ROOT).as_posix(), []).append(f"line {line}: {name}")
+    return found
+
+
+def test_no_module_under_tests_imports_a_test_module() -> None:
+    violations = {path: lines for path, lines in _violations().items() if path not in PENDING}
+    assert not violations, (
+        "test modules import other test modules (move what they share to tests/support/):\n"
+        + "\n".join(f"  {path}: {', '.join(lines)}" for path, lines in violations.items()))
+
+
+def test_every_pending_exception_is_still_needed() -> None:
+    violations = _violations()
+    stale = {path: target for path, target in PENDING.items()
+             if not any(target in line for line in violations.get(path, []))}
+    assert not stale, f"no longer imports the test module: remove from PENDING: {stale}"
+
+
+def test_the_check_sees_each_form_of_import() -> None:
+    source = textwrap.dedent("""\
+        from tests.unit.test_client import job_config
+        from tests.unit import test_client
+        import tests.integration.test_faults
+        from .test_observe import wait_for
+        from . import test_observe
+        import test_cache
+        def f():
+            from tests.integration.test_faults import start_run
+        from tests.support.waiting import wait_until
+        from tests.integration.helpers import make_job
+        import unittest
+        from jobs.dev import simulator
+    """)
+    modules = {"test_client", "test_faults", "test_observe", "test_cache"}
+    flagged = sorted({line for line, name in _imports(ast.parse(source)) if _is_test_module(name, modules)})
+    assert flagged == [1, 2, 3, 4, 5, 6, 8]
