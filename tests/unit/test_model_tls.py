@@ -18,15 +18,10 @@ import pytest
 from aiohttp import web
 
 from jobs.dev.simulator import ThreadedSimulator
-from tests.unit.test_client import (
-    complete_one,
-    failure,
-    free_port,
-    job_config,
-    request,
-    run,
-    serve_app,
-)
+from jobs.ports import free_port
+from tests.support.calls import complete_one, failure, run
+from tests.support.configs import job_config, request
+from tests.support.servers import serve_app
 from tests.unit.tls_certs import OPENSSL, Certs, make_certs
 from udfs.client import InferenceClient
 from udfs.errors import ConfigError, PermanentError, TlsError

@@ -17,13 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
-PENDING: dict[str, str] = {
-    "tests/unit/test_model_tls.py": "tests.unit.test_client",
-}
-"""Modules outside issue 20's change that still import a test module, and the one they import;
-each entry goes when its module imports the same names from ``tests.support`` (the names are
-still there, imported by ``test_client``), and a stale entry fails the test below."""
-
 
 def _imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
     """(line, dotted name) of every module an import statement names; ``from a import b`` names
@@ -61,17 +54,10 @@ def _violations() -> dict[str, list[str]]:
 
 
 def test_no_module_under_tests_imports_a_test_module() -> None:
-    violations = {path: lines for path, lines in _violations().items() if path not in PENDING}
+    violations = _violations()
     assert not violations, (
         "test modules import other test modules (move what they share to tests/support/):\n"
         + "\n".join(f"  {path}: {', '.join(lines)}" for path, lines in violations.items()))
-
-
-def test_every_pending_exception_is_still_needed() -> None:
-    violations = _violations()
-    stale = {path: target for path, target in PENDING.items()
-             if not any(target in line for line in violations.get(path, []))}
-    assert not stale, f"no longer imports the test module: remove from PENDING: {stale}"
 
 
 def test_the_check_sees_each_form_of_import() -> None:
