@@ -176,9 +176,8 @@ class FlinkRest:
         self.rest(f"/jobs/{job_id}?mode=cancel", method="PATCH")
         self._wait(f"job {job_id} to cancel", lambda: self.job_status(job_id) in TERMINAL_STATES, timeout)
 
-    def stop_with_savepoint(self, job_id: str, target_dir: str | None = None, *, drain: bool = False,
-                            timeout: float = 180.0) -> str:
-        """Stop the job with a final savepoint (its transactions committed); returns the savepoint path.
+    def trigger_stop(self, job_id: str, target_dir: str | None = None, *, drain: bool = False) -> str:
+        """Ask for a stop-with-savepoint; returns the trigger id that `stop_savepoint` follows.
 
         ``drain`` first flushes everything in flight (end of event time), as a finished backfill wants.
         ``target_dir`` None means the cluster's ``execution.checkpointing.savepoint-dir``.
@@ -186,20 +185,28 @@ class FlinkRest:
         body: dict[str, Any] = {"drain": drain}
         if target_dir:
             body["targetDirectory"] = target_dir
-        trigger = self.rest(f"/jobs/{job_id}/stop", method="POST", body=body)["request-id"]
+        return str(self.rest(f"/jobs/{job_id}/stop", method="POST", body=body)["request-id"])
 
-        def done() -> dict[str, Any] | None:
-            result = self.rest(f"/jobs/{job_id}/savepoints/{trigger}")
-            return result if result["status"]["id"] == "COMPLETED" else None
-
-        result = self._wait(f"the savepoint of job {job_id}", done, timeout)
+    def stop_savepoint(self, job_id: str, trigger: str) -> str | None:
+        """The savepoint path of a `trigger_stop` once it completed, None while it runs; raises a
+        `ClusterError` if Flink refused or failed it (e.g. while a task is still starting)."""
+        result = self.rest(f"/jobs/{job_id}/savepoints/{trigger}")
+        if result["status"]["id"] != "COMPLETED":
+            return None
         operation = result.get("operation") or {}
         if "failure-cause" in operation:
             raise ClusterError(f"stop-with-savepoint of {job_id} failed: "
                                f"{json.dumps(operation['failure-cause'])[:2000]}")
-        self._wait(f"job {job_id} to stop", lambda: self.job_status(job_id) in TERMINAL_STATES, 60)
         return str(operation["location"])
 
+    def stop_with_savepoint(self, job_id: str, target_dir: str | None = None, *, drain: bool = False,
+                            timeout: float = 180.0) -> str:
+        """Stop the job with a final savepoint (its transactions committed) and wait until it has
+        ended; returns the savepoint path. Arguments as `trigger_stop`."""
+        trigger = self.trigger_stop(job_id, target_dir, drain=drain)
+        location = self._wait(f"the savepoint of job {job_id}", lambda: self.stop_savepoint(job_id, trigger), timeout)
+        self._wait(f"job {job_id} to stop", lambda: self.job_status(job_id) in TERMINAL_STATES, 60)
+        return str(location)
 
     def live_jobs(self, name: str) -> list[dict[str, Any]]:
         """Jobs called ``name`` that are not finished, cancelled or failed for good."""

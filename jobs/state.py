@@ -10,6 +10,9 @@ complete one there:
     <state dir>/checkpoints/<flink job id>/chk-<n>/_metadata    retained checkpoints
     <state dir>/savepoints/savepoint-<...>/_metadata            savepoints (Ctrl-C, stop, upgrade)
 
+A local run also records where its mini cluster answers, and its last figures, in
+``<state dir>/run.json`` (`LocalRun`), so ``llmstream status`` finds it.
+
 A snapshot is complete once its ``_metadata`` file exists: Flink writes it last, to a
 temporary name it renames on success. The default directory is ``var/state/<job name>``;
 ``checkpointing.directory`` or ``--state-dir`` override it. Only local directories (a path
@@ -23,13 +26,14 @@ import contextlib
 import fcntl
 import json
 import logging
+import os
 import re
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 from urllib.parse import urlparse
 
 from jobs import jars
@@ -216,3 +220,51 @@ def resume_point(state: StateDir, *, fresh: bool, explicit: str | None = None) -
     if not snapshots:
         return None, f"no snapshot in {state.location} yet: first run, starting from the consumer group's offsets"
     return snapshots[0].uri, f"resuming from {snapshots[0].describe()} in {state.location}"
+
+
+RUN_FILE = "run.json"
+
+
+@dataclass
+class LocalRun:
+    """Where a local run's mini cluster answers, written to ``<state dir>/run.json`` at start and
+    updated when the run ends (with the last figures seen while it ran)."""
+
+    job_name: str
+    job_id: str
+    rest_url: str
+    prometheus_url: str | None
+    pid: int
+    started_at: float
+    ended_at: float | None = None
+    last: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def starting(cls, config: JobConfig, job_id: str, rest_port: int) -> LocalRun:
+        port = config.metrics.prometheus_port
+        return cls(job_name=config.name, job_id=job_id, rest_url=f"http://127.0.0.1:{rest_port}",
+                   prometheus_url=f"http://127.0.0.1:{port}/metrics" if port is not None else None,
+                   pid=os.getpid(), started_at=time.time())
+
+    def record(self, state: StateDir) -> None:
+        if state.path is None:
+            return
+        state.path.mkdir(parents=True, exist_ok=True)
+        tmp = state.path / (RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, state.path / RUN_FILE)
+
+    def ended(self, state: StateDir) -> None:
+        self.ended_at = time.time()
+        with contextlib.suppress(OSError):
+            self.record(state)
+
+    @classmethod
+    def load(cls, state: StateDir) -> LocalRun | None:
+        if state.path is None:
+            return None
+        try:
+            data = json.loads((state.path / RUN_FILE).read_text())
+            return cls(**data)
+        except (OSError, ValueError, TypeError):
+            return None

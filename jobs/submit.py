@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,8 +19,9 @@ from kafka import TopicPartition  # type: ignore[import-untyped]
 
 from jobs import jars
 from jobs.cluster_address import target
+from jobs.driver import RestDriver, StopRequest, drive
 from jobs.flink_cli import client_env, run_job_script
-from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest, last_error_line
+from jobs.flink_rest import ClusterError, FlinkRest
 from jobs.kafka_admin import GroupProgress
 from jobs.state import StateDir, check_identity, resume_point
 from jobs.state_location import checked_state_dir
@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmstream.submit")
 
 __all__ = ["stop_job", "submit", "upgrade"]
+
+STOP_TIMEOUT_S = 180.0
+"""How long a stop-with-savepoint is asked for again while Flink refuses it."""
 
 
 def _target(jobmanager: str | None) -> tuple[str, dict[str, str], FlinkRest]:
@@ -98,33 +101,26 @@ def _end_offsets(config: JobConfig) -> dict[TopicPartition, int]:
 
 
 def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: StateDir,
-                     targets: dict[TopicPartition, int], poll_s: float = 1.0) -> int:
-    """Waits until the group has committed ``targets``, then stops the job with a draining savepoint."""
+                     targets: dict[TopicPartition, int]) -> int:
+    """Waits until the group has committed ``targets``, then stops the job with a draining savepoint
+    (`jobs.driver.drive`, the loop `llmstream run` uses too)."""
     print(f"llmstream: backfill: waiting until the group has committed {sum(targets.values())} input records")
     with contextlib.closing(GroupProgress(config)) as progress:
-        while not progress.reached(targets):
-            status = rest.job_status(job_id)
-            if status in TERMINAL_STATES:
-                raise ClusterError(f"job {job_id} ended {status} before the backfill was done: "
-                                   f"{last_error_line(rest.failure(job_id))}")
-            time.sleep(poll_s)
-    savepoint = _stop_when_running(rest, job_id, state, drain=True)
-    print(f"llmstream: backfill done; stopped with savepoint {savepoint}")
+        outcome = drive(RestDriver(rest, job_id), StopRequest.new(), savepoints_uri=state.savepoints_uri,
+                        progress=progress, targets=targets, stop_timeout_s=STOP_TIMEOUT_S, cancel_on_timeout=False)
+    if outcome.savepoint is None:
+        if outcome.stop_error:
+            raise ClusterError(outcome.stop_error)
+        raise ClusterError(f"job {job_id} ended {outcome.state} before the backfill was done: {outcome.cause}")
+    print(f"llmstream: backfill done; stopped with savepoint {outcome.savepoint}")
     return 0
 
 
-def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: bool,
-                       timeout_s: float = 180.0) -> str:
+def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: bool) -> str:
     """Stop-with-savepoint into the job's state directory, retried while Flink refuses it because
     a task is still starting or restarting."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return rest.stop_with_savepoint(job_id, state.savepoints_uri, drain=drain, timeout=timeout_s)
-        except ClusterError:
-            if time.monotonic() > deadline or rest.job_status(job_id) in TERMINAL_STATES:
-                raise
-            time.sleep(1.0)
+    return RestDriver(rest, job_id).stop_with_savepoint(drain=drain, directory=state.savepoints_uri,
+                                                        timeout_s=STOP_TIMEOUT_S)
 
 
 def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
