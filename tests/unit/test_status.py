@@ -10,8 +10,9 @@ from typing import Any
 from rich.console import Console
 
 from jobs.flink_rest import FlinkRest
-from jobs.state import StateDir
-from jobs.status import JobMetrics, LocalRun, Observer, figures, find_job, line, render
+from jobs.observe import JobMetrics, Observer, figures, find_job
+from jobs.state import LocalRun, StateDir
+from jobs.status import line, render
 from udfs.config import load_config, with_overrides
 
 JOB = "a" * 32
