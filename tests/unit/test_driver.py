@@ -1,0 +1,150 @@
+"""The one drive loop (`jobs/driver.py`) on a fake job: what `run` and `submit --until-end` do with a
+stop request, a finished backfill, a refused or late savepoint, a cancel and a failure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from jobs.driver import JobDriver, StopRequest, drive
+from jobs.flink_rest import ClusterError
+
+SAVEPOINTS = "file:///state/savepoints"
+
+
+@dataclass
+class Attempt:
+    """A stop in progress: done after `polls` questions, then the savepoint (or the refusal)."""
+
+    job: FakeJob
+    drain: bool
+    polls: int = 2
+    refusal: str | None = None
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
+
+    def result(self) -> str:
+        if self.refusal:
+            raise ClusterError(self.refusal)
+        self.job.state = "FINISHED"
+        return f"{SAVEPOINTS}/savepoint-1"
+
+
+@dataclass
+class FakeJob(JobDriver):
+    """A job that refuses `refusals` stops at once ("not all tasks running"), or never stops at all."""
+
+    refusals: int = 0
+    never_stops: bool = False
+    fails_after: int | None = None
+    state: str = "RUNNING"
+    job_id: str = "job-1"
+    retry_s: float = 0.01
+    stops: list[bool] = field(default_factory=list)
+    cancelled: bool = False
+    asked: int = 0
+
+    def status(self) -> str:
+        return self.state
+
+    def ended(self) -> bool:
+        self.asked += 1
+        if self.fails_after is not None and self.asked > self.fails_after:
+            self.state = "FAILED"
+        return self.state in ("FINISHED", "CANCELED", "FAILED")
+
+    def final_state(self) -> str:
+        return self.state
+
+    def failure(self) -> str:
+        return "java.lang.RuntimeException: boom" if self.state == "FAILED" else ""
+
+    def trigger_stop(self, *, drain: bool, directory: str) -> Any:
+        assert directory == SAVEPOINTS
+        self.stops.append(drain)
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise ClusterError("not all tasks are running")
+        return Attempt(self, drain, refusal="the savepoint was declined" if self.never_stops else None)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.state = "CANCELED"
+
+
+class Progress:
+    """The group's progress: the targets are reached on the `reach_at`-th question."""
+
+    def __init__(self, reach_at: int) -> None:
+        self.reach_at = reach_at
+        self.asked = 0
+
+    def reached(self, targets: dict[Any, int]) -> bool:
+        self.asked += 1
+        return self.asked >= self.reach_at
+
+
+def requested(*, savepoint: bool = False, cancel: bool = False) -> StopRequest:
+    stop = StopRequest.new()
+    if savepoint:
+        stop.savepoint.set()
+    if cancel:
+        stop.cancel.set()
+    return stop
+
+
+def test_a_stop_request_ends_with_a_savepoint_after_refusals() -> None:
+    job = FakeJob(refusals=2)
+    outcome = drive(job, requested(savepoint=True), savepoints_uri=SAVEPOINTS, report=lambda line: None)
+    assert outcome.state == "FINISHED" and outcome.savepoint == f"{SAVEPOINTS}/savepoint-1"
+    assert job.stops == [False, False, False] and not job.cancelled   # asked again while refused
+    assert outcome.stop_error == "not all tasks are running"
+
+
+def test_a_finished_backfill_stops_with_a_draining_savepoint() -> None:
+    job, lines = FakeJob(), []
+    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, progress=Progress(reach_at=2),  # type: ignore[arg-type]
+                    targets={"t:0": 10}, report=lines.append)  # type: ignore[dict-item]
+    assert outcome.state == "FINISHED" and outcome.savepoint is not None
+    assert job.stops == [True]
+    assert "llmstream: backfill input committed; stopping with a draining savepoint" in lines
+
+
+def test_no_savepoint_in_time_cancels_the_job() -> None:
+    job, lines = FakeJob(never_stops=True), []
+    outcome = drive(job, requested(savepoint=True), savepoints_uri=SAVEPOINTS, stop_timeout_s=0.5,
+                    report=lines.append)
+    assert outcome.state == "CANCELED" and outcome.savepoint is None and job.cancelled
+    assert outcome.stop_error == "the savepoint was declined"
+    assert any("no savepoint in time; cancelling" in line for line in lines)
+
+
+def test_without_cancel_on_timeout_the_refusal_is_raised_and_the_job_left_running() -> None:
+    job = FakeJob(never_stops=True)
+    with pytest.raises(ClusterError, match="the savepoint was declined"):
+        drive(job, requested(savepoint=True), savepoints_uri=SAVEPOINTS, stop_timeout_s=0.5,
+              cancel_on_timeout=False, report=lambda line: None)
+    assert not job.cancelled and job.state == "RUNNING"
+
+
+def test_a_second_request_cancels_at_once() -> None:
+    job = FakeJob(never_stops=True)
+    outcome = drive(job, requested(savepoint=True, cancel=True), savepoints_uri=SAVEPOINTS,
+                    report=lambda line: None)
+    assert outcome.state == "CANCELED" and job.cancelled
+
+
+def test_a_job_that_fails_by_itself_says_why() -> None:
+    outcome = drive(FakeJob(fails_after=2), StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None)
+    assert outcome.state == "FAILED" and outcome.cause == "java.lang.RuntimeException: boom"
+    assert outcome.savepoint is None and outcome.stop_error is None
+
+
+def test_the_blocking_stop_returns_the_savepoint_once_the_job_ended() -> None:
+    job = FakeJob(refusals=1)
+    assert job.stop_with_savepoint(drain=False, directory=SAVEPOINTS, timeout_s=5) == f"{SAVEPOINTS}/savepoint-1"
+    assert job.state == "FINISHED"
