@@ -98,8 +98,8 @@ def _bootstrap_failures() -> Iterator[_BootstrapFailures]:
     level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
-    logger.propagate = propagate and logger.isEnabledFor(logging.WARNING) and \
-        logging.getLogger("kafka").getEffectiveLevel() <= logging.WARNING
+    # Passed on only where the user's logging would have shown them (llmstream -v).
+    logger.propagate = propagate and logging.getLogger("kafka").getEffectiveLevel() <= logging.WARNING
     try:
         yield handler
     finally:
@@ -108,9 +108,10 @@ def _bootstrap_failures() -> Iterator[_BootstrapFailures]:
         logger.propagate = propagate
 
 
-def _hopeless(causes: list[str], args: dict[str, Any]) -> bool:
-    """Failures that waiting longer will not cure: TLS refused either way, or (with SASL) the broker
-    hanging up again and again after a good TLS handshake, as it does on wrong credentials."""
+def _hopeless(causes: list[str]) -> bool:
+    """Failures that waiting longer will not cure: TLS refused either way, a refused login, or the
+    broker hanging up again and again (wrong SASL credentials, a PLAINTEXT client on a TLS listener);
+    a broker that is not up yet refuses the connection instead."""
     if any("SSL" in c or "Handshake failed" in c or "Invalid frame length" in c or "SaslAuthenticationFailed" in c
            for c in causes):
         return True
@@ -134,7 +135,7 @@ def open_client(factory: Callable[..., T], cluster: Cluster, timeout_s: float = 
             try:
                 return factory(**args, **kwargs, bootstrap_timeout_ms=int(attempt_s * 1000))
             except KafkaError as err:
-                if time.monotonic() >= deadline or _hopeless(seen.causes, args):
+                if time.monotonic() >= deadline or _hopeless(seen.causes):
                     raise Unreachable(str(err), list(seen.causes)) from err
 
 
