@@ -162,7 +162,7 @@ def flink_properties(properties: dict[str, str], path: str = "kafka.properties")
     writes it fails inside the job with "No LoginModule found" and a restart loop (measured); the
     Python clients take the unshaded name. Users write the usual name; this rewrites it for Flink.
     """
-    resolved = {name: secrets.resolve(value, _key(path, name)) for name, value in properties.items()}
+    resolved = secrets.resolve_all(properties, path)
     return {name: CLASS_NAME.sub(SHADED_PREFIX + "org.apache.kafka.", value)
             if name == "sasl.jaas.config" or name.endswith(".class") else value
             for name, value in resolved.items()}
