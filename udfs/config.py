@@ -408,6 +408,49 @@ class BudgetConfig:
 
 
 @dataclass(frozen=True)
+class InputConfig:
+    """How an input record's value is read (issue 22: typed topics and change streams).
+
+    `format`: `json` (llmstream's record contract, README) or `avro` (Confluent wire format, the
+    writer's schema fetched by id from `schema_registry`). `id_field`: for typed input, the field
+    that is the record's id (none: the Kafka key). `tombstones`: what a record with a null value
+    becomes: `forward` (a null value with the same key on the output topic), `dead-letter` or `skip`.
+    """
+
+    format: Literal["json", "avro"] = "json"
+    id_field: Name | None = None
+    tombstones: Literal["forward", "dead-letter", "skip"] = "dead-letter"
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """How a result record's value is written. `format`: `json` (the record contract) or `avro`
+    (a schema derived from the job config, registered under the output topic's subject).
+    `carry_fields`: fields of a typed input record copied into its result."""
+
+    format: Literal["json", "avro"] = "json"
+    carry_fields: list[Name] | None = None
+
+
+@dataclass(frozen=True)
+class SchemaRegistryConfig:
+    """A Confluent-compatible Schema Registry (Confluent, Apicurio's ccompat API, Karapace).
+    Credentials as `${env:NAME}` / `${file:PATH}` placeholders, never literal."""
+
+    url: Annotated[str, NOT_EMPTY, HTTP_URL]
+    username: Name | None = None
+    password: Name | None = None
+
+    def validate(self, path: str) -> None:
+        _require(self.password is None or secrets.has_placeholder(self.password), _join(path, "password"),
+                 "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
+        for key in ("username", "password"):
+            value = getattr(self, key)
+            if value is not None:
+                secrets.check(value, _join(path, key))
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """The whole job. `name` is the Flink job name and part of log lines; `flink` holds any
     further Flink options for the job (e.g. `restart-strategy.type`), passed through as is."""
@@ -425,6 +468,10 @@ class JobConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    schema_registry: SchemaRegistryConfig | None = None
+    ordering: Literal["none", "per_key"] = "none"
     flink: dict[str, str] = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
