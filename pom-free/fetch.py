@@ -7,7 +7,7 @@ runtime classpath of each set; the default mode downloads exactly the locked
 coordinates (transitive resolution switched off) and refuses any jar whose hash
 differs. Standard library only, so it runs before any virtualenv exists.
 
-Usage: python pom-free/fetch.py [--set connector|broker|metrics|all] [--lock] [--cache-dir DIR]
+Usage: python pom-free/fetch.py [--set connector|broker|metrics|ml-predict|...|all] [--lock] [--cache-dir DIR]
 """
 from __future__ import annotations
 
@@ -48,9 +48,17 @@ ROOTS: dict[str, tuple[str, ...]] = {
     # tests/integration/test_kubernetes.py validates flink-conf/kubernetes/ against. 1.10.0 is the
     # newest release Maven Central serves to this machine.
     "operator-crd": ("org.apache.flink:flink-kubernetes-operator-api:1.10.0",),
+    # Flink's own SQL ML_PREDICT with the openai model provider, the peer `llmstream bench`
+    # compares with (approach ml-predict). Self-contained: openai-java and OkHttp are shaded inside.
+    "ml-predict": ("org.apache.flink:flink-model-openai:2.2.0",),
 }
 # Sets locked as their roots alone, without the roots' dependencies (nothing here runs them).
 INTRANSITIVE: frozenset[str] = frozenset({"operator-crd"})
+# Sets whose root's parent pom Maven Central does not serve (flink-model-openai:2.2.0 names
+# org.apache.flink:flink-models:2.2.0, which is not published): copy-dependencies cannot read
+# their descriptor, so they are the root jars alone, fetched with `dependency:get -U
+# -Dtransitive=false` (`run_mvn_get`).
+POMLESS: frozenset[str] = frozenset({"ml-predict"})
 SETS: tuple[str, ...] = tuple(ROOTS)
 
 # Pinned so resolution and output naming do not depend on Maven's built-in default.
@@ -216,6 +224,27 @@ def run_mvn(coords: Sequence[str], output_dir: Path, *, exclude_all: bool, repos
             raise FetchError(f"mvn failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
 
 
+# `get` of the 2.x plugin skips a descriptor it cannot read when transitive resolution is off,
+# and writes the jar where `dest` says; 3.x fails on the missing parent pom and has no `dest`.
+POMLESS_GET_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:2.8"
+
+
+def run_mvn_get(coords: Sequence[str], output_dir: Path) -> None:
+    """The jars of ``coords`` alone (no descriptor, no dependencies) into ``output_dir`` under
+    their flat names: for the ``POMLESS`` sets, whose parent pom copy-dependencies cannot read."""
+    if shutil.which("mvn") is None:
+        raise FetchError("mvn not found on PATH; install Maven (apt-get install maven)")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for coord in coords:
+        target = output_dir / Entry("", coord, "0" * 64).filename
+        cmd = ["mvn", "-B", "-q", "-U", f"{POMLESS_GET_PLUGIN}:get", f"-Dartifact={coord}", "-Dtransitive=false",
+               f"-Ddest={target}"]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        if proc.returncode != 0 or not target.is_file():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+            raise FetchError(f"mvn failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+
+
 def _coord_from_layout(rel: Path) -> str:
     """Recover ``group:artifact:version[:classifier]`` from a repository-layout path."""
     *group, artifact, version, filename = rel.parts
@@ -236,6 +265,11 @@ def _is_repo_metadata(name: str) -> bool:
 
 def resolve_set(set_name: str) -> list[Entry]:
     """Resolve the runtime classpath of one set's roots and hash every jar."""
+    if set_name in POMLESS:
+        with tempfile.TemporaryDirectory(prefix=f"pom-free-lock-{set_name}-") as tmp:
+            run_mvn_get(ROOTS[set_name], Path(tmp))
+            return [Entry(set_name, coord, sha256_of(Path(tmp) / Entry(set_name, coord, "0" * 64).filename))
+                    for coord in ROOTS[set_name]]
     with tempfile.TemporaryDirectory(prefix=f"pom-free-lock-{set_name}-") as tmp:
         out = Path(tmp) / "out"
         run_mvn(ROOTS[set_name], out, exclude_all=set_name in INTRANSITIVE, repository_layout=True)
@@ -295,7 +329,9 @@ def fetch_set(set_name: str, entries: Sequence[Entry], root: Path) -> str:
             present = [e for e in wanted if e not in missing]
             for e in present:
                 os.link(target / e.filename, staging / e.filename)
-            if missing:
+            if missing and set_name in POMLESS:
+                run_mvn_get([e.coord for e in missing], staging)
+            elif missing:
                 run_mvn([e.coord for e in missing], staging, exclude_all=True, repository_layout=False)
             verify(staging, wanted)
             unlocked = sorted(p.name for p in staging.iterdir())

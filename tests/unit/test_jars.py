@@ -33,7 +33,9 @@ def test_manifest_rows_are_well_formed(fetch: ModuleType) -> None:
         assert re.fullmatch(r"[0-9a-f]{64}", e.sha256), e
         assert len(e.coord.split(":")) in (3, 4), e
     by_set = {s: fetch.entries_for(s, entries) for s in fetch.SETS}
-    assert set(by_set) == {"connector", "broker", "metrics", "operator-crd"}
+    assert {"connector", "broker", "metrics", "operator-crd", "ml-predict"} <= set(by_set)
+    # The model provider jar alone: its parent pom is not on Maven Central (POMLESS).
+    assert [e.coord for e in by_set["ml-predict"]] == list(fetch.ROOTS["ml-predict"])
     # The CRD jar alone: it is only unzipped for its YAML, never run.
     assert [e.coord for e in by_set["operator-crd"]] == list(fetch.ROOTS["operator-crd"])
     assert [e.coord for e in by_set["metrics"]] == ["org.apache.flink:flink-metrics-prometheus:2.2.1"]
