@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
@@ -51,14 +52,22 @@ ROOTS: dict[str, tuple[str, ...]] = {
     # Flink's own SQL ML_PREDICT with the openai model provider, the peer `llmstream bench`
     # compares with (approach ml-predict). Self-contained: openai-java and OkHttp are shaded inside.
     "ml-predict": ("org.apache.flink:flink-model-openai:2.2.0",),
+    # A Confluent-compatible Schema Registry for the Avro tests and developers (jobs/dev/schema_registry.py):
+    # Apicurio's Quarkus distribution, one tar.gz with its own lib/. 3.0.9 because its runner jar
+    # runs on Java 17, which is what a fresh machine has (3.x from 3.1 on needs Java 21).
+    "registry": ("io.apicurio:apicurio-registry-app:3.0.9:all",),
 }
-# Sets locked as their roots alone, without the roots' dependencies (nothing here runs them).
-INTRANSITIVE: frozenset[str] = frozenset({"operator-crd"})
+# Sets locked as their roots alone, without the roots' dependencies (nothing here runs them,
+# or the artifact carries its own).
+INTRANSITIVE: frozenset[str] = frozenset({"operator-crd", "registry"})
+# Sets whose artifacts are archives of that type rather than jars; fetch_set unpacks each
+# beside itself (``cache/<set>/<archive name without the extension>/``).
+ARCHIVES: dict[str, str] = {"registry": "tar.gz"}
 # Sets whose root's parent pom Maven Central does not serve (flink-model-openai:2.2.0 names
 # org.apache.flink:flink-models:2.2.0, which is not published): copy-dependencies cannot read
 # their descriptor, so they are the root jars alone, fetched with `dependency:get -U
 # -Dtransitive=false` (`run_mvn_get`).
-POMLESS: frozenset[str] = frozenset({"ml-predict"})
+POMLESS: frozenset[str] = frozenset({"ml-predict", "registry"})
 SETS: tuple[str, ...] = tuple(ROOTS)
 
 # Pinned so resolution and output naming do not depend on Maven's built-in default.
@@ -85,10 +94,20 @@ class Entry:
         return bits[0], bits[1], bits[2], bits[3] if len(bits) == 4 else None
 
     @property
+    def extension(self) -> str:
+        """``jar``, or the archive type of a set in ``ARCHIVES``."""
+        return ARCHIVES.get(self.set_name, "jar")
+
+    @property
     def filename(self) -> str:
         """The flat file name ``copy-dependencies`` gives the jar, also its name in the cache."""
         _, artifact, version, classifier = self.parts
-        return f"{artifact}-{version}{'-' + classifier if classifier else ''}.jar"
+        return f"{artifact}-{version}{'-' + classifier if classifier else ''}.{self.extension}"
+
+    @property
+    def unpacked_name(self) -> str:
+        """The directory an archive is unpacked into (its file name without the extension)."""
+        return self.filename.removesuffix(f".{self.extension}")
 
 
 def cache_root() -> Path:
@@ -173,10 +192,12 @@ def verify(directory: Path, entries: Sequence[Entry]) -> None:
         raise FetchError("jar verification failed:\n  " + "\n  ".join(problems))
 
 
-def _dependency_xml(coord: str, exclude_all: bool) -> str:
+def _dependency_xml(coord: str, exclude_all: bool, extension: str = "jar") -> str:
     bits = coord.split(":")
     group, artifact, version = bits[:3]
     classifier = f"<classifier>{escape(bits[3])}</classifier>" if len(bits) == 4 else ""
+    if extension != "jar":
+        classifier += f"<type>{escape(extension)}</type>"
     exclusions = (
         "<exclusions><exclusion><groupId>*</groupId><artifactId>*</artifactId></exclusion></exclusions>"
         if exclude_all else ""
@@ -187,9 +208,9 @@ def _dependency_xml(coord: str, exclude_all: bool) -> str:
     )
 
 
-def render_pom(coords: Iterable[str], *, exclude_all: bool) -> str:
+def render_pom(coords: Iterable[str], *, exclude_all: bool, extension: str = "jar") -> str:
     """A throwaway pom whose only purpose is to hold ``coords`` as dependencies."""
-    deps = "\n".join(_dependency_xml(c, exclude_all) for c in coords)
+    deps = "\n".join(_dependency_xml(c, exclude_all, extension) for c in coords)
     return f"""<?xml version="1.0" encoding="UTF-8"?>
 <project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
@@ -204,13 +225,14 @@ def render_pom(coords: Iterable[str], *, exclude_all: bool) -> str:
 """
 
 
-def run_mvn(coords: Sequence[str], output_dir: Path, *, exclude_all: bool, repository_layout: bool) -> None:
+def run_mvn(coords: Sequence[str], output_dir: Path, *, exclude_all: bool, repository_layout: bool,
+            extension: str = "jar") -> None:
     """Run ``copy-dependencies`` (runtime scope) on a pom written to a temp dir outside the repo."""
     if shutil.which("mvn") is None:
         raise FetchError("mvn not found on PATH; install Maven (apt-get install maven)")
     with tempfile.TemporaryDirectory(prefix="pom-free-") as tmp:
         pom = Path(tmp) / "pom.xml"
-        pom.write_text(render_pom(coords, exclude_all=exclude_all), encoding="utf-8")
+        pom.write_text(render_pom(coords, exclude_all=exclude_all, extension=extension), encoding="utf-8")
         cmd = [
             "mvn", "-B", "-q", "-f", str(pom),
             f"{DEPENDENCY_PLUGIN}:copy-dependencies",
@@ -229,15 +251,21 @@ def run_mvn(coords: Sequence[str], output_dir: Path, *, exclude_all: bool, repos
 POMLESS_GET_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:2.8"
 
 
-def run_mvn_get(coords: Sequence[str], output_dir: Path) -> None:
-    """The jars of ``coords`` alone (no descriptor, no dependencies) into ``output_dir`` under
-    their flat names: for the ``POMLESS`` sets, whose parent pom copy-dependencies cannot read."""
+def run_mvn_get(coords: Sequence[str], output_dir: Path, set_name: str = "") -> None:
+    """The jars (or a set's archives) of ``coords`` alone (no descriptor, no dependencies) into
+    ``output_dir`` under their flat names: for the ``POMLESS`` sets, whose parent pom
+    copy-dependencies cannot read."""
     if shutil.which("mvn") is None:
         raise FetchError("mvn not found on PATH; install Maven (apt-get install maven)")
     output_dir.mkdir(parents=True, exist_ok=True)
     for coord in coords:
-        target = output_dir / Entry("", coord, "0" * 64).filename
-        cmd = ["mvn", "-B", "-q", "-U", f"{POMLESS_GET_PLUGIN}:get", f"-Dartifact={coord}", "-Dtransitive=false",
+        entry = Entry(set_name, coord, "0" * 64)
+        target = output_dir / entry.filename
+        artifact = coord
+        if entry.extension != "jar":  # get's form is group:artifact:version:packaging:classifier
+            group, name, version, classifier = entry.parts
+            artifact = f"{group}:{name}:{version}:{entry.extension}" + (f":{classifier}" if classifier else "")
+        cmd = ["mvn", "-B", "-q", "-U", f"{POMLESS_GET_PLUGIN}:get", f"-Dartifact={artifact}", "-Dtransitive=false",
                f"-Ddest={target}"]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if proc.returncode != 0 or not target.is_file():
@@ -245,13 +273,13 @@ def run_mvn_get(coords: Sequence[str], output_dir: Path) -> None:
             raise FetchError(f"mvn failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
 
 
-def _coord_from_layout(rel: Path) -> str:
+def _coord_from_layout(rel: Path, extension: str = "jar") -> str:
     """Recover ``group:artifact:version[:classifier]`` from a repository-layout path."""
     *group, artifact, version, filename = rel.parts
     prefix = f"{artifact}-{version}"
-    if not filename.endswith(".jar") or not filename.startswith(prefix):
-        raise FetchError(f"unexpected artifact {rel}: only plain jars are supported")
-    rest = filename[len(prefix):-len(".jar")]
+    if not filename.endswith(f".{extension}") or not filename.startswith(prefix):
+        raise FetchError(f"unexpected artifact {rel}: only plain {extension} files are supported")
+    rest = filename[len(prefix):-len(f".{extension}")]
     coord = f"{'.'.join(group)}:{artifact}:{version}"
     return coord + (f":{rest[1:]}" if rest else "")
 
@@ -267,14 +295,16 @@ def resolve_set(set_name: str) -> list[Entry]:
     """Resolve the runtime classpath of one set's roots and hash every jar."""
     if set_name in POMLESS:
         with tempfile.TemporaryDirectory(prefix=f"pom-free-lock-{set_name}-") as tmp:
-            run_mvn_get(ROOTS[set_name], Path(tmp))
+            run_mvn_get(ROOTS[set_name], Path(tmp), set_name)
             return [Entry(set_name, coord, sha256_of(Path(tmp) / Entry(set_name, coord, "0" * 64).filename))
                     for coord in ROOTS[set_name]]
     with tempfile.TemporaryDirectory(prefix=f"pom-free-lock-{set_name}-") as tmp:
         out = Path(tmp) / "out"
-        run_mvn(ROOTS[set_name], out, exclude_all=set_name in INTRANSITIVE, repository_layout=True)
+        extension = ARCHIVES.get(set_name, "jar")
+        run_mvn(ROOTS[set_name], out, exclude_all=set_name in INTRANSITIVE, repository_layout=True,
+                extension=extension)
         entries = [
-            Entry(set_name, _coord_from_layout(jar.relative_to(out)), sha256_of(jar))
+            Entry(set_name, _coord_from_layout(jar.relative_to(out), extension), sha256_of(jar))
             for jar in sorted(out.rglob("*")) if jar.is_file() and not _is_repo_metadata(jar.name)
         ]
     names = [e.filename for e in entries]
@@ -319,6 +349,7 @@ def fetch_set(set_name: str, entries: Sequence[Entry], root: Path) -> str:
     if target.is_dir() and not stale_entries(target, wanted):
         extras = {p.name for p in target.glob("*.jar")} - {e.filename for e in wanted}
         if not extras:
+            unpack_archives(target, wanted, root)
             return f"pom-free: {set_name}: {len(wanted)} jars OK (cached)"
     with _locked(root):
         started = time.monotonic()
@@ -330,9 +361,10 @@ def fetch_set(set_name: str, entries: Sequence[Entry], root: Path) -> str:
             for e in present:
                 os.link(target / e.filename, staging / e.filename)
             if missing and set_name in POMLESS:
-                run_mvn_get([e.coord for e in missing], staging)
+                run_mvn_get([e.coord for e in missing], staging, set_name)
             elif missing:
-                run_mvn([e.coord for e in missing], staging, exclude_all=True, repository_layout=False)
+                run_mvn([e.coord for e in missing], staging, exclude_all=True, repository_layout=False,
+                        extension=ARCHIVES.get(set_name, "jar"))
             verify(staging, wanted)
             unlocked = sorted(p.name for p in staging.iterdir())
             unlocked = [n for n in unlocked if n not in {e.filename for e in wanted}]
@@ -346,7 +378,33 @@ def fetch_set(set_name: str, entries: Sequence[Entry], root: Path) -> str:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         took = time.monotonic() - started
-        return f"pom-free: {set_name}: {len(wanted)} jars OK (fetched {len(missing)} in {took:.1f}s)"
+    unpack_archives(target, wanted, root)
+    return f"pom-free: {set_name}: {len(wanted)} jars OK (fetched {len(missing)} in {took:.1f}s)"
+
+
+def unpack_archives(target: Path, entries: Sequence[Entry], root: Path) -> None:
+    """Unpack each verified archive of ``entries`` into ``target/<unpacked_name>/`` once: a
+    ``.sha256`` file inside records which archive it came from, and the directory appears
+    whole (extracted beside it, then renamed) so a launcher never sees half of it."""
+    archives = [e for e in entries if e.extension != "jar"]
+    if not archives:
+        return
+    with _locked(root):
+        for e in archives:
+            into = target / e.unpacked_name
+            marker = into / ".sha256"
+            if marker.is_file() and marker.read_text().strip() == e.sha256:
+                continue
+            staging = target / f".unpack-{uuid.uuid4().hex[:8]}"
+            try:
+                staging.mkdir()
+                with tarfile.open(target / e.filename) as archive:
+                    archive.extractall(staging, filter="data")
+                (staging / ".sha256").write_text(e.sha256 + "\n")
+                shutil.rmtree(into, ignore_errors=True)
+                os.replace(staging, into)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
