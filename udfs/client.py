@@ -53,14 +53,16 @@ from udfs.batching import (
 )
 from udfs.budget import SpendBudget
 from udfs.cache import cache_key, cacheable, open_cache
-from udfs.config import JobConfig
+from udfs.config import EndpointConfig, JobConfig, RateLimitConfig
 from udfs.errors import (
     InferenceError,
     InternalError,
     InvalidModelOutput,
     RateLimited,
     RecordError,
+    RetryableError,
 )
+from udfs.fleet import CircuitState, EndpointSpec, Fleet, Outcome
 from udfs.metrics import InferenceMetrics
 from udfs.prompts import build_payload, input_tokens
 from udfs.ratelimit import AdaptiveConcurrency, RateLimiter
@@ -83,21 +85,27 @@ def _epoch_ms() -> int:
 @dataclass(frozen=True)
 class Attempt:
     """A request that got a 2xx answer: its `body`, the `attempts` it took, when the first was
-    sent (`started_ms`, epoch ms) and `latency_ms` from then to the answer."""
+    sent (`started_ms`, epoch ms) and `latency_ms` from then to the answer; the `endpoint` URL
+    that answered and the `payload` sent to it (a fleet endpoint may ask for another model)."""
 
     body: dict[str, Any]
     attempts: int
     started_ms: int
     latency_ms: float
+    endpoint: str
+    payload: dict[str, Any]
 
 
 class _Attempts:
     """Counts the attempts of one request as they are sent, for the `Attempt` or the error."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoint: str, payload: dict[str, Any]) -> None:
         self.count = 0
         self.started_ms = 0
         self._first_sent = 0.0
+        self.endpoint = endpoint
+        self.payload = payload
+        self.tried: list[int] = []  # fleet endpoints that failed this request
 
     def sending(self) -> float:
         """Notes an attempt being sent now; returns its `time.perf_counter()`."""
@@ -108,7 +116,8 @@ class _Attempts:
         return now
 
     def answered(self, body: dict[str, Any]) -> Attempt:
-        return Attempt(body, self.count, self.started_ms, (time.perf_counter() - self._first_sent) * 1000)
+        return Attempt(body, self.count, self.started_ms, (time.perf_counter() - self._first_sent) * 1000,
+                       self.endpoint, self.payload)
 
 
 @contextmanager
@@ -137,14 +146,20 @@ class InferenceClient:
     def __init__(self, config: JobConfig, *, subtasks: int = 1, metrics: InferenceMetrics | None = None) -> None:
         self._config = config
         self.metrics = metrics if metrics is not None else InferenceMetrics()
-        self.transport = Transport(config, self.metrics)
-        self.url = self.transport.url
+        self.routes: list[Route] = []
+        self.fleet: Fleet | None = None
+        if config.model.endpoints is not None or config.model.fallback is not None:
+            self._open_fleet(config, subtasks)  # sets transport and url: the first endpoint's
+        else:
+            self.transport = Transport(config, self.metrics)
+            self.url = self.transport.url
         self.retry = RetryPolicy(config.retry)
         self.rate_limiter = RateLimiter(config.rate_limit, subtasks)
         self.concurrency = AdaptiveConcurrency(
             config.async_.capacity, config.rate_limit.min_concurrency,
             adaptive=config.rate_limit.adaptive_concurrency)
-        self.metrics.concurrency_limit = self.concurrency.limit
+        if self.fleet is None:
+            self.metrics.concurrency_limit = self.concurrency.limit
         self.budget = SpendBudget(config.budget, config.model.prices, subtasks, on_pause=self._on_budget_pause)
         self.structured = StructuredOutput.from_config(config.model)
         self.cache = open_cache(config, self.metrics)
@@ -154,6 +169,33 @@ class InferenceClient:
         if config.model.api == "embeddings" and batch.max_size > 1:
             self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_entry),
                                     max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
+
+    def _open_fleet(self, config: JobConfig, subtasks: int) -> None:
+        """A route (transport, rate limits) per endpoint of `model.endpoints` and
+        `model.fallback`, and the `Fleet` that chooses among them."""
+        primaries, fallbacks = config.fleet()
+        for endpoint in primaries + fallbacks:
+            limits = RateLimitConfig(requests_per_minute=endpoint.requests_per_minute,
+                                     tokens_per_minute=endpoint.tokens_per_minute)
+            self.routes.append(Route(endpoint, Transport(config, self.metrics, endpoint),
+                                     RateLimiter(limits, subtasks)))
+        capacity = config.async_.capacity
+        specs = [EndpointSpec(e.label, e.weight, min(capacity, e.max_concurrency or capacity), fallback=i >= len(primaries))
+                 for i, e in enumerate(primaries + fallbacks)]
+        self.fleet = Fleet(specs, config.model.circuit, min_concurrency=config.rate_limit.min_concurrency,
+                           adaptive=config.rate_limit.adaptive_concurrency,
+                           fallback_after_attempts=config.model.fallback.after_attempts if config.model.fallback else None)
+        for state in self.fleet.endpoints:
+            self.metrics.add_endpoint(state.label, state.figures)
+        self.transport = self.routes[0].transport
+        self.url = self.transport.url
+        self._fleet_limit()
+
+    def _fleet_limit(self) -> None:
+        assert self.fleet is not None
+        self.metrics.concurrency_limit = min(self._config.async_.capacity,
+                                             sum(e.limit for e in self.fleet.endpoints
+                                                 if e.circuit.state is CircuitState.CLOSED))
 
     def __repr__(self) -> str:
         return f"InferenceClient(url={self.url!r}, capacity={self._config.async_.capacity})"
@@ -172,7 +214,11 @@ class InferenceClient:
             await self._batcher.close()
         if self._single_flight is not None:
             await self._single_flight.close()
-        await self.transport.close()
+        if self.routes:
+            for route in self.routes:
+                await route.transport.close()
+        else:
+            await self.transport.close()
 
     async def __aenter__(self) -> Self:
         return self
@@ -193,10 +239,15 @@ class InferenceClient:
             raise
         except Exception as err:
             log.debug("request %s: unexpected %s", request.id, type(err).__name__, exc_info=True)
-            raise InternalError(self.transport.redact(InternalError.from_exception(err).detail)) from None
+            raise InternalError(self._redact(InternalError.from_exception(err).detail)) from None
+
+    def _redact(self, text: str) -> str:
+        for transport in [route.transport for route in self.routes] or [self.transport]:
+            text = transport.redact(text)
+        return text
 
     def _redacted(self, err: InferenceError) -> InferenceError:
-        clean = self.transport.redact(err.detail)
+        clean = self._redact(err.detail)
         if clean == err.detail:
             return err
         redacted = copy.copy(err)  # keeps every attribute, e.g. an invalid answer's last output
@@ -209,10 +260,23 @@ class InferenceClient:
         api = self._config.model.api
         if self._single_flight is None or not cacheable(self._config.cache, api, payload):
             return await self._answer(request, payload)
-        key = cache_key(api, payload)
+        key = cache_key(api, self._first_route_payload(payload))
         looked_up = time.perf_counter()
+
+        def store_key(completion: Completion) -> str:
+            """The key of the model the answering endpoint was asked for."""
+            if completion.requested_model is None:
+                return key
+            return cache_key(api, {**payload, "model": completion.requested_model})
+
         return await self._single_flight.answer(key, lambda: self._answer(request, payload),
-                                                lambda stored: self._from_cache(payload, stored, looked_up))
+                                                lambda stored: self._from_cache(payload, stored, looked_up),
+                                                store_key)
+
+    def _first_route_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`payload` as the first primary endpoint is asked (its model, if it names one): what the
+        cache is looked up under."""
+        return self.routes[0].payload(payload) if self.routes else payload
 
     def _from_cache(self, payload: dict[str, Any], stored: Stored, looked_up: float) -> Completion:
         """A stored answer as this record's completion. Only valid answers are stored, under a key
@@ -254,11 +318,12 @@ class InferenceClient:
         self._settle(estimated, usage, budgeted)
         self.metrics.latency_ms.update(int(attempt.latency_ms))
         return Completion(
-            output=answer.output, model=responses.model_name(attempt.body, payload),
+            output=answer.output, model=responses.model_name(attempt.body, attempt.payload),
             finish_reason=answer.finish_reason, prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens, latency_ms=attempt.latency_ms, attempts=attempt.attempts,
-            endpoint=self.url, started_ms=attempt.started_ms, completed_ms=_epoch_ms(),
-            cost=pricing.cost_or_none(self._config.model.prices, usage.prompt_tokens, usage.completion_tokens))
+            endpoint=attempt.endpoint, started_ms=attempt.started_ms, completed_ms=_epoch_ms(),
+            cost=pricing.cost_or_none(self._config.model.prices, usage.prompt_tokens, usage.completion_tokens),
+            requested_model=str(attempt.payload["model"]))
 
     async def _call_batch(self, entries: list[Entry]) -> list[Completion | BaseException]:
         """One embeddings request for `entries` (same `batch_group`), retried as a batch; one
@@ -273,16 +338,17 @@ class InferenceClient:
             vectors = responses.batch_vectors(attempt.body, len(entries))
         total = responses.batch_prompt_tokens(attempt.body, estimated)
         self._settle(estimated, responses.Usage(total, 0), (estimated, 0))
-        model = responses.model_name(attempt.body, body)
+        model = responses.model_name(attempt.body, attempt.payload)
         completed_ms = _epoch_ms()
         out: list[Completion | BaseException] = []
         for vector, share in zip(vectors, share_usage(total, estimates), strict=True):
             self.metrics.latency_ms.update(int(attempt.latency_ms))
             out.append(Completion(
                 output=vector, model=model, finish_reason=None, prompt_tokens=share, completion_tokens=0,
-                latency_ms=attempt.latency_ms, attempts=attempt.attempts, endpoint=self.url,
+                latency_ms=attempt.latency_ms, attempts=attempt.attempts, endpoint=attempt.endpoint,
                 started_ms=attempt.started_ms, completed_ms=completed_ms,
-                cost=pricing.cost_or_none(self._config.model.prices, share, 0)))
+                cost=pricing.cost_or_none(self._config.model.prices, share, 0),
+                requested_model=str(attempt.payload["model"])))
         return out
 
     def _settle(self, estimated: int, usage: responses.Usage, budgeted: tuple[int, int]) -> None:
@@ -300,10 +366,12 @@ class InferenceClient:
         """One request body through the spend budget, then `RetryPolicy` over attempts that each
         wait for a concurrency slot and rate-limit tokens before they are sent."""
         deadline = Deadline(self._config.async_.record_deadline_s)
-        attempts = _Attempts()
+        attempts = _Attempts(self.url, payload)
         await self.budget.acquire(*budgeted)
 
         async def attempt(number: int) -> dict[str, Any]:
+            if self.fleet is not None:
+                return await self._fleet_attempt(payload, label, number, estimated, deadline, attempts)
             return await self._attempt(payload, label, number, estimated, deadline, attempts)
 
         try:
@@ -332,3 +400,57 @@ class InferenceClient:
             self.concurrency.on_success(time.perf_counter() - sent)
             self.metrics.concurrency_limit = self.concurrency.limit
             return body
+
+    async def _fleet_attempt(self, payload: dict[str, Any], label: str, number: int, estimated: int,
+                             deadline: Deadline, attempts: _Attempts) -> dict[str, Any]:
+        """One attempt on the endpoint `Fleet` chooses (waiting while none may take it), then as
+        `_attempt`: rate-limit tokens (job-wide, then the endpoint's), the deadline started, the
+        POST. The outcome feeds that endpoint's AIMD, Retry-After pause and circuit; an endpoint
+        that failed is avoided by this request's next attempt, and its Retry-After is its own
+        pause rather than the request's wait, so the retry may go to another endpoint at once."""
+        assert self.fleet is not None
+        endpoint = await self.fleet.acquire(attempts.tried, number)
+        route = self.routes[endpoint.index]
+        outcome, latency_s, retry_after_s = Outcome.NEUTRAL, None, None
+        try:
+            await self.rate_limiter.acquire(estimated)
+            await route.rate_limiter.acquire(estimated)
+            deadline.start()
+            if attempts.count:
+                self.metrics.retries.inc()
+            sent_payload = route.payload(payload)
+            sent = attempts.sending()
+            body = await route.transport.post(sent_payload, label, number)
+            outcome, latency_s = Outcome.SUCCESS, time.perf_counter() - sent
+            attempts.endpoint, attempts.payload = route.transport.url, sent_payload
+            return body
+        except RateLimited as err:
+            if err.status == 429:
+                outcome, retry_after_s = Outcome.OVERLOAD, err.retry_after_s
+                err.retry_after_s = None
+            else:  # 503: unavailable
+                outcome = Outcome.FAILURE
+            attempts.tried.append(endpoint.index)
+            raise
+        except RetryableError:
+            outcome = Outcome.FAILURE
+            attempts.tried.append(endpoint.index)
+            raise
+        finally:
+            self.fleet.release(endpoint, outcome, latency_s=latency_s, retry_after_s=retry_after_s)
+            self._fleet_limit()
+
+
+@dataclass(frozen=True)
+class Route:
+    """One endpoint of a fleet as the client sends to it: its config, transport and rate limits."""
+
+    endpoint: EndpointConfig
+    transport: Transport
+    rate_limiter: RateLimiter
+
+    def payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The request body for this endpoint: its `model`, when it names one."""
+        if self.endpoint.model is None or payload.get("model") == self.endpoint.model:
+            return payload
+        return {**payload, "model": self.endpoint.model}

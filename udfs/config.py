@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -201,11 +202,95 @@ SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "
 """Model request headers whose value is a credential: only placeholders are accepted."""
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """An OpenAI-compatible endpoint and how to turn a record into a request for it."""
+def _check_credentials(path: str, api_key_env: str | None, api_key_file: str | None,
+                       headers: dict[str, str]) -> None:
+    """One key source at most, a key file that can be read, no literal credential in a header."""
+    _require(not (api_key_env and api_key_file), _join(path, "api_key_file"),
+             "give api_key_env or api_key_file, not both")
+    if api_key_file is not None:
+        secrets.read_secret_file(api_key_file, _join(path, "api_key_file"))
+    for name, value in headers.items():
+        _require(name.lower() not in SECRET_HEADERS or secrets.has_placeholder(value), _join(path, f"headers.{name}"),
+                 "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
+        secrets.check(value, _join(path, f"headers.{name}"))
 
-    endpoint: Annotated[str, NOT_EMPTY, HTTP_URL]
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """One replica or provider of a model fleet (`model.endpoints`, `model.fallback.endpoints`).
+
+    `weight`: its share when routing (weighted least-outstanding requests, `udfs/fleet.py`).
+    `max_concurrency`: calls in flight to it per inference subtask (none: `async.capacity`);
+    adaptive concurrency shrinks it on a 429 from this endpoint only. `requests_per_minute` /
+    `tokens_per_minute`: its own limits, job-wide, each inference subtask taking its share as
+    with `rate_limit`. `api_key_env` / `api_key_file`, `headers`: its credentials and headers
+    (added to `model.headers`; credentials as placeholders only). `model`: the model name sent
+    to it (none: `model.model`, or a record's own override). `name`: its label in metrics and
+    `llmstream status` (none: host:port of `url`)."""
+
+    url: Annotated[str, NOT_EMPTY, HTTP_URL]
+    weight: PositiveFloat = 1.0
+    max_concurrency: PositiveInt | None = None
+    requests_per_minute: PositiveFloat | None = None
+    tokens_per_minute: PositiveFloat | None = None
+    api_key_env: str | None = None
+    api_key_file: Name | None = None
+    model: Name | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    name: Name | None = None
+
+    def validate(self, path: str) -> None:
+        _check_credentials(path, self.api_key_env, self.api_key_file, self.headers)
+
+    @property
+    def label(self) -> str:
+        """`name`, else host:port of the URL."""
+        if self.name:
+            return self.name
+        parts = urlsplit(self.url)
+        return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
+
+    def api_key(self, path: str = "model.endpoints") -> str | None:
+        """The endpoint's API key from the environment or its file, read where it is used, never stored."""
+        if self.api_key_file:
+            return secrets.read_secret_file(self.api_key_file, _join(path, "api_key_file"))
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class CircuitConfig:
+    """The circuit of each fleet endpoint (`udfs/fleet.py`): it opens after `failures`
+    consecutive connection errors, timeouts or 5xx answers, takes no traffic for `cooldown_s`,
+    then lets one probe through (half-open); a failed probe opens it again for twice as long,
+    up to `max_cooldown_s`; a success closes it."""
+
+    failures: PositiveInt = 5
+    cooldown_s: PositiveFloat = 5.0
+    max_cooldown_s: PositiveFloat = 60.0
+
+    def validate(self, path: str) -> None:
+        _require(self.max_cooldown_s >= self.cooldown_s, _join(path, "max_cooldown_s"),
+                 "must be >= model.circuit.cooldown_s")
+
+
+@dataclass(frozen=True)
+class FallbackConfig:
+    """Another endpoint group (perhaps another model) for when every primary circuit is open,
+    or for a record's attempts after `after_attempts` (none: only when every primary is open)."""
+
+    endpoints: list[EndpointConfig]
+    after_attempts: PositiveInt | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """An OpenAI-compatible endpoint (or a fleet of them) and how to turn a record into a request for it.
+
+    `endpoint` is the one-endpoint shorthand; `endpoints` a fleet (`udfs/fleet.py`: weighted
+    routing, a circuit and adaptive concurrency per endpoint), with `circuit` and `fallback`.
+    Give exactly one of `endpoint` and `endpoints`."""
+
+    endpoint: Annotated[str, NOT_EMPTY, HTTP_URL] | None = None
     model: Name
     api: Literal["chat", "completions", "embeddings"] = "chat"
     api_key_env: str | None = None
@@ -227,15 +312,23 @@ class ModelConfig:
     max_invalid_retries: NonNegativeInt = 2
     tls: ModelTlsConfig = field(default_factory=ModelTlsConfig)
 
+    endpoints: list[EndpointConfig] | None = None
+    circuit: CircuitConfig = field(default_factory=CircuitConfig)
+    fallback: FallbackConfig | None = None
+
     def validate(self, path: str) -> None:
+        _require((self.endpoint is None) != (self.endpoints is None), _join(path, "endpoint"),
+                 "give exactly one of model.endpoint and model.endpoints"
+                 + (" (got both)" if self.endpoint is not None else ""))
         _require(not (self.api_key_env and self.api_key_file), _join(path, "api_key_file"),
                  "give model.api_key_env or model.api_key_file, not both")
-        if self.api_key_file is not None:
-            secrets.read_secret_file(self.api_key_file, _join(path, "api_key_file"))
-        for name, value in self.headers.items():
-            _require(name.lower() not in SECRET_HEADERS or secrets.has_placeholder(value), _join(path, f"headers.{name}"),
-                     "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
-            secrets.check(value, _join(path, f"headers.{name}"))
+        _check_credentials(path, self.api_key_env, self.api_key_file, self.headers)
+        for group, endpoints in (("endpoints", self.endpoints or []),
+                                 ("fallback.endpoints", self.fallback.endpoints if self.fallback else [])):
+            labels = [e.label for e in endpoints]
+            for i, label in enumerate(labels):
+                _require(label not in labels[:i], _join(path, f"{group}[{i}].name"),
+                         f"another endpoint is labelled {label!r} already; give each a distinct name")
         _require(self.batch.max_size == 1 or self.api == "embeddings", _join(path, "batch.max_size"),
                  f"batching needs model.api: embeddings (got {self.api!r}); set it to 1")
         if self.response_format is not None:
@@ -494,6 +587,17 @@ class JobConfig:
                  f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
                  f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
 
+    def fleet(self) -> tuple[list[EndpointConfig], list[EndpointConfig]]:
+        """The primary and fallback endpoints; `model.endpoint` is a fleet of one whose
+        credentials and model are the section's own."""
+        model = self.model
+        fallback = list(model.fallback.endpoints) if model.fallback else []
+        if model.endpoints is not None:
+            return list(model.endpoints), fallback
+        assert model.endpoint is not None
+        return [EndpointConfig(url=model.endpoint, api_key_env=model.api_key_env,
+                               api_key_file=model.api_key_file)], fallback
+
     def api_key(self) -> str | None:
         """The API key from the environment or its file, read where it is used and never stored."""
         if self.model.api_key_file:
@@ -662,5 +766,7 @@ def to_dict(config: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
+        if isinstance(value, list):  # model.endpoints: a list of sections
+            value = [to_dict(item) if dataclasses.is_dataclass(item) else item for item in value]
         out[_key_of(f)] = to_dict(value) if dataclasses.is_dataclass(value) else value
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -87,6 +88,12 @@ class Distribution:
                 "p50": self.percentile(0.5), "p99": self.percentile(0.99)}
 
 
+ENDPOINT_GAUGES = ("in_flight", "limit", "circuit", "requests", "rate_limited", "failures",
+                   "latency_p50_ms", "latency_p99_ms")
+"""Per endpoint of a model fleet (`udfs/fleet.py`): calls in flight, the adaptive concurrency
+limit, the circuit (0 closed, 1 half-open, 2 open), attempts sent, 429s, failures (connection
+errors, timeouts, 5xx) and the latency of its answers."""
+
 COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_limited", "dead_lettered",
             "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors", "invalid_answers")
 
@@ -131,6 +138,7 @@ class InferenceMetrics:
         self.concurrency_limit = 0
         self.admitted = 0
         self.dead_letters_by_reason: dict[str, Counter] = {}
+        self.endpoints: dict[str, Callable[[], dict[str, int]]] = {}
         if group is not None:
             for name in COUNTERS:
                 counter: Counter = getattr(self, name)
@@ -155,6 +163,15 @@ class InferenceMetrics:
                 self._group.add_group("reason", reason).gauge("dead_letters", lambda: int(counter.value))
         counter.inc()
 
+    def add_endpoint(self, label: str, figures: Callable[[], dict[str, int]]) -> None:
+        """An endpoint of a model fleet, its `ENDPOINT_GAUGES` read from `figures()`: a Flink
+        key/value group `endpoint=<label>`, so Prometheus gets an `endpoint` label."""
+        self.endpoints[label] = figures
+        if self._group is not None:
+            group = self._group.add_group("endpoint", label)
+            for name in ENDPOINT_GAUGES:
+                group.gauge(name, lambda n=name: int(figures()[n]))
+
     def snapshot(self) -> dict[str, Any]:
         """Current values: counters by name, the gauges, `latency_ms` and dead letters by reason as dicts."""
         values: dict[str, Any] = {name: getattr(self, name).value for name in COUNTERS}
@@ -164,4 +181,6 @@ class InferenceMetrics:
         values["budget_paused"] = self.budget_paused
         values["latency_ms"] = self.latency_ms.snapshot()
         values["dead_letters_by_reason"] = {r: c.value for r, c in self.dead_letters_by_reason.items()}
+        if self.endpoints:
+            values["endpoints"] = {label: figures() for label, figures in self.endpoints.items()}
         return values

@@ -140,6 +140,9 @@ class Completion:
     output_json: Any = None
     structured: bool = False
     invalid_answers: int = 0
+    # The model name the answering endpoint was asked for (a fleet endpoint or the fallback may
+    # name another than model.model): the result cache stores the answer under it.
+    requested_model: str | None = None
 
 
 class SinkRow(NamedTuple):

@@ -51,8 +51,12 @@ class SingleFlightCache:
         self._leaders: dict[str, asyncio.Future[Stored | None]] = {}
 
     async def answer(self, key: str, call: Callable[[], Awaitable[Completion]],
-                     from_stored: Callable[[Stored], Completion]) -> Completion:
-        """The stored answer for `key` as `from_stored` makes it, else `call()`'s, stored."""
+                     from_stored: Callable[[Stored], Completion],
+                     store_key: Callable[[Completion], str] | None = None) -> Completion:
+        """The stored answer for `key` as `from_stored` makes it, else `call()`'s, stored under
+        `store_key(completion)` (default `key`): a fleet's fallback model answers under its own
+        key, so its answer is never served as the primary model's. Followers share the leader's
+        answer only when it was stored under `key`."""
         leader = self._leaders.get(key)
         if leader is not None:
             shared = await asyncio.shield(leader)
@@ -70,8 +74,11 @@ class SingleFlightCache:
                 return from_stored(stored)
             self._metrics.cache_misses.inc()
             completion = await call()
-            stored = stored_answer(completion)
-            await self.cache.put(key, stored)
+            answer = stored_answer(completion)
+            answer_key = store_key(completion) if store_key is not None else key
+            await self.cache.put(answer_key, answer)
+            if answer_key == key:
+                stored = answer
             return completion
         finally:
             del self._leaders[key]

@@ -47,7 +47,7 @@ from udfs.metrics import InferenceMetrics
 from udfs.retry import classify, parse_retry_after
 
 if TYPE_CHECKING:
-    from udfs.config import JobConfig, ModelTlsConfig
+    from udfs.config import EndpointConfig, JobConfig, ModelTlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +64,21 @@ class Transport:
     `metrics`. Use from one event loop; `close()` may come from another (see there).
     """
 
-    def __init__(self, config: JobConfig, metrics: InferenceMetrics) -> None:
+    def __init__(self, config: JobConfig, metrics: InferenceMetrics, endpoint: EndpointConfig | None = None) -> None:
+        """`endpoint`: one endpoint of a fleet (its URL, headers and key); none: `model.endpoint`."""
         self._config = config
         self._metrics = metrics
-        self.url = config.model.endpoint.rstrip("/") + API_PATHS[config.model.api]
+        self._endpoint = endpoint
+        base = endpoint.url if endpoint is not None else config.model.endpoint
+        assert base is not None, "model.endpoint or an endpoint of model.endpoints"
+        self.url = base.rstrip("/") + API_PATHS[config.model.api]
         parts = urlsplit(self.url)
         self._host = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
         self._timeout = aiohttp.ClientTimeout(total=config.async_.request_timeout_s)
         self._ssl = tls_context(config.model.tls)
-        self._headers = secrets.resolve_all(config.model.headers, "model.headers")
-        self._secret_headers = [self._headers[name] for name, value in config.model.headers.items()
+        configured = {**config.model.headers, **(endpoint.headers if endpoint is not None else {})}
+        self._headers = secrets.resolve_all(configured, "model.headers")
+        self._secret_headers = [self._headers[name] for name, value in configured.items()
                                 if secrets.has_placeholder(value)
                                 or any(word in name.lower() for word in SECRET_HEADER_WORDS)]
         self._session: aiohttp.ClientSession | None = None
@@ -99,15 +104,18 @@ class Transport:
 
     def _request_headers(self) -> dict[str, str]:
         headers = dict(self._headers)
-        key = self._config.api_key()
+        key = self._api_key()
         if key:
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
+    def _api_key(self) -> str | None:
+        return self._endpoint.api_key() if self._endpoint is not None else self._config.api_key()
+
     def redact(self, text: str) -> str:
         """`text` without the API key or the value of a configured header that came from a
         placeholder or whose name looks secret."""
-        for secret in [self._config.api_key() or "", *self._secret_headers]:
+        for secret in [self._api_key() or "", *self._secret_headers]:
             if len(secret) >= 4:
                 text = text.replace(secret, "***")
         return text

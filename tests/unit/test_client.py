@@ -26,6 +26,7 @@ from tests.support.servers import serve_app
 from tests.support.waiting import wait_until
 from udfs import client as client_module
 from udfs.client import InferenceClient
+from udfs.config import with_overrides
 from udfs.errors import (
     BadInput,
     DeadlineExceeded,
@@ -379,3 +380,98 @@ def test_close_from_another_loop_as_pyflink_does(make_sim: Callable[..., Threade
     wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=3, interval=0.02,
                message="the simulator to see every connection closed")
     assert sim.stats()["open_connections"] == 0
+
+
+# ------------------------------------------------------------------ a model fleet (udfs/fleet.py)
+
+
+def fleet_config(endpoints: list[dict[str, Any]], *, fallback: dict[str, Any] | None = None,
+                 circuit: dict[str, Any] | None = None, **sections: Any) -> Any:
+    model: dict[str, Any] = {"endpoint": None, "endpoints": endpoints,
+                             "circuit": {"failures": 3, "cooldown_s": 0.3, "max_cooldown_s": 60, **(circuit or {})}}
+    if fallback is not None:
+        model["fallback"] = fallback
+    return job_config("http://unused", model=model, **sections)
+
+
+def test_a_fleet_shares_calls_by_limit_and_says_which_endpoint_answered(
+        make_sim: Callable[..., ThreadedSimulator]) -> None:
+    sims = [make_sim(latency="fixed:20") for _ in range(3)]
+    config = fleet_config([{"url": s.url, "max_concurrency": n} for s, n in zip(sims, (8, 4, 2), strict=True)],
+                          async_={"capacity": 64})
+
+    async def burst() -> tuple[list[Completion], dict[str, Any]]:
+        async with InferenceClient(config) as client:
+            done = await asyncio.gather(*(client.complete(request()) for _ in range(280)))
+            return done, client.metrics.snapshot()
+
+    completions, snapshot = run(burst)
+    served = [s.stats()["served"] for s in sims]
+    assert sum(served) == 280
+    assert [s.stats()["max_in_flight"] for s in sims] == [8, 4, 2]
+    for share, expected in zip(served, (4 / 7, 2 / 7, 1 / 7), strict=True):
+        assert abs(share / 280 - expected) < 0.1
+    assert {c.endpoint for c in completions} == {s.url + "/chat/completions" for s in sims}
+    assert set(snapshot["endpoints"]) == {f"127.0.0.1:{s.port}" for s in sims}
+    assert all(figures["circuit"] == 0 and figures["requests"] > 0 for figures in snapshot["endpoints"].values())
+
+
+def test_a_failing_endpoint_opens_its_circuit_and_retries_go_elsewhere(
+        make_sim: Callable[..., ThreadedSimulator]) -> None:
+    good, bad = make_sim(latency="fixed:5"), make_sim(latency="fixed:5")
+    bad.admin({"error_rate": 1.0, "error_status": 500})
+    config = fleet_config([{"url": bad.url, "weight": 10}, {"url": good.url}], async_={"capacity": 8},
+                          circuit={"cooldown_s": 30})
+
+    async def calls() -> tuple[list[Completion], dict[str, Any]]:
+        async with InferenceClient(config) as client:
+            done = [await client.complete(request()) for _ in range(50)]
+            return done, client.metrics.snapshot()
+
+    completions, snapshot = run(calls)
+    assert all(c.endpoint.startswith(good.url) for c in completions)
+    assert bad.stats()["errors"] == 3  # failures: 3, then its circuit stays open
+    assert snapshot["endpoints"][f"127.0.0.1:{bad.port}"]["circuit"] == 2
+
+
+def test_a_429_pauses_only_its_endpoint(make_sim: Callable[..., ThreadedSimulator]) -> None:
+    """Retry-After is the endpoint's pause, not the record's wait: the retry goes to the other one."""
+    busy, free = make_sim(), make_sim()
+    busy.admin({"rate_limit_rate": 1.0, "retry_after_s": 30})
+    config = fleet_config([{"url": busy.url, "weight": 10}, {"url": free.url}],
+                          retry={"max_retry_after_s": 30})
+
+    async def calls() -> list[Completion]:
+        async with InferenceClient(config) as client:
+            return [await client.complete(request()) for _ in range(10)]
+
+    started = time.monotonic()
+    completions = run(calls)
+    assert time.monotonic() - started < 10
+    assert busy.stats()["rejected"] == 1 and free.stats()["served"] == 10
+    assert completions[0].attempts == 2 and all(c.attempts == 1 for c in completions[1:])
+
+
+def test_every_primary_down_the_fallback_answers_with_its_model_and_its_cache_key(
+        make_sim: Callable[..., ThreadedSimulator], tmp_path: Any) -> None:
+    """The fallback's answers carry its model and endpoint and are cached under its model, never
+    under the primary's: a repeat is asked again, and the primary, back, answers for itself."""
+    primary, spare = make_sim(), make_sim()
+    primary.admin({"error_rate": 1.0, "error_status": 500})
+    config = with_overrides(
+        fleet_config([{"url": primary.url}], circuit={"failures": 2, "cooldown_s": 30},
+                     fallback={"endpoints": [{"url": spare.url, "model": "small-model", "name": "spare"}]}),
+        model={"temperature": 0}, cache={"backend": "local", "path": str(tmp_path / "cache.sqlite")})
+
+    async def calls() -> list[Completion]:
+        async with InferenceClient(config) as client:
+            return [await client.complete(request(f"q{i % 3}")) for i in range(6)]
+
+    completions = run(calls)
+    assert all(c.model == "small-model" and c.endpoint.startswith(spare.url) for c in completions)
+    assert primary.stats()["errors"] == 2
+    assert spare.stats()["served"] == 3 + 3  # the primary's key never holds the fallback's answer
+    primary.admin({})
+    healthy = with_overrides(config, model={"fallback": None, "circuit": {"failures": 2, "cooldown_s": 0.1}})
+    again = run(lambda: complete_one(healthy, request("q0")))[0]
+    assert again.model == "sim" and not again.cached and again.endpoint.startswith(primary.url)

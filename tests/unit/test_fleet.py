@@ -1,0 +1,222 @@
+"""Routing over a model fleet (`udfs/fleet.py`), driven by a fake clock: shares by weight and
+limit, AIMD and Retry-After per endpoint, circuits opening, probing and closing, waiting while
+every circuit is open, and the fallback group. No sleeps: time moves only when a test moves it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from udfs.config import CircuitConfig
+from udfs.fleet import CircuitState, Endpoint, EndpointSpec, Fleet, Outcome
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+CIRCUIT = CircuitConfig(failures=3, cooldown_s=5.0, max_cooldown_s=20.0)
+
+
+def fleet(*specs: EndpointSpec, clock: FakeClock, after: int | None = None) -> Fleet:
+    return Fleet(specs, CIRCUIT, clock=clock, fallback_after_attempts=after)
+
+
+def fill(f: Fleet, n: int) -> list[Endpoint]:
+    taken = []
+    for _ in range(n):
+        chosen = f.choose()
+        assert chosen is not None
+        taken.append(chosen)
+    return taken
+
+
+def test_least_outstanding_shares_follow_weights() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", weight=3, capacity=100), EndpointSpec("b", weight=1, capacity=100), clock=clock)
+    counts = Counter(e.label for e in fill(f, 40))
+    assert counts == {"a": 30, "b": 10}
+
+
+def test_saturated_shares_follow_limits() -> None:
+    """Every endpoint kept at its own limit: 4:2:1 of the calls in flight; a slot freed on one
+    goes back to it."""
+    clock = FakeClock()
+    f = fleet(EndpointSpec("big", capacity=8), EndpointSpec("mid", capacity=4), EndpointSpec("small", capacity=2),
+              clock=clock)
+    taken = fill(f, 14)
+    assert Counter(e.label for e in taken) == {"big": 8, "mid": 4, "small": 2}
+    assert f.choose() is None
+    small = next(e for e in taken if e.label == "small")
+    f.release(small, Outcome.SUCCESS, latency_s=0.1)
+    again = f.choose()
+    assert again is not None and again.label == "small"
+
+
+def test_aimd_per_endpoint() -> None:
+    """A 429 from one endpoint halves that endpoint's limit only."""
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=8), EndpointSpec("b", capacity=8), clock=clock)
+    a = next(e for e in fill(f, 2) if e.label == "a")
+    f.release(a, Outcome.OVERLOAD)
+    assert [e.limit for e in f.endpoints] == [4, 8]
+    assert f.endpoints[0].rate_limited == 1 and f.endpoints[0].circuit.state is CircuitState.CLOSED
+
+
+def test_retry_after_pauses_that_endpoint_only() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=8), EndpointSpec("b", capacity=8), clock=clock)
+    a = f.choose()
+    assert a is not None and a.label == "a"
+    f.release(a, Outcome.OVERLOAD, retry_after_s=2.0)
+    assert {f.choose().label for _ in range(4)} == {"b"}  # type: ignore[union-attr]
+    assert f.next_change() == pytest.approx(clock.now + 2.0)
+    clock.advance(2.0)
+    assert f.choose().label == "a"  # type: ignore[union-attr]
+
+
+def test_retry_goes_to_another_endpoint() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", weight=10, capacity=8), EndpointSpec("b", capacity=8), clock=clock)
+    first = f.choose()
+    assert first is not None and first.label == "a"
+    f.release(first, Outcome.FAILURE)
+    retry = f.choose(avoid=[first.index], attempt=2)
+    assert retry is not None and retry.label == "b"
+    f.release(retry, Outcome.SUCCESS)
+    # with nowhere else to go, the avoided endpoint is still used
+    only = fleet(EndpointSpec("solo", capacity=2), clock=clock)
+    assert only.choose(avoid=[0], attempt=2) is not None
+
+
+def test_circuit_opens_probes_with_backoff_and_closes() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("bad", capacity=8), EndpointSpec("good", capacity=8), clock=clock)
+    bad = f.endpoints[0]
+    for _ in range(3):
+        f.release(f._take(bad, "route"), Outcome.FAILURE)
+    assert bad.circuit.state is CircuitState.OPEN
+    assert {f.choose().label for _ in range(5)} == {"good"}  # type: ignore[union-attr]
+    clock.advance(5.0)
+    probe = f.choose()
+    assert probe is bad and bad.circuit.state is CircuitState.HALF_OPEN
+    assert f.choose().label == "good"  # type: ignore[union-attr]  # one probe at a time
+    f.release(probe, Outcome.FAILURE)  # failed probe: open for twice as long
+    assert bad.circuit.state is CircuitState.OPEN and bad.circuit.cooldown_s == 10.0
+    clock.advance(9.9)
+    assert f.choose().label == "good"  # type: ignore[union-attr]
+    clock.advance(0.1)
+    probe = f.choose()
+    assert probe is bad
+    f.release(probe, Outcome.FAILURE)
+    assert bad.circuit.cooldown_s == 20.0  # capped by max_cooldown_s next time
+    clock.advance(20.0)
+    probe = f.choose()
+    assert probe is bad
+    f.release(probe, Outcome.SUCCESS, latency_s=0.05)
+    assert bad.circuit.state is CircuitState.CLOSED and bad.circuit.cooldown_s == 5.0
+    assert bad.figures()["circuit"] == 0 and bad.figures()["failures"] == 5
+
+
+def test_failures_must_be_consecutive() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=8), clock=clock)
+    a = f.endpoints[0]
+    for outcome in (Outcome.FAILURE, Outcome.FAILURE, Outcome.SUCCESS, Outcome.FAILURE, Outcome.FAILURE,
+                    Outcome.OVERLOAD, Outcome.NEUTRAL):
+        f.release(f._take(a, "route"), outcome)
+    assert a.circuit.state is CircuitState.CLOSED
+
+
+def test_all_open_waits_then_a_probe_goes() -> None:
+    """Every circuit open: `acquire` waits (backpressure) and nothing fails; once the cooldown
+    has passed, a probe is let through and its success lets the waiters go."""
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=4), EndpointSpec("b", capacity=4), clock=clock)
+    for e in f.endpoints:
+        for _ in range(3):
+            f.release(f._take(e, "route"), Outcome.FAILURE)
+    assert f.choose() is None
+
+    async def scenario() -> None:
+        waiting = [asyncio.ensure_future(f.acquire()) for _ in range(3)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not any(w.done() for w in waiting)
+        clock.advance(5.0)
+        f.wake_all()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        probes = [w.result() for w in waiting if w.done()]
+        assert sorted(p.label for p in probes) == ["a", "b"]  # one probe per endpoint
+        assert sum(not w.done() for w in waiting) == 1
+        f.release(probes[0], Outcome.SUCCESS, latency_s=0.01)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert all(w.done() for w in waiting)
+        assert waiting[2].result() is probes[0]
+
+    asyncio.run(scenario())
+
+
+def test_acquire_waits_for_a_free_slot_fifo() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=1), clock=clock)
+
+    async def scenario() -> None:
+        held = await f.acquire()
+        first = asyncio.ensure_future(f.acquire())
+        second = asyncio.ensure_future(f.acquire())
+        await asyncio.sleep(0)
+        assert not first.done() and not second.done()
+        f.release(held, Outcome.SUCCESS)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert first.done() and not second.done()
+        second.cancel()
+        f.release(first.result(), Outcome.SUCCESS)
+        assert f.endpoints[0].in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_fallback_takes_over_when_every_primary_is_open_and_gives_back() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("p1", capacity=4), EndpointSpec("p2", capacity=4),
+              EndpointSpec("fb", capacity=4, fallback=True), clock=clock)
+    assert {f.choose().label for _ in range(6)} == {"p1", "p2"}  # type: ignore[union-attr]
+    for e in f.primaries:
+        e.in_flight = 0
+        for _ in range(3):
+            f.release(f._take(e, "route"), Outcome.FAILURE)
+    chosen = f.choose()
+    assert chosen is not None and chosen.label == "fb"
+    clock.advance(5.0)
+    probe = f.choose()
+    assert probe is not None and probe.label in ("p1", "p2")  # the primaries still get their probes
+    assert f.choose().label in ("p1", "p2")  # type: ignore[union-attr]
+    assert f.choose().label == "fb"  # type: ignore[union-attr]
+    f.release(probe, Outcome.SUCCESS)
+    assert {f.choose().label for _ in range(2)} <= {"p1", "p2"}  # type: ignore[union-attr]
+
+
+def test_fallback_after_attempts() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("p", capacity=4), EndpointSpec("fb", capacity=4, fallback=True), clock=clock, after=2)
+    assert f.choose(attempt=1).label == "p"  # type: ignore[union-attr]
+    assert f.choose(attempt=2).label == "p"  # type: ignore[union-attr]
+    assert f.choose(attempt=3).label == "fb"  # type: ignore[union-attr]
+
+
+def test_no_fallback_without_a_group() -> None:
+    with pytest.raises(ValueError):
+        Fleet([EndpointSpec("fb", fallback=True)], CIRCUIT)
