@@ -521,3 +521,48 @@ def test_spawn_runs_module_as_subprocess() -> None:
         final = handle.stop()
     assert handle.process.returncode == 0
     assert final is not None and final["errors"] == 1
+
+
+# ------------------------------------------------------------------ a fleet of endpoints in one process
+
+
+def _chat(url: str) -> requests.Response:
+    return requests.post(url + "/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                         timeout=5)
+
+
+def test_a_spawned_fleet_serves_each_endpoint_and_kills_revives_and_faults_each() -> None:
+    with ms.spawn_fleet([4, 2, 1], ["--latency", "0"]) as fleet:
+        assert len(fleet.urls) == 3 and len(set(fleet.urls)) == 3
+        assert [s["concurrency_limit"] for s in fleet.stats()] == [4, 2, 1]
+        assert all(_chat(url).status_code == 200 for url in fleet.urls)
+
+        fleet.kill(0)  # a dead replica: connection refused, the others unaffected
+        with pytest.raises(requests.ConnectionError):
+            _chat(fleet.urls[0])
+        assert _chat(fleet.urls[1]).status_code == 200
+        fleet.revive(0)
+        wait_until(lambda: _chat(fleet.urls[0]).status_code == 200, timeout=10, interval=0.05,
+                   message="the revived endpoint answers again")
+
+        fleet.faults(1, {"error_rate": 1.0})
+        assert _chat(fleet.urls[1]).status_code == 500
+        fleet.faults(2, {"rate_limit_rate": 1.0})
+        assert _chat(fleet.urls[2]).status_code == 429
+        fleet.faults(1, {})
+        assert _chat(fleet.urls[1]).status_code == 200
+        stats = fleet.stats()
+        assert [s["served"] for s in stats] == [2, 3, 1] and stats[1]["errors"] == 1 and stats[2]["rejected"] == 1
+
+        bad = requests.post(fleet.control_url + "/fleet/0", json={"state": "sideways"}, timeout=5)
+        assert bad.status_code == 400 and "state" in bad.json()["error"]["message"]
+        assert requests.post(fleet.control_url + "/fleet/9", json={"state": "up"}, timeout=5).status_code == 400
+
+
+def test_fleet_spec_is_checked() -> None:
+    from jobs.dev.simulator.fleet import parse_fleet
+
+    assert parse_fleet("16, 8,4") == [16, 8, 4]
+    for bad in ("", "a,b", "4,-1"):
+        with pytest.raises(ValueError):
+            parse_fleet(bad)

@@ -129,7 +129,10 @@ Modules
 ``config``     ``SimulatorConfig``, ``FaultSettings``, ``parse_latency``: every setting, checked at construction
 ``endpoints``  the request shapes accepted and the synthetic bodies returned (no HTTP)
 ``server``     ``SimulatorServer`` and ``serve``: HTTP, routing, faults, rate limits, concurrency, ``/stats``
-``launch``     ``start_in_thread`` / ``ThreadedSimulator`` and ``spawn`` / ``SpawnedSimulator``
+``launch``     ``start_in_thread`` / ``ThreadedSimulator``, ``spawn`` / ``SpawnedSimulator`` and
+               ``spawn_fleet`` / ``SpawnedFleet``
+``fleet``      ``SimulatorFleet`` and ``serve_fleet``: several endpoints in one process (``--fleet 16,8,4``)
+               and a control port that kills, revives, faults and reconfigures each
 ``cli``        ``llmstream model-server``: ``add_arguments``, ``config_from_args``, ``run``, ``main``
 """
 
@@ -155,10 +158,13 @@ from jobs.dev.simulator.endpoints import (
     completion_text,
     embedding_vector,
 )
+from jobs.dev.simulator.fleet import FLEET_PREFIX, SimulatorFleet, serve_fleet
 from jobs.dev.simulator.launch import (
+    SpawnedFleet,
     SpawnedSimulator,
     ThreadedSimulator,
     spawn,
+    spawn_fleet,
     start_in_thread,
 )
 from jobs.dev.simulator.server import SimulatorServer, format_reset, serve
@@ -166,12 +172,15 @@ from jobs.dev.simulator.server import SimulatorServer, format_reset, serve
 __all__ = [
     "DEFAULT_MODEL",
     "FINAL_STATS_PREFIX",
+    "FLEET_PREFIX",
     "LISTENING_PREFIX",
     "SIMULATOR_FINGERPRINT",
     "FaultSettings",
     "LatencyModel",
     "SimulatorConfig",
+    "SimulatorFleet",
     "SimulatorServer",
+    "SpawnedFleet",
     "SpawnedSimulator",
     "ThreadedSimulator",
     "add_arguments",
@@ -185,6 +194,8 @@ __all__ = [
     "parse_latency",
     "run",
     "serve",
+    "serve_fleet",
     "spawn",
+    "spawn_fleet",
     "start_in_thread",
 ]

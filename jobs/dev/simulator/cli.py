@@ -10,7 +10,13 @@ import signal
 import sys
 
 from jobs.dev.simulator.config import DEFAULT_MODEL, FaultSettings, SimulatorConfig
-from jobs.dev.simulator.server import dumps, log, serve
+from jobs.dev.simulator.fleet import (
+    FLEET_PREFIX,
+    SimulatorFleet,
+    parse_fleet,
+    serve_fleet,
+)
+from jobs.dev.simulator.server import SimulatorServer, dumps, log, serve
 
 LISTENING_PREFIX = "llmstream model-server (simulator) listening on "
 """The line ``spawn`` waits for on the child's stdout, followed by the ``/v1`` URL."""
@@ -36,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--tls-client-ca", default=None, metavar="PEM",
                      help="require a client certificate signed by this CA (mutual TLS); requests without one "
                           "are refused with 400, as nginx's ssl_verify_client does")
+    net.add_argument("--fleet", default=None, metavar="LIMITS",
+                     help="serve several endpoints, one per concurrency limit (e.g. 16,8,4), each on a free "
+                          "port; --port is then the control port that kills, revives and faults each "
+                          "(jobs/dev/simulator/fleet.py)")
     net.add_argument("--log-level", default="INFO", help="logging level on stderr (default %(default)s)")
     net.add_argument("--stats-interval-s", type=float, default=d.stats_log_interval_s,
                      help="log a stats line this often, 0 = never (default %(default)s)")
@@ -128,13 +138,21 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
     )
 
 
-async def _serve_until_signal(config: SimulatorConfig) -> int:
+async def _serve_until_signal(config: SimulatorConfig, fleet_limits: list[int] | None = None) -> int:
+    server: SimulatorServer | SimulatorFleet
     try:
-        server = await serve(config)
+        if fleet_limits is not None:
+            server = await serve_fleet(config, fleet_limits)
+        else:
+            server = await serve(config)
     except OSError as exc:
         log.error("cannot listen on %s:%s: %s", config.host, config.port, exc)
         return 1
-    print(LISTENING_PREFIX + server.url, flush=True)
+    if isinstance(server, SimulatorFleet):
+        print(FLEET_PREFIX + dumps({"control": server.control_url, "endpoints": server.urls}), flush=True)
+        print(LISTENING_PREFIX + server.control_url + "/v1", flush=True)
+    else:
+        print(LISTENING_PREFIX + server.url, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -154,10 +172,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.ssl_context()
+        fleet = parse_fleet(args.fleet) if getattr(args, "fleet", None) else None
     except (ValueError, TypeError) as exc:
         log.error("invalid configuration: %s", exc)
         return 2
-    return asyncio.run(_serve_until_signal(config))
+    return asyncio.run(_serve_until_signal(config, fleet))
 
 
 DESCRIPTION = (

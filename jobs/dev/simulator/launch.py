@@ -20,6 +20,7 @@ from typing import Any, Self
 
 from jobs.dev.simulator.cli import FINAL_STATS_PREFIX, LISTENING_PREFIX
 from jobs.dev.simulator.config import SimulatorConfig
+from jobs.dev.simulator.fleet import FLEET_PREFIX
 from jobs.dev.simulator.server import SimulatorServer, serve
 from udfs.errors import LLMStreamError
 
@@ -218,3 +219,56 @@ def spawn(args: Iterable[str] = (), timeout: float = 10.0, python: str | None = 
         process.wait()
         reader.join(2.0)
         raise
+
+
+class SpawnedFleet:
+    """A fleet of simulated endpoints in a child process (``spawn_fleet``): ``urls`` are the
+    endpoints' ``/v1`` URLs; ``kill``, ``revive``, ``faults``, ``configure`` and ``stats`` go
+    through the control port (``jobs/dev/simulator/fleet.py``)."""
+
+    def __init__(self, process: SpawnedSimulator) -> None:
+        self.process = process
+        self.control_url = process.base_url
+        line = next(line for line in process.lines if line.startswith(FLEET_PREFIX))
+        self.urls: list[str] = json.loads(line[len(FLEET_PREFIX):])["endpoints"]
+
+    def _post(self, index: int, body: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        return self.process._post(f"/fleet/{index}", body, timeout)
+
+    def kill(self, index: int) -> dict[str, Any]:
+        """Endpoint ``index`` stops listening and drops its connections, until ``revive``."""
+        return self._post(index, {"state": "down"})
+
+    def revive(self, index: int) -> dict[str, Any]:
+        return self._post(index, {"state": "up"})
+
+    def faults(self, index: int, faults: dict[str, Any]) -> dict[str, Any]:
+        """Replace endpoint ``index``'s fault scenario (``{"error_rate": 1}``: HTTP 500 to all)."""
+        return self._post(index, {"faults": faults})
+
+    def configure(self, index: int, changes: dict[str, Any]) -> dict[str, Any]:
+        return self._post(index, {"config": changes})
+
+    def stats(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Each endpoint's ``/stats``, in order."""
+        import requests
+
+        response = requests.get(self.control_url + "/fleet", timeout=timeout)
+        response.raise_for_status()
+        return [endpoint["stats"] for endpoint in response.json()["endpoints"]]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.process.stop(timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def spawn_fleet(limits: Iterable[int], args: Iterable[str] = (), timeout: float = 10.0,
+                python: str | None = None) -> SpawnedFleet:
+    """Start ``python -m jobs.dev.simulator --fleet LIMITS ARGS`` and wait until its control port is healthy."""
+    spec = ",".join(str(n) for n in limits)
+    return SpawnedFleet(spawn(["--fleet", spec, *args], timeout, python))

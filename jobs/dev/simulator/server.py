@@ -203,8 +203,26 @@ class SimulatorServer:
         self._listeners = []
         await asyncio.sleep(0)
 
-    def _go_down(self, seconds: float, keep: RequestHandler | None) -> None:
-        self._down_until = time.monotonic() + seconds
+    @property
+    def up(self) -> bool:
+        """Listening (not in an outage, not killed)."""
+        return not self._down_until
+
+    def kill(self) -> None:
+        """Go down until ``revive``: stop listening and drop every connection, as a dead replica does."""
+        self._go_down(None, None)
+
+    def revive(self) -> None:
+        """End an outage (``kill`` or ``down_for_s``) now: listen again on the same port."""
+        if self._down_handle is not None:
+            self._down_handle.cancel()
+            self._down_handle = None
+        if self._down_until:
+            self._come_up()
+
+    def _go_down(self, seconds: float | None, keep: RequestHandler | None) -> None:
+        """Down for ``seconds``, or until ``revive`` when None."""
+        self._down_until = time.monotonic() + seconds if seconds is not None else math.inf
         for server in self._listeners:
             server.close()
         self._listeners = []
@@ -213,8 +231,12 @@ class SimulatorServer:
                 _reset(conn.transport)
         if self._down_handle is not None:
             self._down_handle.cancel()
-        self._down_handle = self._loop.call_later(seconds, self._come_up)
-        log.warning("simulated outage: not listening for %.1f s", seconds)
+            self._down_handle = None
+        if seconds is not None:
+            self._down_handle = self._loop.call_later(seconds, self._come_up)
+            log.warning("simulated outage: not listening for %.1f s", seconds)
+        else:
+            log.warning("simulated outage: not listening until revived")
 
     def _come_up(self) -> None:
         self._down_handle = None
@@ -300,7 +322,8 @@ class SimulatorServer:
         view["until_remaining_s"] = (
             round(max(0.0, self._faults_until - now), 3) if self._faults_until is not None else None
         )
-        view["down_remaining_s"] = round(max(0.0, self._down_until - now), 3) if self._down_until else 0.0
+        view["down_remaining_s"] = (None if self._down_until == math.inf else
+                                    round(max(0.0, self._down_until - now), 3) if self._down_until else 0.0)
         return view
 
     # ----------------------------------------------------------------- stats
