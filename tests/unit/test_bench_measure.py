@@ -1,12 +1,17 @@
-"""The benchmark's arithmetic: scenario limits from Little's law, the steady-state window."""
+"""The benchmark's pure parts: scenario limits from Little's law, the steady-state window,
+answer timestamps, the ML_PREDICT job's SQL and the children's paths."""
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 
-from jobs.dev.bench.measure import percentile, steady_window
+from jobs.dev.bench.harness import REPO_ROOT, _llmstream_command, child_environment
+from jobs.dev.bench.measure import epoch_ms, percentile, steady_window
+from jobs.dev.bench.ml_predict import MlPredictJob
 from jobs.dev.bench.scenarios import SCENARIOS
 
 
@@ -25,3 +30,49 @@ def test_steady_window_leaves_out_start_up_and_drain() -> None:
     assert window is not None
     assert window.rate == pytest.approx(100, rel=0.02)
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([], 99) is None
+
+
+def test_answer_timestamps_are_epoch_ms_from_numbers_or_iso_strings() -> None:
+    # llmstream and the baselines write epoch ms; Flink's JSON format writes TIMESTAMP_LTZ as ISO-8601.
+    assert epoch_ms(1_764_596_700_123) == 1_764_596_700_123
+    assert epoch_ms("2025-12-01T13:45:00.123Z") == pytest.approx(1_764_596_700_123)
+    assert epoch_ms("2025-12-01T14:45:00.123+01:00") == pytest.approx(1_764_596_700_123)
+    # No zone is no instant; junk, booleans and missing values are no timestamps.
+    assert epoch_ms("2025-12-01T13:45:00.123") is None
+    assert epoch_ms("soon") is None and epoch_ms(True) is None and epoch_ms(None) is None
+
+
+def test_ml_predict_job_is_the_recipes_sql() -> None:
+    job = MlPredictJob("127.0.0.1:9092", "in-'x", "out", "grp", "http://127.0.0.1:8000/v1/")
+    source, picked, model, sink = job.statements()
+    assert "'scan.startup.mode' = 'group-offsets'" in source and "'scan.bounded.mode' = 'latest-offset'" in source
+    assert "'topic' = 'in-''x'" in source  # quoted, so a topic name cannot end the literal
+    assert "CURRENT_TIMESTAMP AS started" in picked
+    assert "'endpoint' = 'http://127.0.0.1:8000/v1/chat/completions'" in model and "OUTPUT (output STRING)" in model
+    assert "'sink.delivery-guarantee' = 'exactly-once'" in sink and "'sink.transactional-id-prefix' = 'grp'" in sink
+    insert = job.insert()
+    assert "ML_PREDICT(TABLE picked, MODEL m, DESCRIPTOR(prompt), MAP['async', 'true', " in insert
+    assert "'max-concurrent-operations', '64'" in insert and "'output-mode', 'ALLOW_UNORDERED'" in insert
+    unbounded = MlPredictJob("b", "i", "o", "g", "http://h/v1", api="embeddings", bounded=False)
+    assert "scan.bounded.mode" not in unbounded.source()
+    assert "/v1/embeddings'" in unbounded.model() and "OUTPUT (output ARRAY<FLOAT>)" in unbounded.model()
+    assert "output ARRAY<FLOAT>" in unbounded.sink()
+
+
+def test_bench_children_run_this_checkouts_code() -> None:
+    # The repository root, not jobs/: the children's working directory and PYTHONPATH head.
+    assert (REPO_ROOT / "jobs" / "dev" / "bench" / "harness.py").is_file()
+    assert (REPO_ROOT / "pom-free" / "fetch.py").is_file()
+    env = child_environment({"PYTHONPATH": "/elsewhere", "LLMSTREAM_HOME": "/other/checkout"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
+    assert env["LLMSTREAM_HOME"] == str(REPO_ROOT)
+    # llmstream as a module of this checkout, never an installed script of another.
+    assert _llmstream_command() == [sys.executable, "-m", "jobs.cli"]
+
+
+def test_ml_predict_runs_in_every_scenario_it_applies_to() -> None:
+    requested = ["semaphore-gather", "llmstream", "ml-predict"]
+    assert SCENARIOS["d"].approaches(requested) == requested
+    # Embeddings: the baselines send chat requests; ML_PREDICT has an embeddings task.
+    assert SCENARIOS["e"].approaches(requested) == ["llmstream-unbatched", "llmstream", "ml-predict"]
+    assert SCENARIOS["e"].approaches(["ml-predict"]) == ["ml-predict"]

@@ -4,7 +4,10 @@ Each run gets its own input, output and dead-letter topics and consumer group, s
 never see each other's records. The approach runs in a child process (its own session,
 so its whole tree can be sampled and, at the end, cleaned up): the baselines as
 `python -m jobs.dev.bench.baselines`, llmstream as `llmstream run --config <generated yaml>`,
-exactly what a user runs. Meanwhile a read_committed observer, an RSS sampler and a
+exactly what a user runs, and Flink's own SQL `ML_PREDICT` as `python -m jobs.dev.bench.ml_predict`.
+Every child runs this checkout's code: its working directory and the head of its `PYTHONPATH`
+are the repository root (`REPO_ROOT`), and llmstream starts as `python -m jobs.cli`, not through
+an installed `llmstream` script, which may belong to another checkout or to none. Meanwhile a read_committed observer, an RSS sampler and a
 simulator-stats sampler watch from this process.
 """
 
@@ -56,8 +59,11 @@ from udfs.config import (
 )
 from udfs.errors import LLMStreamError
 
-APPROACHES = ("sequential", "semaphore-gather", "llmstream")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+ML_PREDICT = "ml-predict"
+"""Flink's SQL ML_PREDICT with the openai model provider (`jobs/dev/bench/ml_predict.py`)."""
+APPROACHES = ("sequential", "semaphore-gather", "llmstream", ML_PREDICT)
+REPO_ROOT = Path(__file__).resolve().parents[3]
+"""The checkout this file is in (jobs/dev/bench/harness.py: three folders up)."""
 STOP_GRACE_S = 45.0
 """How long an approach may take to stop after SIGTERM (llmstream cancels its job) before SIGKILL."""
 CATCH_UP_S = 20.0
@@ -205,9 +211,25 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
     return data
 
 
+def is_flink(approach: str) -> bool:
+    """A Flink job in a mini cluster (llmstream, ml-predict): the harness stops it at the time
+    limit, and its checkpoints are sampled from the mini cluster's REST API."""
+    return approach.startswith("llmstream") or approach == ML_PREDICT
+
+
+def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every child: this checkout first on `PYTHONPATH`, and
+    `LLMSTREAM_HOME` (where `jobs.jars` finds `pom-free/`) pointing at it."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["LLMSTREAM_HOME"] = str(REPO_ROOT)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
 def _llmstream_command() -> list[str]:
-    script = Path(sys.executable).with_name("llmstream")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "jobs.cli"]
+    """`llmstream` from this checkout: the module, not whatever script the venv has installed."""
+    return [sys.executable, "-m", "jobs.cli"]
 
 
 def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint: str, scenario: Scenario,
@@ -222,6 +244,12 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]
+    if approach == ML_PREDICT:
+        interval = ctx.overrides.get("checkpoint_interval_ms", CheckpointConfig.interval_ms)
+        command = [sys.executable, "-m", "jobs.dev.bench.ml_predict", "--bootstrap", bootstrap,
+                   "--input", topics.input, "--output", topics.output, "--group", topics.group,
+                   "--endpoint", endpoint, "--api", scenario.api, "--checkpoint-interval-ms", str(interval)]
+        return command if scenario.overload_factor else [*command, "--bounded"]
     return [sys.executable, "-m", "jobs.dev.bench.baselines", approach, "--bootstrap", bootstrap,
             "--input", topics.input, "--output", topics.output, "--dead-letter", topics.dead_letter,
             "--group", topics.group, "--endpoint", endpoint, "--records", str(records),
@@ -231,10 +259,8 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
 class ApproachProcess:
     """The approach's process, in its own session so that its whole tree can be ended."""
 
-    def __init__(self, command: list[str], log_file: Path) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env["PYTHONUNBUFFERED"] = "1"
+    def __init__(self, command: list[str], log_file: Path, extra_env: dict[str, str] | None = None) -> None:
+        env = child_environment() | (extra_env or {})
         self.log_file = log_file
         with log_file.open("wb") as out:
             self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
@@ -318,9 +344,12 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     load_before = os.getloadavg()
     started = time.monotonic()
     started_ms = time.time() * 1000
-    proc = ApproachProcess(command, log_file)
+    # PyFlink's local JVM logs to one file inside site-packages that every local job on the
+    # machine truncates; ml-predict's goes next to its run log instead (kept with --keep).
+    extra_env = {"FLINK_LOG_DIR": str(ctx.workdir / f"{topics.group}-flink-log")} if approach == ML_PREDICT else None
+    proc = ApproachProcess(command, log_file, extra_env)
     rss.watch("approach", proc.pid)
-    checkpoints = CheckpointSampler(proc.pid) if approach.startswith("llmstream") else None
+    checkpoints = CheckpointSampler(proc.pid) if is_flink(approach) else None
     if checkpoints is not None:
         checkpoints.start()
     paced = None
@@ -340,8 +369,8 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
             if paced is not None and paced.finished.is_set():
                 stopped_by = f"overload window ended ({scenario.overload_seconds:g} s)"
                 break
-            # Baselines stop themselves at max_seconds; llmstream is stopped (its job cancelled) here.
-            if paced is None and elapsed >= max_seconds + (0 if approach.startswith("llmstream") else 10):
+            # Baselines stop themselves at max_seconds; Flink jobs are stopped (cancelled) here.
+            if paced is None and elapsed >= max_seconds + (0 if is_flink(approach) else 10):
                 stopped_by = f"time limit ({max_seconds:g} s)"
                 break
             if time.monotonic() - last_report >= ctx.progress_every_s:
@@ -356,7 +385,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
                 stopped_by = f"exited with code {proc.process.returncode}"
             elif paced is not None:
                 stopped_by = f"overload window ended ({scenario.overload_seconds:g} s)"
-            elif observer.seen < records and not approach.startswith("llmstream"):
+            elif observer.seen < records and not is_flink(approach):
                 stopped_by = f"time limit ({max_seconds:g} s)"
         proc.stop()
         if paced is not None:
@@ -469,8 +498,7 @@ def probe(kind: str, endpoint: str, seconds: float = 5.0, concurrency: int = 64)
 
     command = [sys.executable, "-m", "jobs.dev.bench.probes", kind, "--endpoint", endpoint,
                "--seconds", f"{seconds:g}", "--concurrency", str(concurrency)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_environment()
     try:
         done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                               timeout=seconds + 60, check=True)

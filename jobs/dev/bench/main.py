@@ -110,6 +110,8 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
         load_before = wait_for_quiet(args.wait_for_quiet, 600, _say)
     jars.ensure("broker")
     jars.ensure("connector")
+    if "ml-predict" in args.approaches:
+        jars.ensure("ml-predict")
     workdir = Path(tempfile.mkdtemp(prefix="llmstream-bench-"))
     out_dir = args.out or (workdir / "results" if args.smoke else RESULTS_DIR)
     broker: local_kafka.LocalBroker | None = None

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psutil
@@ -101,8 +102,8 @@ class Observer(threading.Thread):
             if rid not in self.first and body.get("cached") is True:
                 self.cached += 1
             if rid not in self.first:
-                self.first[rid] = Seen(arrival, _num(stamps.get("produced")), _num(stamps.get("started")),
-                                       _num(stamps.get("completed")), message.topic == self._dead_letter)
+                self.first[rid] = Seen(arrival, epoch_ms(stamps.get("produced")), epoch_ms(stamps.get("started")),
+                                       epoch_ms(stamps.get("completed")), message.topic == self._dead_letter)
 
     def caught_up(self, stable_ends: dict[str, int]) -> bool:
         """True once this consumer has read up to the given last stable offsets (by topic)."""
@@ -115,6 +116,18 @@ class Observer(threading.Thread):
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def epoch_ms(value: Any) -> float | None:
+    """A timestamp of an answer as epoch ms: a number (llmstream, the baselines) or an ISO-8601
+    string with its zone (Flink's JSON format writes TIMESTAMP_LTZ so: ml-predict); else None."""
+    if isinstance(value, str):
+        try:
+            stamp = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+        return stamp.timestamp() * 1000 if stamp.tzinfo is not None else None
+    return _num(value)
 
 
 class PeriodicSampler(threading.Thread):

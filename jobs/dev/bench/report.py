@@ -98,8 +98,23 @@ def targets(results: Sequence[RunResult]) -> list[Target]:
     else:
         out.append(Target("d", ">= 5,000 records/s per inference subtask and >= 2x semaphore-gather", None, ""))
         out.append(Target("d", "CPU per record at steady state <= 0.4 ms", None, ""))
+    out.extend(_peer_targets(results))
     out.extend(_batching_targets(results))
     return out
+
+
+def _peer_targets(results: Sequence[RunResult]) -> list[Target]:
+    """Issue 23: llmstream >= 2x Flink's own ML_PREDICT with an instant model (d), same run."""
+    text = "llmstream >= 2x ML_PREDICT (same run)"
+    run, peer = _find(results, "d", "llmstream"), _find(results, "d", "ml-predict")
+    if run is None or peer is None or not run.throughput_steady or not peer.throughput_steady:
+        return [Target("d", text, None, "")]
+    ratio = run.throughput_steady / peer.throughput_steady
+    cpu = ""
+    if run.cpu_ms_per_record is not None and peer.cpu_ms_per_record is not None:
+        cpu = f"; CPU per record {run.cpu_ms_per_record:.2f} vs {peer.cpu_ms_per_record:.2f} ms"
+    return [Target("d", text, ratio >= 2,
+                   f"{run.throughput_steady:,.0f}/s vs {peer.throughput_steady:,.0f}/s = {ratio:.2f}x{cpu}")]
 
 
 def _batching_targets(results: Sequence[RunResult]) -> list[Target]:
@@ -262,7 +277,7 @@ def chart(results: Sequence[RunResult], path: Path) -> None:
     panels = 3 if overload else 2
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8))
     width = 0.8 / len(APPROACHES)
-    colors = {"sequential": "#c44e52", "semaphore-gather": "#dd8452", "llmstream": "#4c72b0"}
+    colors = {"sequential": "#c44e52", "semaphore-gather": "#dd8452", "llmstream": "#4c72b0", "ml-predict": "#55a868"}
     for i, approach in enumerate(APPROACHES):
         xs, tput, p99, pickup = [], [], [], []
         for j, key in enumerate(scenarios):

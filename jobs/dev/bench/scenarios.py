@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 UNBATCHED = "llmstream-unbatched"
 """llmstream with `model.batch.max_size: 1` in a batching scenario, for the comparison."""
+PER_KEY = "llmstream-per-key"
+"""llmstream with `ordering: per_key` in a keyed scenario, beside llmstream unordered: the per-key cost."""
 Z99 = 2.3263478740408408
 """The standard normal's 99th percentile, as in `jobs/dev/simulator/config.py`."""
 
@@ -40,14 +42,21 @@ class Scenario:
     """Simulator latency per input of an embeddings request, on top of `latency`."""
     batch_size: int = 1
     """llmstream's `model.batch.max_size`; above 1 the scenario also runs llmstream unbatched
-    (`UNBATCHED`) to compare, and only llmstream (the baselines send chat requests)."""
+    (`UNBATCHED`) to compare, and only llmstream and ml-predict (the baselines send chat requests)."""
     capacity: int | None = None
     """llmstream's `async.capacity` for this scenario, instead of the one derived from the server."""
+    keys: int = 0
+    """Distinct Kafka keys the input cycles through (`workload.keyed_request_record`); 0: each
+    record's key is its id. A keyed scenario runs llmstream unordered and `PER_KEY` only."""
 
     def approaches(self, requested: list[str]) -> list[str]:
         """The runs for this scenario out of the requested approaches."""
+        if self.keys:
+            return ["llmstream", PER_KEY] if "llmstream" in requested else []
         if self.batch_size > 1:
-            return [UNBATCHED, "llmstream"] if "llmstream" in requested else []
+            runs = [UNBATCHED, "llmstream"] if "llmstream" in requested else []
+            # Flink's ML_PREDICT has an embeddings task too (one request per row, no batching).
+            return runs + [a for a in requested if a == "ml-predict"]
         return requested
 
     @property
@@ -118,6 +127,13 @@ SCENARIOS: dict[str, Scenario] = {
                  "unlimited; llmstream with batches of up to 128 (capacity 1,024) and without batching (capacity 128)",
                  latency="fixed:20", per_input_ms=0.2, concurrency=0, records=60_000, api="embeddings",
                  batch_size=128, capacity=1024),
+        # The per-key cost (issue 22): (b)'s heavy tail with keyed input, ordered against unordered.
+        Scenario("f", "heavy tail, 1,000 keys", "as (b), the input's keys cycling through 1,000 keys; "
+                 "llmstream unordered and with ordering: per_key",
+                 latency="lognormal:200:2000", concurrency=64, records=5000, keys=1000),
+        Scenario("g", "heavy tail, 10 hot keys", "as (b), the input's keys cycling through 10 keys; "
+                 "llmstream unordered and with ordering: per_key",
+                 latency="lognormal:200:2000", concurrency=64, records=5000, keys=10),
     )
 }
 
