@@ -34,6 +34,7 @@ from jobs.state import StateDir
 from udfs import kafka_security
 from udfs.config import JobConfig
 from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
+from udfs.ordering import HASH_HEX_DIGITS
 
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
@@ -250,16 +251,61 @@ def tick_keys(parallelism: int, max_parallelism: int | None = None) -> tuple[lis
     After a rescale the pending requests of a bucket key the new job no longer uses (scaling
     2 -> 1 drops keys 4, 5, 6 and 8) are in state on whichever subtask owns that key's group,
     and only an element of that key starts them again: those keys get ticks too, fewer.
+    The `ordering: per_key` buckets are among the others too, so a switch of `ordering` strands
+    nothing either.
     """
     own = bucket_keys(parallelism, max_parallelism)
-    others: set[int] = set()
+    others: set[int] = set(per_key_bucket_keys(parallelism, max_parallelism))
     for other in range(1, max(RESCALE_RANGE, parallelism) + 1):
         others.update(bucket_keys(other, max_parallelism))
     return own, sorted(others - set(own))
 
 
+KEY_GROUP_STRIDE = 4
+"""`ordering: per_key` has a bucket in every fourth key group: 32 buckets at the default max
+parallelism of 128, enough to spread keys over any parallelism up to 32 and few enough that
+the stage's per-bucket timers stay cheap."""
+
+
+def per_key_bucket_keys(parallelism: int, max_parallelism: int | None = None) -> list[int]:
+    """The bucket key values of `ordering: per_key`: one integer in each of the key groups
+    0, `KEY_GROUP_STRIDE`, 2 x `KEY_GROUP_STRIDE`, ... (Flink's own key-group assignment).
+
+    Unlike the offset buckets (`bucket_keys`) they depend only on the max parallelism, which a
+    restore cannot change either: a Kafka key keeps its bucket, and its pending records their
+    place in line, across restarts and rescaling, and each subtask owns the buckets of its
+    key-group range."""
+    gateway = get_gateway()
+    assign = gateway.jvm.org.apache.flink.runtime.state.KeyGroupRangeAssignment
+    max_p = max_parallelism or assign.computeDefaultMaxParallelism(parallelism)
+    wanted = set(range(0, max_p, KEY_GROUP_STRIDE))
+    found: dict[int, int] = {}
+    candidate = 0
+    while len(found) < len(wanted):
+        row = gateway.jvm.org.apache.flink.types.Row(1)
+        row.setField(0, gateway.jvm.java.lang.Integer(candidate))
+        group = assign.assignToKeyGroup(row, max_p)
+        if group in wanted and group not in found:
+            found[group] = candidate
+        candidate += 1
+    return [found[group] for group in sorted(found)]
+
+
+def key_hash_sql(column: str) -> str:
+    """SQL for `udfs.ordering.key_hash` of a BYTES column: the first `HASH_HEX_DIGITS` hex digits
+    of the MD5 of its bytes read as ISO-8859-1, as an INT (NULL for a NULL key). Flink SQL has no
+    public hash of a byte string (HASH_CODE is internal) nor a hex-to-number function, hence the
+    digits one by one; MD5 is the same in every JVM, so a key keeps its bucket across restarts."""
+    digest = f"MD5(DECODE({column}, 'ISO-8859-1'))"
+    return " + ".join(
+        f"(POSITION(SUBSTRING({digest} FROM {i + 1} FOR 1) IN '0123456789abcdef') - 1) * {16 ** (HASH_HEX_DIGITS - 1 - i)}"
+        for i in range(HASH_HEX_DIGITS))
+
+
 TICKS_TABLE = "inference_ticks"
 TICKS_PER_BUCKET_PER_S = 8
+PER_KEY_TICKS_PER_BUCKET_PER_S = 2
+"""`ordering: per_key` has 32 buckets on one subtask (at parallelism 1), not 4: fewer ticks each."""
 OTHER_TICKS_PER_BUCKET_PER_S = 1
 """Empty elements per bucket and second (random buckets: each bucket gets one within a second but
 for e^-8 of the seconds) that wake the inference stage when no input comes:
@@ -281,17 +327,35 @@ def _as_rows(t_env: StreamTableEnvironment, table: Table, row_type: Any) -> Data
     return stream
 
 
-def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
-                   with_headers: bool = True) -> KeyedStream:
-    """The input rows keyed by bucket, with the bucket computed in SQL and the key taken on the
-    JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip) in front.
-    A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a second, and
-    the buckets of other parallelisms (`tick_keys`) about once a second. Without `with_headers`
-    the rows carry NULL headers and the source does not read them (`kafka.forward_headers: none`)."""
-    keys, other_keys = tick_keys(parallelism, env.get_max_parallelism() if env.get_max_parallelism() > 0 else None)
+def bucket_sql(ordering: str, keys: list[int]) -> str:
+    """The bucket of an input row in SQL: its offset modulo the number of `keys` (`ordering: none`:
+    spread evenly, no meaning), or a hash of its Kafka key (`per_key`: a key's records meet in one
+    bucket, in order; a record without a key goes by its partition), mapped to the key values."""
+    index = (f"MOD(COALESCE({key_hash_sql('k')}, `partition`), {len(keys)})" if ordering == "per_key"
+             else f"MOD(`offset`, {len(keys)})")
     cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(keys))
-    # Tick slots: each own key TICKS_PER_BUCKET_PER_S times, each other key OTHER_TICKS_PER_BUCKET_PER_S.
-    slots = keys * TICKS_PER_BUCKET_PER_S + other_keys * OTHER_TICKS_PER_BUCKET_PER_S
+    return f"CASE {index} {cases} END"
+
+
+def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
+                   with_headers: bool = True, ordering: str = "none") -> KeyedStream:
+    """The input rows keyed by bucket, with the bucket computed in SQL (`bucket_sql`) and the key
+    taken on the JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip)
+    in front. A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a
+    second (`PER_KEY_TICKS_PER_BUCKET_PER_S` under `ordering: per_key`), and the buckets of other
+    parallelisms and of the other `ordering` (`tick_keys`) about once a second. Without
+    `with_headers` the rows carry NULL headers and the source does not read them
+    (`kafka.forward_headers: none`)."""
+    max_p = env.get_max_parallelism() if env.get_max_parallelism() > 0 else None
+    keys, other_keys = tick_keys(parallelism, max_p)
+    rate = TICKS_PER_BUCKET_PER_S
+    if ordering == "per_key":
+        offset_keys = keys
+        keys = per_key_bucket_keys(parallelism, max_p)
+        other_keys = sorted((set(other_keys) | set(offset_keys)) - set(keys))
+        rate = PER_KEY_TICKS_PER_BUCKET_PER_S
+    # Tick slots: each own key `rate` times, each other key OTHER_TICKS_PER_BUCKET_PER_S.
+    slots = keys * rate + other_keys * OTHER_TICKS_PER_BUCKET_PER_S
     tick_cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(slots))
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {TICKS_TABLE} (n BIGINT) WITH (\n  " + _with({
@@ -305,7 +369,7 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     row_type = Types.ROW([Types.INT(), INPUT_ROW_TYPE]).get_java_type_info()
     headers = "`headers`" if with_headers else f"CAST(NULL AS {HEADERS_SQL})"
     requests = _as_rows(t_env, t_env.sql_query(
-        f"SELECT CASE MOD(`offset`, {len(keys)}) {cases} END AS bucket,\n"
+        f"SELECT {bucket_sql(ordering, keys)} AS bucket,\n"
         f"  CAST(ROW(k, v, `topic`, `partition`, `offset`, ts, {headers}) AS {INPUT_ROW_SQL}) AS rec\n"
         f"FROM {SOURCE_TABLE}"),
         row_type)
@@ -349,7 +413,8 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
     inference_parallelism = config.parallelism.of("inference")
     if config.python.unaligned_checkpoints:
         env.get_checkpoint_config().enable_unaligned_checkpoints()
-    keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers)
+    keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
+                           ordering=config.ordering)
     outgoing = (
         keyed.process(InferenceStage(config), output_type=SINK_ROW_TYPE)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)

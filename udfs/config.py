@@ -507,12 +507,14 @@ class InputConfig:
     `format`: `json` (llmstream's record contract, README) or `avro` (Confluent wire format, the
     writer's schema fetched by id from `schema_registry`). `id_field`: for typed input, the field
     that is the record's id (none: the Kafka key). `tombstones`: what a record with a null value
-    becomes: `forward` (a null value with the same key on the output topic), `dead-letter` or `skip`.
+    becomes: `forward` (a null value with the same key on the output topic; a null key has nothing
+    to delete and is a `null_value` dead letter), `dead-letter` or `skip`. `forward` by default: a
+    null value is Kafka's delete (compacted topics, CDC), and a delete must reach the output as one.
     """
 
     format: Literal["json", "avro"] = "json"
     id_field: Name | None = None
-    tombstones: Literal["forward", "dead-letter", "skip"] = "dead-letter"
+    tombstones: Literal["forward", "dead-letter", "skip"] = "forward"
 
 
 @dataclass(frozen=True)

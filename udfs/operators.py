@@ -26,7 +26,17 @@ only so that keyed state and timers exist; they have no meaning. Per bucket:
   processing-time timers did not reach the Python function (measured).
 
 A result leaves state in the same call that emits it, so a snapshot never holds a request
-whose answer is already downstream. Results and dead letters carry the input record's
+whose answer is already downstream.
+
+`ordering: per_key` (the buckets are then a hash of the Kafka key, `jobs/pipeline.py`): every
+outcome of a keyed record, dead letters and forwarded tombstones included, goes through a
+`udfs.ordering.KeyOrder` and leaves only after the earlier records of its key; a record that
+must wait is kept in state like a call in flight. A restore admits a bucket's pending records
+again sorted by (topic, partition, offset). `ordering: none` takes none of these steps.
+
+A null value (a tombstone) is, by `input.tombstones`: forwarded as a null value with the
+same key on the output topic (a record with no key to delete stays a `null_value` dead letter),
+a `null_value` dead letter, or skipped. Results and dead letters carry the input record's
 headers as `kafka.forward_headers` lets through (`records.forwarded_headers`).
 
 Nothing raises out of the function: an unexpected exception is a bug, an `InternalError`;
@@ -49,6 +59,7 @@ from udfs.config import JobConfig
 from udfs.decode import decode, record_id
 from udfs.encode import result_row
 from udfs.errors import BadInput, InternalError, RecordError
+from udfs.ordering import KeyOrder, restore_order
 from udfs.records import PendingRecord, Request, SinkHeaders, SinkRow, forwarded_headers
 
 log = logging.getLogger("llmstream.udfs")
@@ -108,6 +119,10 @@ def _row(row: SinkRow) -> Row:
     return Row(row.key, row.value, row.topic, row.headers)
 
 
+Outcome = tuple[SinkRow, str | None]
+"""What a record becomes: its outgoing row and, for a dead letter, the reason."""
+
+
 class InferenceStage(KeyedProcessFunction):
     """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick).
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
@@ -131,6 +146,7 @@ class InferenceStage(KeyedProcessFunction):
         self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
+        self._order = KeyOrder() if self._config.ordering == "per_key" else None
         model = self._config.model
         log.info("inference subtask %s/%s: %s %s model=%s capacity=%s",
                  runtime_context.get_index_of_this_subtask() + 1, subtasks, model.api,
@@ -188,37 +204,47 @@ class InferenceStage(KeyedProcessFunction):
             return
         if stored:
             log.info("bucket %r: starting %d pending request(s) again after a restore", bucket, len(stored))
+        records: list[tuple[str, PendingRecord]] = []
         for handle, value in stored:
             try:
-                record = PendingRecord.restored(value)
+                records.append((handle, PendingRecord.restored(value)))
             except Exception as err:
                 log.exception("bucket %r: state entry %r is not a pending record", bucket, handle)
                 self._pending.remove(handle)
                 yield self._failed(InternalError.from_exception(err), _salvage(value))
-                continue
+        if self._order is not None:
+            records = restore_order(records)
+        for handle, record in records:
             yield from self._start(bucket, record, handle)
         if stored:
             self._ensure_timer(bucket, ctx)
 
     def _start(self, bucket: Any, record: PendingRecord, stored_as: str | None = None) -> Iterator[Row]:
-        """Decodes `record` and starts its call, waiting for a slot; bad input is answered at once.
-        `stored_as`: the record is already in state under that handle (a restore)."""
+        """Decodes `record` and starts its call, waiting for a slot; bad input and tombstones are
+        settled at once. `stored_as`: the record is already in state under that handle (a restore)."""
         reissue = stored_as is not None
         handle = stored_as if stored_as is not None else record.handle
+        tombstones = self._config.input.tombstones
+        if record.value is None and tombstones != "dead-letter":
+            if tombstones == "skip":
+                if reissue:
+                    self._pending.remove(handle)
+                return
+            if record.key is not None:  # forward; without a key there is nothing to delete: a dead letter
+                tombstone = SinkRow(record.key, None, self._config.kafka.output_topic, self._forwarded(record))
+                yield from self._settle(bucket, record, handle, reissue, (tombstone, None))
+                return
         try:
             request = decode(record.key, record.value, record.source, self._config.limits)
         except BadInput as err:
             self._metrics.bad_input.inc()
-            if reissue:
-                self._pending.remove(handle)
-            yield self._failed(err, record)
+            yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(err, record), err.reason))
             return
         except Exception as err:
             log.exception("unexpected error decoding %s-%s@%s", record.topic, record.partition, record.offset)
             self._metrics.bad_input.inc()
-            if reissue:
-                self._pending.remove(handle)
-            yield self._failed(InternalError.from_exception(err), record)
+            failure = InternalError.from_exception(err)
+            yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(failure, record), failure.reason))
             return
         if not reissue:
             self._pending.put(handle, record)
@@ -228,11 +254,29 @@ class InferenceStage(KeyedProcessFunction):
         while not runner.has_slot():
             runner.wait_for_slot(SLOT_WAIT_S)
             yield from self._emit(bucket)
+        if self._order is not None:
+            self._order.admit(bucket, record.key, handle)
         runner.submit(bucket, handle, lambda: self._call(request, record))
         self._outstanding[bucket] += 1
         self._metrics.admitted = runner.in_flight
 
-    async def _call(self, request: Request, record: PendingRecord) -> tuple[SinkRow, str | None]:
+    def _settle(self, bucket: Any, record: PendingRecord, handle: str, reissue: bool,
+                outcome: Outcome) -> Iterator[Row]:
+        """A record whose outcome needs no call (bad input, a tombstone): emitted at once, unless
+        an earlier record of its key is still out under `ordering: per_key`; then it waits in
+        state, like a call in flight, and leaves in its turn."""
+        order = self._order
+        if order is None or not order.waiting(bucket, record.key):
+            if reissue:
+                self._pending.remove(handle)
+            yield self._out(outcome)
+            return
+        if not reissue:
+            self._pending.put(handle, record)
+        order.admit(bucket, record.key, handle)
+        yield from self._release(order.finish(handle, outcome))
+
+    async def _call(self, request: Request, record: PendingRecord) -> Outcome:
         """The output row of `request`, or its dead letter and reason; never raises. Runs on the
         runner's loop, so the dead letter is counted when it is emitted, on the operator thread."""
         failure: RecordError
@@ -251,23 +295,35 @@ class InferenceStage(KeyedProcessFunction):
         return self._dead_letter(failure, record, request.id), failure.reason
 
     def _emit(self, bucket: Any) -> Iterator[Row]:
-        """The bucket's finished calls, each removed from state as it is emitted."""
+        """The bucket's finished calls, each removed from state as it is emitted (under
+        `ordering: per_key`, those whose turn has come)."""
         done = self._runner.take(bucket)
         if not done:
             return
-        pending = self._pending
+        order = self._order
         for handle, outcome in done:
             if outcome is None:  # the runner caught a raise that `_call` should have prevented
-                out = self._failed(InternalError("the inference call raised"), self._stored(handle))
+                err = InternalError("the inference call raised")
+                outcome = (self._dead_letter(err, self._stored(handle)), err.reason)
+            if order is None:
+                self._pending.remove(handle)
+                yield self._out(outcome)
             else:
-                row, dead_letter_reason = outcome
-                if dead_letter_reason is not None:
-                    self._metrics.dead_letter(dead_letter_reason)
-                out = _row(row)
-            pending.remove(handle)
-            yield out
+                yield from self._release(order.finish(handle, outcome))
         self._outstanding[bucket] -= len(done)
         self._metrics.admitted = self._runner.in_flight
+
+    def _release(self, released: list[tuple[Any, Outcome]]) -> Iterator[Row]:
+        for handle, outcome in released:
+            self._pending.remove(handle)
+            yield self._out(outcome)
+
+    def _out(self, outcome: Outcome) -> Row:
+        """An outcome as the row it leaves as, its dead letter counted by reason."""
+        row, dead_letter_reason = outcome
+        if dead_letter_reason is not None:
+            self._metrics.dead_letter(dead_letter_reason)
+        return _row(row)
 
     def _flush(self, bucket: Any) -> Iterator[Row]:
         """End of input: every call of `bucket`, waited for and emitted."""

@@ -147,10 +147,11 @@ class Completion:
 
 class SinkRow(NamedTuple):
     """One Kafka record for the exactly-once sink: the topic decides output or dead letter.
-    `headers`: None or empty for none; a header with a null value is not written (the connector
-    skips it)."""
+    `value` is None only for a forwarded tombstone (`input.tombstones: forward`), which the
+    sink writes as a null value. `headers`: None or empty for none; a header with a null value
+    is not written (the connector skips it)."""
 
     key: bytes | None
-    value: bytes
+    value: bytes | None
     topic: str
     headers: SinkHeaders | None = None

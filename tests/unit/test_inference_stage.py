@@ -4,6 +4,7 @@ and runtime context (tests/unit/fake_flink.py), the simulator over loopback HTTP
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
@@ -94,7 +95,7 @@ def test_bad_input_is_dead_lettered_at_once_and_never_stored(sim: ThreadedSimula
     h = Harness(job_config(sim.url))
     harnesses.append(h)
     h.element(0, b"{not json", offset=7)
-    h.element(0, None, offset=8)
+    h.element(0, None, offset=8, key=None)  # a null value with no key to delete
     reasons = [(b["reason"], b["source"]["offset"]) for b in h.bodies("dlq")]
     assert reasons == [("invalid_json", 7), ("null_value", 8)]
     assert h.state.snapshot() == {}
@@ -221,3 +222,141 @@ def test_ticks_alone_restart_a_restored_state_when_no_input_comes(
         time.sleep(0.05)
     assert Counter(b["id"] for b in second.bodies("out")) == Counter({i: 1 for i in stored})
     assert second.metric("records_in") == 0 and second.metric("reissued") == len(stored)
+
+
+# ---------------------------------------------------------------------- per-key order and tombstones
+
+
+def versioned(key: str, version: int) -> bytes:
+    return json.dumps({"id": f"{key}-v{version}", "prompt": f"{key} version {version}"}).encode()
+
+
+def slow_first_versions(h: Harness, slow: set[str], delay_s: float = 0.3) -> None:
+    """The model client answers the ids in `slow` after `delay_s`, every other at once: later
+    versions of a key finish before earlier ones."""
+    real = h.function._client.complete
+
+    async def complete(request: Any) -> Any:
+        if request.id in slow:
+            await asyncio.sleep(delay_s)
+        return await real(request)
+
+    h.function._client.complete = complete  # type: ignore[method-assign]
+
+
+def emitted(h: Harness) -> list[tuple[bytes | None, str, str | None]]:
+    """(key, topic, id) of each row in emission order; the id is None for a null value."""
+    return [(None if r[0] is None else bytes(r[0]), r[2], None if r[1] is None else json.loads(bytes(r[1]))["id"])
+            for r in h.out]
+
+
+def per_key_ids(h: Harness, topic: str | None = None) -> dict[bytes | None, list[str | None]]:
+    out: dict[bytes | None, list[str | None]] = {}
+    for key, t, rid in emitted(h):
+        if topic is None or t == topic:
+            out.setdefault(key, []).append(rid)
+    return out
+
+
+def test_per_key_results_leave_in_input_order_though_later_versions_finish_first(
+        sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+    keys = ["a", "b", "c"]
+    for ordering, expect_order in [("per_key", True), ("none", False)]:
+        h = Harness(job_config(sim.url, capacity=16, ordering=ordering))  # type: ignore[arg-type]
+        harnesses.append(h)
+        slow_first_versions(h, {f"{k}-v0" for k in keys})
+        offset = 0
+        for version in range(4):
+            for k in keys:
+                h.element(0, versioned(k, version), offset=offset, key=k.encode())
+                offset += 1
+        h.end_of_input()
+        got = per_key_ids(h)
+        in_order = all(got[k.encode()] == [f"{k}-v{v}" for v in range(4)] for k in keys)
+        assert in_order is expect_order, (ordering, got)
+        assert sum(len(v) for v in got.values()) == 12
+        assert h.state.snapshot() == {}
+
+
+def test_per_key_other_keys_are_not_held_back_by_a_slow_one(sim: ThreadedSimulator,
+                                                            harnesses: list[Harness]) -> None:
+    h = Harness(job_config(sim.url, capacity=8, ordering="per_key"))  # type: ignore[arg-type]
+    harnesses.append(h)
+    slow_first_versions(h, {"hot-v0"}, delay_s=2.0)
+    h.element(0, versioned("hot", 0), offset=0, key=b"hot")
+    h.element(0, versioned("hot", 1), offset=1, key=b"hot")
+    h.element(0, versioned("cold", 0), offset=2, key=b"cold")
+    deadline = time.monotonic() + 30
+    while ("cold-v0" not in {i for _, _, i in emitted(h)}) and time.monotonic() < deadline:
+        h.tick(0)
+        time.sleep(0.02)
+    ids = [i for _, _, i in emitted(h)]
+    assert ids == ["cold-v0"], "the cold key left before the hot key's slow head, the hot key's v1 waited"
+    assert h.function._order is not None and h.function._order.held <= 1
+    h.end_of_input()
+    assert per_key_ids(h)[b"hot"] == ["hot-v0", "hot-v1"]
+
+
+def test_per_key_dead_letters_and_tombstones_wait_for_their_key(sim: ThreadedSimulator,
+                                                                harnesses: list[Harness]) -> None:
+    """A bad record and a tombstone are settled without a call, but under per_key they leave after
+    the earlier record of their key, and wait in state (a checkpoint then holds them)."""
+    h = Harness(job_config(sim.url, capacity=8, ordering="per_key",  # type: ignore[arg-type]
+                           input={"tombstones": "forward"}))
+    harnesses.append(h)
+    slow_first_versions(h, {"a-v0"}, delay_s=0.5)
+    h.element(0, versioned("a", 0), offset=0, key=b"a")
+    h.element(0, b"{not json", offset=1, key=b"a")
+    h.element(0, None, offset=2, key=b"a")
+    h.element(0, b"{not json", offset=3, key=b"b")  # nothing of b is out: at once
+    assert emitted(h) == [(b"b", "dlq", None)] or [t for _, t, _ in emitted(h)] == ["dlq"]
+    assert set(h.state.snapshot()[0]) == {"in:0:0", "in:0:1", "in:0:2"}
+    h.end_of_input()
+    assert [(k, t) for k, t, _ in emitted(h)] == [(b"b", "dlq"), (b"a", "out"), (b"a", "dlq"), (b"a", "out")]
+    tombstone = h.out[-1]
+    assert tombstone[1] is None and bytes(tombstone[0]) == b"a"
+    assert h.state.snapshot() == {}
+
+
+def test_tombstones_forward_skip_or_dead_letter(sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+    outcomes = {}
+    for mode in ("forward", "skip", "dead-letter"):
+        h = Harness(job_config(sim.url, input={"tombstones": mode}))
+        harnesses.append(h)
+        h.element(0, None, offset=1, key=b"doc-1", headers={"trace": b"t1"})
+        h.element(0, None, offset=2, key=None)  # nothing to delete: never forwarded
+        h.end_of_input()
+        outcomes[mode] = [(r[0], r[1] is None, r[2], r[3]) for r in h.out]
+        assert h.state.snapshot() == {}
+    assert outcomes["forward"][0] == (b"doc-1", True, "out", {"trace": b"t1"})
+    assert [(t, n) for _, n, t, _ in outcomes["forward"][1:]] == [("dlq", False)]
+    assert [t for _, _, t, _ in outcomes["skip"]] == []
+    assert [t for _, _, t, _ in outcomes["dead-letter"]] == ["dlq", "dlq"]
+
+
+def test_per_key_restore_reissues_pending_records_and_emits_them_in_offset_order(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    sim = make_sim(latency="fixed:300")
+    config = job_config(sim.url, capacity=16, ordering="per_key")  # type: ignore[arg-type]
+    first = Harness(config)
+    harnesses.append(first)
+    for version in range(3):
+        for k in ("a", "b"):
+            first.element(0, versioned(k, version), offset=version * 2 + (k == "b"), key=k.encode())
+    checkpoint = first.state.snapshot()
+    done_before = per_key_ids(first)
+    first.close()
+    assert checkpoint, "the 300 ms calls are still out at the snapshot"
+
+    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
+    harnesses.append(second)
+    slow_first_versions(second, {"a-v0", "a-v1", "b-v0"}, delay_s=0.4)  # restored heads finish last
+    for version in range(3, 5):
+        for k in ("a", "b"):
+            second.element(0, versioned(k, version), offset=version * 2 + (k == "b"), key=k.encode())
+    second.end_of_input()
+    after = per_key_ids(second)
+    for k in ("a", "b"):
+        whole = done_before.get(k.encode(), []) + after[k.encode()]
+        assert whole == [f"{k}-v{v}" for v in range(5)], (k, done_before, after)
+    assert second.metric("reissued") == sum(len(v) for v in checkpoint.values())

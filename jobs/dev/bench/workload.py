@@ -30,6 +30,13 @@ def request_record(seq: int) -> tuple[bytes, bytes]:
     return rid.encode(), json.dumps({"id": rid, "prompt": PROMPT.format(seq=seq)}).encode()
 
 
+def keyed_request_record(seq: int, keys: int) -> tuple[bytes, bytes]:
+    """(key, value) of input record `seq` when the input cycles through `keys` Kafka keys (a
+    keyed scenario): record `seq` has key `seq mod keys`, so each key's records are `keys` apart."""
+    _, value = request_record(seq)
+    return f"key-{seq % keys:05d}".encode(), value
+
+
 def chat_payload(prompt: str) -> dict[str, Any]:
     """The request body the baselines send (llmstream's `build_payload` builds the same one)."""
     return {
@@ -43,8 +50,9 @@ class InputProducer:
     """Produces input records and remembers each id's offset, so losses can be told apart
     from records the approach never reached (see `measure.Outcome`)."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, *, keys: int = 0) -> None:
         self.topic = topic
+        self.keys = keys  # a keyed scenario's distinct keys (`keyed_request_record`); 0: the key is the id
         self.offsets: dict[str, int] = {}
         self._producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
                                        batch_size=64 * 1024)
@@ -57,8 +65,10 @@ class InputProducer:
 
     def send(self, count: int) -> None:
         for _ in range(count):
-            key, value = request_record(self._next)
-            self._futures.append((key.decode(), self._producer.send(self.topic, key=key, value=value, partition=0)))
+            key, value = (keyed_request_record(self._next, self.keys) if self.keys
+                          else request_record(self._next))
+            self._futures.append((record_id(self._next),
+                                  self._producer.send(self.topic, key=key, value=value, partition=0)))
             self._next += 1
 
     def preload(self, count: int, timeout_s: float = 120.0) -> None:
