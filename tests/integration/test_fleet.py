@@ -47,11 +47,11 @@ def fleet() -> Iterator[SpawnedFleet]:
 
 
 def _requests(fleet: SpawnedFleet) -> list[int]:
-    return [s["requests_total"] for s in fleet.stats()]
+    return [s["requests_total"] for s in fleet.endpoint_stats()]
 
 
 def _served(fleet: SpawnedFleet, index: int) -> int:
-    return int(fleet.stats()[index]["served"])
+    return int(fleet.endpoint_stats()[index]["served"])
 
 
 def test_a_fleet_routes_around_dead_and_failing_endpoints_and_falls_back(

@@ -534,7 +534,7 @@ def _chat(url: str) -> requests.Response:
 def test_a_spawned_fleet_serves_each_endpoint_and_kills_revives_and_faults_each() -> None:
     with ms.spawn_fleet([4, 2, 1], ["--latency", "0"]) as fleet:
         assert len(fleet.urls) == 3 and len(set(fleet.urls)) == 3
-        assert [s["concurrency_limit"] for s in fleet.stats()] == [4, 2, 1]
+        assert [s["concurrency_limit"] for s in fleet.endpoint_stats()] == [4, 2, 1]
         assert all(_chat(url).status_code == 200 for url in fleet.urls)
 
         fleet.kill(0)  # a dead replica: connection refused, the others unaffected
@@ -551,7 +551,7 @@ def test_a_spawned_fleet_serves_each_endpoint_and_kills_revives_and_faults_each(
         assert _chat(fleet.urls[2]).status_code == 429
         fleet.faults(1, {})
         assert _chat(fleet.urls[1]).status_code == 200
-        stats = fleet.stats()
+        stats = fleet.endpoint_stats()
         assert [s["served"] for s in stats] == [2, 3, 1] and stats[1]["errors"] == 1 and stats[2]["rejected"] == 1
 
         bad = requests.post(fleet.control_url + "/fleet/0", json={"state": "sideways"}, timeout=5)

@@ -189,6 +189,8 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
     if scenario.api == "embeddings":
         model = {"endpoint": endpoint, "model": MODEL, "api": "embeddings",
                  "batch": {"max_size": scenario.batch_size if batched else 1}}
+    if scenario.fleet:
+        model.update(scenario.fleet_model(endpoint))
     config = with_overrides(
         load_config(),
         kafka={"bootstrap_servers": bootstrap, "input_topic": topics.input, "output_topic": topics.output,

@@ -37,6 +37,7 @@ from jobs.dev.bench.harness import (
     wait_for_quiet,
 )
 from jobs.dev.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
+from jobs.dev.simulator import SpawnedFleet, spawn_fleet
 from jobs.dev.simulator import spawn as spawn_simulator
 
 TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "checkpoint_interval_ms", "checkpoint_timeout_ms",
@@ -129,7 +130,8 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
             _say(f"bench: scenario {scenario.summary()}")
             if "llmstream" in args.approaches:
                 _say(f"bench: llmstream settings for ({key}): {ctx.settings_for(scenario).describe()}")
-            simulator = spawn_simulator(scenario.simulator_args())
+            simulator = (spawn_fleet(scenario.fleet, scenario.simulator_args()) if scenario.fleet
+                         else spawn_simulator(scenario.simulator_args()))
             try:
                 for approach in scenario.approaches(args.approaches):
                     try:
@@ -139,6 +141,8 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
                         failures.append(f"{key}/{approach}")
                         continue
                     results.append(result)
+                    if isinstance(simulator, SpawnedFleet):
+                        _say(f"[{key}/{approach}] {simulator.shares()}")
                     o = result.outcome
                     _say(f"[{key}/{approach}] done in {result.elapsed_s:.0f}s: {o.seen:,}/{o.expected:,} answered, "
                          f"steady {report._num(result.throughput_steady, 1)}/s"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 UNBATCHED = "llmstream-unbatched"
 """llmstream with `model.batch.max_size: 1` in a batching scenario, for the comparison."""
@@ -48,9 +49,14 @@ class Scenario:
     keys: int = 0
     """Distinct Kafka keys the input cycles through (`workload.keyed_request_record`); 0: each
     record's key is its id. A keyed scenario runs llmstream unordered and `PER_KEY` only."""
+    fleet: tuple[int, ...] = ()
+    """A model fleet (issue 21): one simulated endpoint per concurrency limit (`spawn_fleet`),
+    llmstream with `model.endpoints`; `concurrency` is then their sum. llmstream only."""
 
     def approaches(self, requested: list[str]) -> list[str]:
         """The runs for this scenario out of the requested approaches."""
+        if self.fleet:
+            return ["llmstream"] if "llmstream" in requested else []
         if self.keys:
             return ["llmstream", PER_KEY] if "llmstream" in requested else []
         if self.batch_size > 1:
@@ -58,6 +64,14 @@ class Scenario:
             # Flink's ML_PREDICT has an embeddings task too (one request per row, no batching).
             return runs + [a for a in requested if a == "ml-predict"]
         return requested
+
+    def fleet_model(self, endpoint: str) -> dict[str, Any]:
+        """The `model` keys of a fleet scenario: `endpoint` is the fleet's URLs joined by commas
+        (`SpawnedFleet.url`); each endpoint may hold twice its server's slots in flight (as
+        `LlmstreamSettings.recommended` sizes capacity), weights left at their default."""
+        urls = endpoint.split(",")
+        return {"endpoint": None, "endpoints": [{"url": url, "max_concurrency": 2 * limit}
+                                                for url, limit in zip(urls, self.fleet, strict=True)]}
 
     @property
     def mean_latency_ms(self) -> float:
@@ -134,6 +148,10 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("g", "heavy tail, 10 hot keys", "as (b), the input's keys cycling through 10 keys; "
                  "llmstream unordered and with ordering: per_key",
                  latency="lognormal:200:2000", concurrency=64, records=5000, keys=10),
+        # A model fleet (issue 21): three endpoints with limits 4:2:1 (fixed 100 ms, slots 16:8:4).
+        Scenario("h", "fleet 4:2:1", "three simulated endpoints, fixed 100 ms, server concurrency 16, 8 and 4 "
+                 "(limits 160, 80 and 40/s): llmstream with model.endpoints, each endpoint's share of the answers",
+                 latency="fixed:100", concurrency=28, records=10_000, fleet=(16, 8, 4)),
     )
 }
 

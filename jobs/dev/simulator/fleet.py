@@ -8,6 +8,7 @@ port, ``--port``). The control routes::
 
     GET  /health             200 {"status": "ok"}
     GET  /fleet              {"endpoints": [{"index", "url", "up", "stats"}]}
+    POST /fleet/reset        zero every endpoint's counters (as POST /stats/reset)
     POST /fleet/{i}          one of: {"state": "down"} (kill: stop listening, drop connections),
                              {"state": "up"} (revive on the same port), {"faults": {...}} (as
                              POST /admin/faults: e.g. {"error_rate": 1} answers 500 to everything,
@@ -99,6 +100,10 @@ class SimulatorFleet:
             if path == "/health" and method == "GET":
                 return _json(200, {"status": "ok", "simulator": True})
             if path == "/fleet" and method == "GET":
+                return _json(200, self.view())
+            if path == "/fleet/reset" and method == "POST":
+                for server in self.servers:
+                    server.reset_stats()
                 return _json(200, self.view())
             if path.startswith("/fleet/") and method == "POST":
                 body = json.loads(await request.read() or b"{}")

@@ -223,17 +223,23 @@ def spawn(args: Iterable[str] = (), timeout: float = 10.0, python: str | None = 
 
 class SpawnedFleet:
     """A fleet of simulated endpoints in a child process (``spawn_fleet``): ``urls`` are the
-    endpoints' ``/v1`` URLs; ``kill``, ``revive``, ``faults``, ``configure`` and ``stats`` go
-    through the control port (``jobs/dev/simulator/fleet.py``)."""
+    endpoints' ``/v1`` URLs; ``kill``, ``revive``, ``faults``, ``configure`` and
+    ``endpoint_stats`` go through the control port (``jobs/dev/simulator/fleet.py``).
 
-    def __init__(self, process: SpawnedSimulator) -> None:
-        self.process = process
-        self.control_url = process.base_url
-        line = next(line for line in process.lines if line.startswith(FLEET_PREFIX))
+    It also stands in for one simulator where the bench expects one: ``url`` is the endpoints'
+    URLs joined by commas (``Scenario.fleet_model`` splits them), ``stats`` sums the endpoints'
+    counters, ``reset_stats`` resets them all, ``process`` is the child."""
+
+    def __init__(self, simulator: SpawnedSimulator) -> None:
+        self.simulator = simulator
+        self.process = simulator.process
+        self.control_url = simulator.base_url
+        line = next(line for line in simulator.lines if line.startswith(FLEET_PREFIX))
         self.urls: list[str] = json.loads(line[len(FLEET_PREFIX):])["endpoints"]
+        self.url = ",".join(self.urls)
 
-    def _post(self, index: int, body: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        return self.process._post(f"/fleet/{index}", body, timeout)
+    def _post(self, index: int | str, body: dict[str, Any] | None, timeout: float = 10.0) -> dict[str, Any]:
+        return self.simulator._post(f"/fleet/{index}", body, timeout)
 
     def kill(self, index: int) -> dict[str, Any]:
         """Endpoint ``index`` stops listening and drops its connections, until ``revive``."""
@@ -249,7 +255,7 @@ class SpawnedFleet:
     def configure(self, index: int, changes: dict[str, Any]) -> dict[str, Any]:
         return self._post(index, {"config": changes})
 
-    def stats(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+    def endpoint_stats(self, timeout: float = 5.0) -> list[dict[str, Any]]:
         """Each endpoint's ``/stats``, in order."""
         import requests
 
@@ -257,14 +263,39 @@ class SpawnedFleet:
         response.raise_for_status()
         return [endpoint["stats"] for endpoint in response.json()["endpoints"]]
 
+    def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The endpoints' counters summed (``since_reset_s``: the longest), and ``endpoints``: each one's."""
+        each = self.endpoint_stats(timeout)
+        total: dict[str, Any] = {key: sum(s[key] for s in each) for key in SUMMED_STATS}
+        total["since_reset_s"] = max(s["since_reset_s"] for s in each)
+        total["endpoints"] = each
+        return total
+
+    def reset_stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        return self._post("reset", None, timeout)
+
+    def shares(self) -> str:
+        """Each endpoint's concurrency limit and share of the answers, as one line."""
+        each = self.endpoint_stats()
+        served = sum(s["served"] for s in each) or 1
+        limits = sum(s["concurrency_limit"] for s in each) or 1
+        return "; ".join(f"endpoint {i} (limit {s['concurrency_limit']}): {s['served']:,} answers, "
+                         f"{s['served'] / served:.1%} (limit share {s['concurrency_limit'] / limits:.1%})"
+                         for i, s in enumerate(each))
+
     def stop(self, timeout: float = 10.0) -> None:
-        self.process.stop(timeout)
+        self.simulator.stop(timeout)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+SUMMED_STATS = ("in_flight", "max_in_flight", "mean_in_flight", "queued", "max_queued", "served", "rejected",
+                "rate_limited", "errors", "requests_total")
+"""Counters a fleet's ``stats`` adds up (every endpoint was reset at the same moment)."""
 
 
 def spawn_fleet(limits: Iterable[int], args: Iterable[str] = (), timeout: float = 10.0,
