@@ -30,6 +30,11 @@ SOURCE_PREFIX = "Source: kafka_requests"
 INFERENCE_PREFIX = "inference"
 LLMSTREAM_GROUP = "inference.llmstream."
 REASON_METRIC = re.compile(r"^inference\.llmstream\.reason\.(.+)\.dead_letters$")
+# A fleet endpoint's gauges (udfs/metrics.py ENDPOINT_GAUGES), its label made of [A-Za-z0-9_-].
+ENDPOINT_METRIC = re.compile(r"^inference\.llmstream\.endpoint\.([A-Za-z0-9_-]+)\.(\w+)$")
+ENDPOINT_WORST = ("circuit", "latency_p50_ms", "latency_p99_ms")
+"""Per-endpoint figures taken as the worst subtask's; the others are summed over subtasks."""
+CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "open"}
 # The offset of the last record the source emitted, per partition (-1: none yet in this run).
 CURRENT_OFFSET = re.compile(r"^Source__kafka_requests.*\.KafkaSourceReader\.topic\.(.+)\.partition\.(\d+)\.currentOffset$")
 
@@ -173,9 +178,29 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
     by_reason = {m.group(1): int(v.get("sum", 0)) for k, v in metrics.items() if (m := REASON_METRIC.match(k))}
     out["dead_letters"] = {"by_reason": dead_letters if dead_letters is not None else by_reason,
                            "source": "topic" if dead_letters is not None else "metrics"}
+    out["endpoints"] = _endpoints(metrics)
     out["checkpoint"] = _checkpoint(raw, now)
     out["cost"] = _cost(config, llm("prompt_tokens"), llm("completion_tokens"), raw, previous, now)
     return out
+
+
+def _endpoints(metrics: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """A model fleet's endpoints by label: calls in flight, limit, 429s, requests and failures summed
+    over inference subtasks; circuit state and latency percentiles the worst subtask's. Empty for
+    one `model.endpoint`."""
+    out: dict[str, dict[str, Any]] = {}
+    for metric_id, value in metrics.items():
+        match = ENDPOINT_METRIC.match(metric_id)
+        if match is None:
+            continue
+        label, name = match.groups()
+        number = value.get("max" if name in ENDPOINT_WORST else "sum")
+        if number is not None:
+            out.setdefault(label, {})[name] = int(number)
+    for figures in out.values():
+        if "circuit" in figures:
+            figures["circuit"] = CIRCUIT_STATES.get(figures["circuit"], str(figures["circuit"]))
+    return dict(sorted(out.items()))
 
 
 def _delta_rate(value: float | None, before: float | None, span: float, fallback: float | None) -> float | None:

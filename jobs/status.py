@@ -137,7 +137,24 @@ def render(fig: dict[str, Any]) -> Any:
     grid = Table.grid(padding=(0, 4))
     grid.add_row(flow, model)
     grid.add_row(health, spend)
-    return Panel(Group(header, "", grid), title=title, title_align="left")
+    parts: list[Any] = [header, "", grid]
+    if fig.get("endpoints"):
+        parts += ["", _endpoint_table(fig["endpoints"])]
+    return Panel(Group(*parts), title=title, title_align="left")
+
+
+def _endpoint_table(endpoints: dict[str, dict[str, Any]]) -> Any:
+    """One row per endpoint of a model fleet (`model.endpoints`)."""
+    from rich.table import Table
+
+    t = Table(title="Endpoints", title_justify="left", box=None, padding=(0, 1), header_style="dim")
+    for column in ("endpoint", "circuit", "in flight / limit", "calls", "429s", "failures", "p50 / p99 ms"):
+        t.add_column(column, justify="left" if column in ("endpoint", "circuit") else "right")
+    for label, e in endpoints.items():
+        t.add_row(label, str(e.get("circuit", "–")), f"{_fmt(e.get('in_flight'))} / {_fmt(e.get('limit'))}",
+                  _fmt(e.get("requests")), _fmt(e.get("rate_limited")), _fmt(e.get("failures")),
+                  f"{_fmt(e.get('latency_p50_ms'))} / {_fmt(e.get('latency_p99_ms'))}")
+    return t
 
 
 # ---------------------------------------------------------------------------------- command

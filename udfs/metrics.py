@@ -19,6 +19,7 @@ recent `LATENCY_WINDOW` answers.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -94,6 +95,12 @@ ENDPOINT_GAUGES = ("in_flight", "limit", "circuit", "requests", "rate_limited", 
 limit, the circuit (0 closed, 1 half-open, 2 open), attempts sent, 429s, failures (connection
 errors, timeouts, 5xx) and the latency of its answers."""
 
+def metric_label(label: str) -> str:
+    """`label` with every character other than a letter, digit, `_` or `-` made `_`
+    (`127.0.0.1:8000` -> `127_0_0_1_8000`): a metric id splits on dots."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", label)
+
+
 COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_limited", "dead_lettered",
             "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors", "invalid_answers")
 
@@ -165,7 +172,9 @@ class InferenceMetrics:
 
     def add_endpoint(self, label: str, figures: Callable[[], dict[str, int]]) -> None:
         """An endpoint of a model fleet, its `ENDPOINT_GAUGES` read from `figures()`: a Flink
-        key/value group `endpoint=<label>`, so Prometheus gets an `endpoint` label."""
+        key/value group `endpoint=<label>` (`metric_label`: letters, digits, `_` and `-`), so
+        Prometheus gets an `endpoint` label and the REST API an id `...endpoint.<label>.<gauge>`."""
+        label = metric_label(label)
         self.endpoints[label] = figures
         if self._group is not None:
             group = self._group.add_group("endpoint", label)

@@ -412,7 +412,7 @@ def test_a_fleet_shares_calls_by_limit_and_says_which_endpoint_answered(
     for share, expected in zip(served, (4 / 7, 2 / 7, 1 / 7), strict=True):
         assert abs(share / 280 - expected) < 0.1
     assert {c.endpoint for c in completions} == {s.url + "/chat/completions" for s in sims}
-    assert set(snapshot["endpoints"]) == {f"127.0.0.1:{s.port}" for s in sims}
+    assert set(snapshot["endpoints"]) == {f"127_0_0_1_{s.port}" for s in sims}
     assert all(figures["circuit"] == 0 and figures["requests"] > 0 for figures in snapshot["endpoints"].values())
 
 
@@ -431,7 +431,7 @@ def test_a_failing_endpoint_opens_its_circuit_and_retries_go_elsewhere(
     completions, snapshot = run(calls)
     assert all(c.endpoint.startswith(good.url) for c in completions)
     assert bad.stats()["errors"] == 3  # failures: 3, then its circuit stays open
-    assert snapshot["endpoints"][f"127.0.0.1:{bad.port}"]["circuit"] == 2
+    assert snapshot["endpoints"][f"127_0_0_1_{bad.port}"]["circuit"] == 2
 
 
 def test_a_429_pauses_only_its_endpoint(make_sim: Callable[..., ThreadedSimulator]) -> None:

@@ -58,3 +58,18 @@ def test_without_a_group_nothing_is_registered() -> None:
     metrics.dead_letter("null_value")
     metrics.latency_ms.update(12)
     assert metrics.snapshot()["latency_ms"]["p50"] == 12
+
+
+def test_fleet_endpoints_are_gauges_in_a_labelled_group() -> None:
+    from udfs.metrics import ENDPOINT_GAUGES, metric_label
+
+    group = MetricGroup()
+    metrics = InferenceMetrics(group)
+    figures = dict.fromkeys(ENDPOINT_GAUGES, 0) | {"in_flight": 3, "circuit": 2}
+    metrics.add_endpoint("127.0.0.1:8000", lambda: figures)
+    assert metric_label("127.0.0.1:8000") == "127_0_0_1_8000" and metric_label("gpu-a_1") == "gpu-a_1"
+    assert metrics.snapshot()["endpoints"] == {"127_0_0_1_8000": figures}
+    figures["in_flight"] = 5
+    assert metrics.snapshot()["endpoints"]["127_0_0_1_8000"]["in_flight"] == 5
+    gauges = group.groups[("endpoint", "127_0_0_1_8000")].gauges
+    assert set(gauges) == set(ENDPOINT_GAUGES) and gauges["in_flight"]() == 5 and gauges["circuit"]() == 2

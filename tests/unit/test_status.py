@@ -45,6 +45,20 @@ METRICS: dict[str, dict[str, list[dict[str, Any]]]] = {
         {"id": "inference.llmstream.reason.invalid_json.dead_letters", "sum": 2.0},
         {"id": "inference.llmstream.reason.inference_rejected.dead_letters", "sum": 1.0},
         {"id": "inference.llmstream.latency_ms", "sum": "DistributionResult{...}"},
+        # a model fleet: two endpoints over two subtasks (counts summed, circuit and latency the worst)
+        {"id": "inference.llmstream.endpoint.gpu-a.in_flight", "sum": 10.0, "max": 6.0},
+        {"id": "inference.llmstream.endpoint.gpu-a.limit", "sum": 16.0, "max": 8.0},
+        {"id": "inference.llmstream.endpoint.gpu-a.circuit", "sum": 0.0, "max": 0.0},
+        {"id": "inference.llmstream.endpoint.gpu-a.requests", "sum": 900.0},
+        {"id": "inference.llmstream.endpoint.gpu-a.rate_limited", "sum": 7.0},
+        {"id": "inference.llmstream.endpoint.gpu-a.failures", "sum": 0.0},
+        {"id": "inference.llmstream.endpoint.gpu-a.latency_p50_ms", "sum": 300.0, "max": 170.0},
+        {"id": "inference.llmstream.endpoint.gpu-a.latency_p99_ms", "sum": 1500.0, "max": 880.0},
+        {"id": "inference.llmstream.endpoint.127_0_0_1_8001.in_flight", "sum": 0.0, "max": 0.0},
+        {"id": "inference.llmstream.endpoint.127_0_0_1_8001.limit", "sum": 8.0, "max": 4.0},
+        {"id": "inference.llmstream.endpoint.127_0_0_1_8001.circuit", "sum": 2.0, "max": 2.0},
+        {"id": "inference.llmstream.endpoint.127_0_0_1_8001.requests", "sum": 220.0},
+        {"id": "inference.llmstream.endpoint.127_0_0_1_8001.failures", "sum": 12.0},
     ]},
 }
 NOW_MS = 1_800_000_000_000
@@ -181,3 +195,18 @@ def test_an_ended_run_shows_its_last_figures_with_current_dead_letters(tmp_path:
     out = io.StringIO()
     Console(file=out, width=140, color_system=None).print(render(fig))
     assert "ENDED" in out.getvalue() and "figures as last seen" in out.getvalue()
+
+
+def test_a_fleets_endpoints_in_figures_and_on_the_screen() -> None:
+    fig = figures(config(), JobMetrics(FakeRest(), JOB).collect())
+    assert fig["endpoints"] == {
+        "127_0_0_1_8001": {"in_flight": 0, "limit": 8, "circuit": "open", "requests": 220, "failures": 12},
+        "gpu-a": {"in_flight": 10, "limit": 16, "circuit": "closed", "requests": 900, "rate_limited": 7,
+                  "failures": 0, "latency_p50_ms": 170, "latency_p99_ms": 880}}
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(fig))
+    text = out.getvalue()
+    assert "Endpoints" in text
+    row = next(r for r in text.splitlines() if "gpu-a" in r)
+    assert "closed" in row and "10 / 16" in row and "900" in row and "170 / 880" in row
+    assert "open" in next(r for r in text.splitlines() if "127_0_0_1_8001" in r)
