@@ -81,6 +81,11 @@ HTTP_URL = Rule(lambda v: v.startswith(("http://", "https://")), "must be an htt
 REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${")),
                  "must be a redis://, rediss:// or unix:// URL (or a ${{env:...}}/${{file:...}} placeholder), got {value!r}")
 TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
+AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""An Avro field name (the spec's rule for names)."""
+RESULT_FIELDS = ("id", "output", "embedding", "output_json", "invalid_answers", "model", "finish_reason", "usage",
+                 "latency_ms", "attempts", "endpoint", "cost", "cached", "timestamps", "source")
+"""Field names of the Avro result schema (`udfs/avro_format.py`); a carried field may not reuse one."""
 
 PositiveInt = Annotated[int, POSITIVE]
 PositiveFloat = Annotated[float, POSITIVE]
@@ -505,8 +510,8 @@ class InputConfig:
     """How an input record's value is read (issue 22: typed topics and change streams).
 
     `format`: `json` (llmstream's record contract, README) or `avro` (Confluent wire format, the
-    writer's schema fetched by id from `schema_registry`). `id_field`: for typed input, the field
-    that is the record's id (none: the Kafka key). `tombstones`: what a record with a null value
+    writer's schema fetched by id from `schema_registry`; docs/formats.md). `id_field`: for typed
+    input, the top-level field that is the record's id (none: the Kafka key, as UTF-8). `tombstones`: what a record with a null value
     becomes: `forward` (a null value with the same key on the output topic; a null key has nothing
     to delete and is a `null_value` dead letter), `dead-letter` or `skip`. `forward` by default: a
     null value is Kafka's delete (compacted topics, CDC), and a delete must reach the output as one.
@@ -520,23 +525,46 @@ class InputConfig:
 @dataclass(frozen=True)
 class OutputConfig:
     """How a result record's value is written. `format`: `json` (the record contract) or `avro`
-    (a schema derived from the job config, registered under the output topic's subject).
-    `carry_fields`: fields of a typed input record copied into its result."""
+    (a schema derived from the job config, registered at start under `subject`; docs/formats.md).
+    `carry_fields`: top-level fields of a typed input record copied into its result (avro output).
+    `subject`: the registry subject of the output schema (none: `<kafka.output_topic>-value`,
+    Confluent's TopicNameStrategy)."""
 
     format: Literal["json", "avro"] = "json"
     carry_fields: list[Name] | None = None
+    subject: Name | None = None
+
+    def validate(self, path: str) -> None:
+        for name in self.carry_fields or []:
+            _require(AVRO_NAME.fullmatch(name) is not None, _join(path, "carry_fields"),
+                     f"{name!r} is not an Avro field name ([A-Za-z_][A-Za-z0-9_]*)")
+            _require(name not in RESULT_FIELDS, _join(path, "carry_fields"),
+                     f"{name!r} is a field of the result itself ({', '.join(RESULT_FIELDS)})")
 
 
 @dataclass(frozen=True)
 class SchemaRegistryConfig:
-    """A Confluent-compatible Schema Registry (Confluent, Apicurio's ccompat API, Karapace).
-    Credentials as `${env:NAME}` / `${file:PATH}` placeholders, never literal."""
+    """A Confluent-compatible Schema Registry (Confluent, Apicurio's ccompat API, Karapace), for
+    `input.format: avro` / `output.format: avro` (`udfs/registry.py`). `username` / `password`:
+    basic auth, as `${env:NAME}` / `${file:PATH}` placeholders, never literal. `cache_size`:
+    schemas kept by id per worker. `timeout_s`: one request's timeout. `unavailable_timeout_s`:
+    how long a record whose schema is not cached waits for a registry that does not answer
+    (retries with backoff; the stage admits nothing meanwhile, which is backpressure) before it
+    is dead-lettered as `registry_unavailable`."""
 
     url: Annotated[str, NOT_EMPTY, HTTP_URL]
     username: Name | None = None
     password: Name | None = None
+    cache_size: PositiveInt = 1000
+    timeout_s: PositiveFloat = 5.0
+    unavailable_timeout_s: PositiveFloat = 120.0
 
     def validate(self, path: str) -> None:
+        _require("@" not in urlsplit(self.url).netloc, _join(path, "url"),
+                 "holds credentials; give them as schema_registry.username and schema_registry.password")
+        _require((self.username is None) == (self.password is None),
+                 _join(path, "password" if self.username else "username"),
+                 "username and password go together (basic auth)")
         _require(self.password is None or secrets.has_placeholder(self.password), _join(path, "password"),
                  "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
         for key in ("username", "password"):
@@ -584,6 +612,7 @@ class JobConfig:
                  f"({self.checkpointing.timeout_ms} ms): a budget pause lasts up to a window and holds the next "
                  "checkpoint (the stage admits no record meanwhile), which would time out and restart the job; "
                  "shorten the window (the caps apply per window)")
+        _validate_formats(self)
         request_limit = int(self.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
         _require(self.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
                  f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
@@ -732,6 +761,19 @@ def _validate_transactions(config: JobConfig) -> None:
         f"({checkpoints.tolerable_failed_checkpoints} + 1) x ({checkpoints.interval_ms} + {checkpoints.timeout_ms}) "
         f"+ {checkpoints.max_restart_ms} = {lifetime} ms; raise it (up to the broker's "
         "transaction.max.timeout.ms) or lower those")
+
+
+def _validate_formats(config: JobConfig) -> None:
+    """Avro needs a registry; the typed-input settings mean nothing for JSON input."""
+    for key in ("input", "output"):
+        _require(getattr(config, key).format != "avro" or config.schema_registry is not None, f"{key}.format",
+                 "avro needs schema_registry.url (a Confluent-compatible Schema Registry)")
+    _require(config.input.id_field is None or config.input.format == "avro", "input.id_field",
+             "only for input.format: avro (a JSON record's id is its 'id' field)")
+    _require(not config.output.carry_fields or config.input.format == "avro", "output.carry_fields",
+             "needs input.format: avro (the fields are copied from the typed input record)")
+    _require(not config.output.carry_fields or config.output.format == "avro", "output.carry_fields",
+             "needs output.format: avro (the JSON result's fields are fixed by the record contract)")
 
 
 def config_from_dict(data: Any) -> JobConfig:

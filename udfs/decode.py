@@ -3,17 +3,23 @@
 The record contract (README, "Record contract"): the value is a JSON object with a string
 `id` and either a string `prompt` or a list of chat `messages`, plus optional `params`.
 Anything else raises `BadInput` with a stable reason code; the caller dead-letters it.
+With `input.format: avro` the value is Avro in the Confluent wire format instead
+(`udfs/avro_format.py`, docs/formats.md), with the same rule: bad bytes are a reason, never a raise
+past the stage.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from udfs.config import LimitsConfig
 from udfs.errors import BadInput
 from udfs.records import Request, SourceRef
+
+if TYPE_CHECKING:
+    from udfs.avro_format import AvroCodec
 
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -110,10 +116,14 @@ def record_id(value: bytes | None) -> str | None:
     return found if isinstance(found, str) and len(found) <= 512 else None
 
 
-def decode(key: bytes | None, value: bytes | None, source: SourceRef, limits: LimitsConfig) -> Request:
-    """Validates one record against the record contract; raises `BadInput` if it breaks it."""
+def decode(key: bytes | None, value: bytes | None, source: SourceRef, limits: LimitsConfig,
+           codec: AvroCodec | None = None) -> Request:
+    """Validates one record against the record contract, or reads it as Avro when `codec` decodes
+    (`input.format: avro`, `udfs/avro_format.py`); raises `BadInput` if it cannot be a request."""
     if value is None:
         raise BadInput("null_value", "record value is null (a tombstone?)")
+    if codec is not None and codec.decodes:
+        return codec.decode(key, value, source, limits)
     if len(value) > limits.max_record_bytes:
         raise BadInput("record_too_large", f"value has {len(value)} bytes, limit {limits.max_record_bytes}")
     record = _parse(value)

@@ -1,12 +1,17 @@
-"""Stage 3: the output record for a request the model answered: the input's key, a JSON value,
-and the input's headers as `kafka.forward_headers` lets through (`records.forwarded_headers`)."""
+"""Stage 3: the output record for a request the model answered: the input's key, a JSON value
+(or Avro in the Confluent wire format with `output.format: avro`, `udfs/avro_format.py`), and the
+input's headers as `kafka.forward_headers` lets through (`records.forwarded_headers`)."""
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from udfs.errors import ResultTooLarge
 from udfs.records import Completion, Request, SinkHeaders, SinkRow
+
+if TYPE_CHECKING:
+    from udfs.avro_format import AvroCodec
 
 
 def result_value(request: Request, completion: Completion) -> bytes:
@@ -45,14 +50,15 @@ def headers_size(headers: SinkHeaders | None) -> int:
 
 
 def result_row(request: Request, completion: Completion, topic: str, max_bytes: int | None = None,
-               headers: SinkHeaders | None = None) -> SinkRow:
+               headers: SinkHeaders | None = None, codec: AvroCodec | None = None) -> SinkRow:
     """The sink row for a result: the input's key, kept as it was, and `headers` (the forwarded
-    input headers).
+    input headers). `codec`: the worker's Avro codec, which writes the value when `output.format: avro`.
 
     Raises `ResultTooLarge` when key + value + headers exceed `max_bytes` (`limits.max_result_bytes`):
     the caller dead-letters the record rather than let the sink fail on it.
     """
-    value = result_value(request, completion)
+    value = codec.result_value(request, completion) if codec is not None and codec.encodes \
+        else result_value(request, completion)
     size = len(value) + len(request.key or b"") + headers_size(headers)
     if max_bytes is not None and size > max_bytes:
         raise ResultTooLarge(f"the output record would be {size} bytes, over limits.max_result_bytes ({max_bytes})",

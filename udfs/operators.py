@@ -144,6 +144,8 @@ class InferenceStage(KeyedProcessFunction):
         self._pending = runtime_context.get_map_state(PENDING_STATE)
         self._runner = CallRunner(self._config.async_.capacity)
         self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
+        from udfs.avro_format import codec_for
+        self._codec = codec_for(self._config)  # Avro and its registry client, when a format is avro
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
@@ -235,7 +237,7 @@ class InferenceStage(KeyedProcessFunction):
                 yield from self._settle(bucket, record, handle, reissue, (tombstone, None))
                 return
         try:
-            request = decode(record.key, record.value, record.source, self._config.limits)
+            request = decode(record.key, record.value, record.source, self._config.limits, self._codec)
         except BadInput as err:
             self._metrics.bad_input.inc()
             yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(err, record), err.reason))
@@ -283,7 +285,7 @@ class InferenceStage(KeyedProcessFunction):
         try:
             completion = await self._client.complete(request)
             return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes, self._forwarded(record)), None
+                              self._config.limits.max_result_bytes, self._forwarded(record), self._codec), None
         except InternalError as err:
             log.error("internal error in inference for id=%s: %s", request.id, err.detail)
             failure = err

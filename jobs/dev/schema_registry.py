@@ -1,0 +1,158 @@
+"""A local Confluent-compatible Schema Registry (Apicurio Registry 3.0.9) on loopback, for the Avro
+tests and for developers: no Docker, the app from ``pom-free`` (set ``registry``), Java 17.
+
+Apicurio speaks Confluent's REST API under ``/apis/ccompat/v7`` (what `udfs/registry.py` and
+confluent-kafka's serializers use). Its storage is an H2 database file in the data dir rather
+than its in-memory default, so a registry stopped and started again (the outage test) still
+knows every schema and id. Two differences from Confluent's registry matter to tests: the
+default compatibility is NONE (Confluent: BACKWARD), so whoever relies on BACKWARD sets it on
+the subject (`set_compatibility`); health is on the API port (``/health/ready``) in 3.0.x.
+
+    python -m jobs.dev.schema_registry [--port P] [--data-dir DIR]   # runs until Ctrl-C
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import time
+from pathlib import Path
+from typing import Self
+
+import requests
+
+from jobs import jars
+from jobs.dev.processes import free_port, port_in_use, terminate
+from udfs.errors import LLMStreamError
+
+SET = "registry"
+CCOMPAT = "/apis/ccompat/v7"
+DEFAULT_HEAP = "384m"
+
+
+class RegistryError(LLMStreamError, RuntimeError):
+    """The local registry could not start or stop; the message carries its log's tail."""
+
+
+def _java() -> str:
+    from jobs.dev.local_kafka import (
+        _java as java,  # the same rule: JAVA_HOME, else PATH
+    )
+
+    return java()
+
+
+def runner_jar() -> Path:
+    """The Quarkus runner jar of the unpacked registry (fetched and unpacked if need be)."""
+    jars.ensure(SET)
+    mod = jars.fetcher()
+    (entry,) = mod.entries_for(SET, mod.read_manifest(jars.repo_root() / "pom-free" / "manifest.tsv"))
+    home = jars.jar_dir(SET) / entry.unpacked_name
+    found = sorted(home.glob("*-runner.jar"))
+    if not found:
+        raise RegistryError(f"no *-runner.jar in {home}; run `python pom-free/fetch.py --set {SET}`")
+    return found[0]
+
+
+class LocalRegistry:
+    """One Apicurio process whose database and log live in ``data_dir``, on ``port`` (a free one if 0)."""
+
+    def __init__(self, data_dir: Path, port: int = 0, heap: str = DEFAULT_HEAP) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.port = port or free_port()
+        self.heap = heap
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The Confluent-compatible API: what `schema_registry.url` and confluent-kafka take."""
+        return self.base_url + CCOMPAT
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / "registry.log"
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def ready(self, timeout_s: float = 2.0) -> bool:
+        try:
+            return requests.get(self.base_url + "/health/ready", timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def start(self, timeout: float = 180) -> None:
+        """Starts the registry and waits until it is ready (~10 s idle, ~40 s on a loaded machine)."""
+        if self.running():
+            return
+        if port_in_use(self.port):
+            raise RegistryError(f"port {self.port} on 127.0.0.1 is already in use")
+        jar = runner_jar()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            _java(), f"-Xmx{self.heap}", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+            "-Dquarkus.http.host=127.0.0.1", f"-Dquarkus.http.port={self.port}",
+            # 3.0.x serves health on the API port; a later version's management port stays on loopback too.
+            "-Dquarkus.management.host=127.0.0.1", f"-Dquarkus.management.port={free_port()}",
+            f"-Dapicurio.datasource.url=jdbc:h2:file:{self.data_dir / 'registry'}",
+            "-Dquarkus.log.level=WARN",
+            "-jar", str(jar),
+        ]
+        with self.log_file.open("ab") as out:
+            self._process = subprocess.Popen(cmd, cwd=self.data_dir, stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if not self.running():
+                raise RegistryError(f"the schema registry exited during start-up:\n{self._tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RegistryError(f"the schema registry was not ready after {timeout:g} s:\n{self._tail()}")
+            time.sleep(0.3)
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM (it stops in well under a second), SIGKILL if it does not."""
+        if self._process is not None:
+            terminate([self._process.pid], timeout, "schema registry")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=5)
+            self._process = None
+
+    def set_compatibility(self, subject: str, level: str = "BACKWARD") -> None:
+        """Apicurio's default is NONE; a test that relies on Confluent's BACKWARD sets it per subject."""
+        response = requests.put(f"{self.url}/config/{subject}", json={"compatibility": level}, timeout=10)
+        response.raise_for_status()
+
+    def _tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A local Apicurio Schema Registry until Ctrl-C.")
+    parser.add_argument("--port", type=int, default=8085)
+    parser.add_argument("--data-dir", type=Path, default=jars.repo_root() / "var" / "schema-registry")
+    args = parser.parse_args(argv)
+    with LocalRegistry(args.data_dir, args.port) as registry:
+        print(f"schema registry ready: schema_registry.url: {registry.url}", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while registry.running():
+                time.sleep(1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
