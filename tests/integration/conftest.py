@@ -30,6 +30,7 @@ pytest.register_assert_rewrite("tests.integration.helpers")  # before its import
 from jobs.dev import simulator
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.local_kafka import BrokerConfig, LocalBroker
+from jobs.dev.schema_registry import LocalRegistry
 from jobs.dev.secure_kafka import SecureBroker, SecureBrokerConfig
 from jobs.dev.simulator import SpawnedSimulator
 from jobs.kafka_admin import create_topics, delete_topics
@@ -90,6 +91,20 @@ def topic_names(kafka_broker: LocalBroker) -> Iterator[Callable[..., list[str]]]
     yield make
     if made:
         delete_topics(kafka_broker.bootstrap_servers, made, missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
+    """A real Schema Registry (Apicurio 3.0.9 from pom-free, `jobs/dev/schema_registry.py`) on a free
+    port, started on first use; its schemas are in a file, so a test may stop and start it again."""
+    registry = LocalRegistry(tmp_path_factory.mktemp("schema-registry"))
+    started = time.monotonic()
+    registry.start(timeout=240)
+    log.info("schema registry up at %s in %.1f s", registry.url, time.monotonic() - started)
+    try:
+        yield registry
+    finally:
+        registry.stop()
 
 
 # ---------------------------------------------------------------------- the standalone cluster
