@@ -210,8 +210,9 @@ class AvroCodec:
             parsed = fastavro.parse_schema(schema)
         except Exception as err:  # noqa: BLE001 - fastavro raises several types for a bad schema
             raise BadInput("schema_error", f"schema id {schema_id} is not a valid Avro schema: {err}"[:300]) from None
-        if len(self._parsed) >= self._config.schema_registry.cache_size if self._config.schema_registry else False:
-            self._parsed.pop(next(iter(self._parsed)))
+        registry = self._config.schema_registry
+        if registry is not None and len(self._parsed) >= registry.cache_size:
+            self._parsed.pop(next(iter(self._parsed)))  # the oldest: ids are few, a bound is what matters
         self._parsed[schema_id] = parsed
         return parsed
 
