@@ -475,3 +475,20 @@ def test_every_primary_down_the_fallback_answers_with_its_model_and_its_cache_ke
     healthy = with_overrides(config, model={"fallback": None, "circuit": {"failures": 2, "cooldown_s": 0.1}})
     again = run(lambda: complete_one(healthy, request("q0")))[0]
     assert again.model == "sim" and not again.cached and again.endpoint.startswith(primary.url)
+
+
+def test_each_endpoint_gets_its_own_key_and_no_error_shows_it(
+        make_sim: Callable[..., ThreadedSimulator], monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = make_sim(api_key="sk-first-key"), make_sim(api_key="sk-second-key")
+    second.admin({"error_rate": 1.0, "error_status": 500})
+    monkeypatch.setenv("FIRST_KEY", "sk-first-key")
+    monkeypatch.setenv("SECOND_KEY", "sk-wrong-key")  # the server refuses it: a 401, permanent
+    config = fleet_config([{"url": first.url, "api_key_env": "FIRST_KEY", "weight": 10},
+                           {"url": second.url, "api_key_env": "SECOND_KEY"}])
+    completion, _ = run(lambda: complete_one(config))
+    assert completion.endpoint.startswith(first.url)
+    first.admin({"error_rate": 1.0, "error_status": 500})
+    second.admin({})
+    err, _, _ = run(lambda: failure(fleet_config([{"url": second.url, "api_key_env": "SECOND_KEY"}])))
+    assert isinstance(err, PermanentError) and err.status == 401
+    assert "sk-wrong-key" not in str(err) and "sk-first-key" not in str(err)

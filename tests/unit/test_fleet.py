@@ -220,3 +220,62 @@ def test_fallback_after_attempts() -> None:
 def test_no_fallback_without_a_group() -> None:
     with pytest.raises(ValueError):
         Fleet([EndpointSpec("fb", fallback=True)], CIRCUIT)
+
+
+# ------------------------------------------------------------------ model.endpoints in the config
+
+
+def _config(model: dict[str, object]) -> object:
+    from tests.support.configs import job_config
+
+    return job_config("http://127.0.0.1:1/v1", model=model)
+
+
+@pytest.mark.parametrize(("model", "key", "problem"), [
+    ({"endpoints": [{"url": "http://a:1/v1"}]}, "model.endpoint", "exactly one of"),
+    ({"endpoint": None}, "model.endpoint", "exactly one of"),
+    ({"endpoint": None, "endpoints": [{"url": "a:1"}]}, "model.endpoints[0].url", "http(s) URL"),
+    ({"endpoint": None, "endpoints": [{"url": "http://a:1/v1", "headers": {"Authorization": "Bearer sk-1"}}]},
+     "model.endpoints[0].headers.Authorization", "literal credential"),
+    ({"endpoint": None, "endpoints": [{"url": "http://a:1/v1", "api_key_env": "K", "api_key_file": "/nope"}]},
+     "model.endpoints[0].api_key_file", "not both"),
+    ({"endpoint": None, "endpoints": [{"url": "http://a:1/v1", "api_key_file": "/nonexistent/key"}]},
+     "model.endpoints[0].api_key_file", ""),
+    ({"endpoint": None, "endpoints": [{"url": "http://a:1/v1"}, {"url": "http://a:1/v2"}]},
+     "model.endpoints[1].name", "distinct name"),
+    ({"endpoint": None, "endpoints": [{"url": "http://a:1/v1", "weight": 0}]}, "model.endpoints[0].weight", "> 0"),
+    ({"circuit": {"cooldown_s": 10, "max_cooldown_s": 5}}, "model.circuit.max_cooldown_s", ">="),
+    ({"fallback": {"endpoints": [{"url": "http://b:1/v1"}], "after_attempts": 0}},
+     "model.fallback.after_attempts", "> 0"),
+])
+def test_fleet_config_errors_name_the_key(model: dict[str, object], key: str, problem: str) -> None:
+    from udfs.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        _config(model)
+    assert caught.value.key == key and problem in caught.value.problem
+
+
+def test_the_shorthand_is_a_fleet_of_one_and_endpoints_take_their_own_keys(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from udfs.config import JobConfig
+
+    key_file = Path(str(tmp_path)) / "key"
+    key_file.write_text("sk-file\n")
+    key_file.chmod(0o600)
+    monkeypatch.setenv("FLEET_KEY", "sk-env")
+    shorthand = _config({"api_key_env": "FLEET_KEY"})
+    assert isinstance(shorthand, JobConfig)
+    primaries, fallbacks = shorthand.fleet()
+    assert [e.url for e in primaries] == ["http://127.0.0.1:1/v1"] and primaries[0].api_key() == "sk-env"
+    assert fallbacks == []
+    fleet_config = _config({"endpoint": None, "endpoints": [
+        {"url": "http://a:1/v1", "api_key_file": str(key_file), "name": "gpu-a"},
+        {"url": "http://b:2/v1", "api_key_env": "FLEET_KEY", "model": "other"}]})
+    assert isinstance(fleet_config, JobConfig)
+    primaries, _ = fleet_config.fleet()
+    assert [e.label for e in primaries] == ["gpu-a", "b:2"]
+    assert [e.api_key() for e in primaries] == ["sk-file", "sk-env"]
+    assert "sk-file" not in repr(fleet_config) and "sk-env" not in repr(fleet_config)
