@@ -764,7 +764,8 @@ def _validate_transactions(config: JobConfig) -> None:
 
 
 def _validate_formats(config: JobConfig) -> None:
-    """Avro needs a registry; the typed-input settings mean nothing for JSON input."""
+    """Avro needs a registry; the typed-input settings mean nothing for JSON input; a wait for the
+    registry ends before a checkpoint it holds times out."""
     for key in ("input", "output"):
         _require(getattr(config, key).format != "avro" or config.schema_registry is not None, f"{key}.format",
                  "avro needs schema_registry.url (a Confluent-compatible Schema Registry)")
@@ -774,6 +775,12 @@ def _validate_formats(config: JobConfig) -> None:
              "needs input.format: avro (the fields are copied from the typed input record)")
     _require(not config.output.carry_fields or config.output.format == "avro", "output.carry_fields",
              "needs output.format: avro (the JSON result's fields are fixed by the record contract)")
+    registry = config.schema_registry
+    _require(registry is None or registry.unavailable_timeout_s * 1000 < config.checkpointing.timeout_ms,
+             "schema_registry.unavailable_timeout_s",
+             f"{registry.unavailable_timeout_s if registry else 0:g} s is not shorter than checkpointing.timeout_ms "
+             f"({config.checkpointing.timeout_ms} ms): a record waiting for the registry holds the next checkpoint, "
+             "which would time out and restart the job")
 
 
 def config_from_dict(data: Any) -> JobConfig:

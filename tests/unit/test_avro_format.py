@@ -201,6 +201,7 @@ def test_carried_values_keep_primitive_types_and_others_become_json_text() -> No
     ({"output": {"carry_fields": ["not-a-name"]}}, "output.carry_fields"),
     ({"schema_registry": {"url": "http://u:p@r"}}, "schema_registry.url"),
     ({"schema_registry": {"url": "http://r", "username": "u", "password": "literal"}}, "schema_registry.password"),
+    ({"schema_registry": {"url": "http://r", "unavailable_timeout_s": 600}}, "schema_registry.unavailable_timeout_s"),
 ])
 def test_config_rules(sections: dict[str, Any], key: str | None) -> None:
     data = json.loads(json.dumps({k: v for k, v in sections.items() if v is not None}))
