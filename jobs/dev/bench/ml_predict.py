@@ -13,8 +13,9 @@ harness reads (`id`, `output`, `timestamps.produced/started/completed`, as ISO-8
 strings): `started` is taken before the model call, `completed` after it.
 
 Nothing here works around the provider's limits (5 requests in flight per host, no dead
-letters, a timeout fails the job over): they are what the bench measures. SIGTERM cancels
-the job; the exit status is 0 when the job finished (or was cancelled on request), 1 if it failed.
+letters, a timeout fails the job over): they are what the bench measures. SIGTERM stops
+the job with a savepoint, as `llmstream run` does; the exit status is 0 when the job finished
+(or was stopped on request), 1 if it failed.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from jobs import jars
 from jobs.dev.bench.workload import MAX_TOKENS, MODEL, SYSTEM_PROMPT
@@ -147,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
     while not stop.is_set() and not done.is_set():
         stop.wait(0.5)
     if stop.is_set() and not done.is_set():
-        client.cancel().result()
-        print(f"ml-predict: job cancelled on request after {time.monotonic() - started:.1f} s", flush=True)
+        how = _stop(client)
+        print(f"ml-predict: job {how} on request after {time.monotonic() - started:.1f} s", flush=True)
         return 0
     if failure:
         print(f"ml-predict: job failed after {time.monotonic() - started:.1f} s: "
@@ -156,6 +159,23 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"ml-predict: job finished after {time.monotonic() - started:.1f} s", flush=True)
     return 0
+
+
+def _stop(client) -> str:  # type: ignore[no-untyped-def]
+    """Stop with a savepoint, as `llmstream run` does on SIGTERM, so the sink commits what the
+    source's committed offsets already claim (a plain cancel between the source's offset commit
+    and the sink's transaction commit leaves answers in a transaction only a restore commits:
+    measured, 51 of 8,114 'lost' in a bench run); cancel if the savepoint fails."""
+    from pyflink.java_gateway import get_gateway
+
+    canonical = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
+    directory = Path(tempfile.mkdtemp(prefix="ml-predict-savepoint-")).as_uri()
+    try:
+        client._j_job_client.stopWithSavepoint(False, directory, canonical).get()
+        return "stopped with a savepoint"
+    except Exception:  # noqa: BLE001 - the fallback below says what happened
+        client.cancel().result()
+        return "cancelled (the savepoint failed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
