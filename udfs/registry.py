@@ -149,7 +149,7 @@ class RegistryClient:
                 raise RegistryUnavailable(
                     f"schema_registry.url did not answer ({what}) after {attempt} attempt(s) in {waited:.1f} s: "
                     f"{problem}")
-            backoff = random.uniform(0, min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2 ** (attempt - 1)))
+            backoff = random.uniform(0, min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2 ** min(attempt - 1, 16)))
             backoff = min(backoff, max(0.0, self._config.unavailable_timeout_s - waited))
             log.debug("schema registry: %s failed (%s); retry %d in %.2f s", what, problem, attempt, backoff)
             self._sleep(backoff)

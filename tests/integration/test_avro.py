@@ -31,7 +31,7 @@ from tests.integration.helpers import make_job
 from tests.support.waiting import wait_until
 from udfs.config import config_from_dict
 from udfs.errors import ConfigError
-from udfs.registry import RegistryClient
+from udfs.registry import RegistryClient, SchemaNotFound, SchemaRejected
 
 pytestmark = pytest.mark.integration
 
@@ -144,6 +144,16 @@ def test_the_registry_client_and_preflight_against_apicurio(schema_registry: Loc
     first_id = client.register(f"{topic}-value", {"type": "record", "name": "Result", "namespace": "llmstream",
                                                   "fields": [{"name": "id", "type": "string"}]})
     assert client.schema(first_id)[0] == "AVRO"
+    # Answers from the registry: an unknown id and an incompatible schema are final (no retry)...
+    slept: list[float] = []
+    strict = RegistryClient(config_from_dict(data).schema_registry, sleep=slept.append)  # type: ignore[arg-type]
+    with pytest.raises(SchemaNotFound):
+        strict.schema(2**31 - 7)
+    # ...and a schema, once fetched, is kept by id: answered with the registry out of reach.
+    assert strict.schema(first_id) == client.schema(first_id)
+    reachable, strict._base = strict._base, "http://127.0.0.1:9"
+    assert strict.schema(first_id)[0] == "AVRO"
+    strict._base = reachable
     client.set_compatibility(f"{topic}-other", "BACKWARD")
     client.register(f"{topic}-other", {"type": "record", "name": "Result", "namespace": "llmstream",
                                        "fields": [{"name": "id", "type": "long"}]})
@@ -151,6 +161,10 @@ def test_the_registry_client_and_preflight_against_apicurio(schema_registry: Loc
     with pytest.raises(ConfigError) as refused:
         _check_registry(config_from_dict(clash), 10)
     assert refused.value.key == "output.format" and f"{topic}-other" in str(refused.value)
+    with pytest.raises(SchemaRejected):
+        strict.register(f"{topic}-other", {"type": "record", "name": "Result", "namespace": "llmstream",
+                                           "fields": [{"name": "id", "type": "string"}]})
+    assert slept == [], f"a final answer was retried: {slept}"
     gone = {**data, "schema_registry": {"url": "http://127.0.0.1:9/apis/ccompat/v7"}}
     with pytest.raises(ConfigError) as unreachable:
         _check_registry(config_from_dict(gone), 2)
