@@ -1,6 +1,6 @@
 """Avro in the Confluent wire format (udfs/avro_format.py) with fastavro alone: the registry is a
 dict of schemas behind `RegistryClient`'s two calls the codec makes (the real Apicurio is in
-tests/integration/test_avro.py and test_registry_apicurio.py)."""
+tests/integration/test_avro.py)."""
 
 from __future__ import annotations
 
