@@ -87,12 +87,6 @@ class KeyOrder:
             del self._queues[queue_id]
         return out
 
-    def forget(self) -> None:
-        """Drops everything (the function instance is closing; state keeps the records)."""
-        self._queues.clear()
-        self._queue_of.clear()
-        self._ready.clear()
-
 
 def restore_order(records: Iterable[tuple[H, R]]) -> list[tuple[H, R]]:
     """(handle, record) pairs as they must be admitted again after a restore: by
