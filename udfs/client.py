@@ -13,10 +13,15 @@ use, in the running loop. What it builds on, each in its own module:
 - `udfs/structured.py`, `udfs/batching.py`, `udfs/budget.py`, `udfs/ratelimit.py`,
   `udfs/retry.py`: answers that must validate, micro-batches, the spend budget, the rate
   limit and adaptive concurrency, the one retry layer.
+- `udfs/fleet.py`: with `model.endpoints` (or `model.fallback`), which endpoint each attempt
+  goes to (weighted least-outstanding, a circuit, AIMD and a Retry-After pause per endpoint);
+  each endpoint has its own `Transport` and rate limits (a `Route`). `model.endpoint` alone
+  takes the path below unchanged.
 
 One record goes: cache (a hit ends here) -> structured output (asks again when an answer does
 not validate) -> micro-batch (embeddings with `model.batch.max_size` > 1) -> spend budget ->
-and for each attempt: a concurrency slot (AIMD) -> rate-limit tokens -> send, with
+and for each attempt: a concurrency slot (AIMD; in a fleet, an endpoint's slot, waiting while
+no endpoint may take it) -> rate-limit tokens -> send, with
 `async.request_timeout_s` per attempt. Failures go through `RetryPolicy`; its
 `async.record_deadline_s` covers every attempt, wait and queue from the moment the first
 attempt is dispatched; time spent waiting in line for a slot or tokens before that is
