@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from jobs.dev.simulator import ThreadedSimulator
+from tests.support.waiting import wait_until
 from tests.unit.fake_flink import Harness, KeyedState, record
 from udfs.config import JobConfig, config_from_dict
 from udfs.operators import EMIT_PERIOD_MS, FLUSH_AT
@@ -233,7 +235,7 @@ def versioned(key: str, version: int) -> bytes:
 
 def slow_first_versions(h: Harness, slow: set[str], delay_s: float = 0.3) -> None:
     """The model client answers the ids in `slow` after `delay_s`, every other at once: later
-    versions of a key finish before earlier ones."""
+    versions of a key tend to finish before earlier ones."""
     real = h.function._client.complete
 
     async def complete(request: Any) -> Any:
@@ -242,6 +244,26 @@ def slow_first_versions(h: Harness, slow: set[str], delay_s: float = 0.3) -> Non
         return await real(request)
 
     h.function._client.complete = complete  # type: ignore[method-assign]
+
+
+def gated(h: Harness, held: set[str]) -> threading.Event:
+    """The model client answers the ids in `held` only once the returned event is set: the test
+    decides which calls finish first, whatever the machine's speed."""
+    gate = threading.Event()
+    real = h.function._client.complete
+
+    async def complete(request: Any) -> Any:
+        while request.id in held and not gate.is_set():
+            await asyncio.sleep(0.005)
+        return await real(request)
+
+    h.function._client.complete = complete  # type: ignore[method-assign]
+    return gate
+
+
+def only_gated_calls_left(h: Harness, n: int) -> None:
+    wait_until(lambda: h.function._runner.in_flight == n, 30, interval=0.01,
+               message=lambda: f"{n} calls left in flight ({h.function._runner.in_flight})")
 
 
 def emitted(h: Harness) -> list[tuple[bytes | None, str, str | None]]:
@@ -264,12 +286,14 @@ def test_per_key_results_leave_in_input_order_though_later_versions_finish_first
     for ordering, expect_order in [("per_key", True), ("none", False)]:
         h = Harness(job_config(sim.url, capacity=16, ordering=ordering))  # type: ignore[arg-type]
         harnesses.append(h)
-        slow_first_versions(h, {f"{k}-v0" for k in keys})
+        gate = gated(h, {f"{k}-v0" for k in keys})
         offset = 0
         for version in range(4):
             for k in keys:
                 h.element(0, versioned(k, version), offset=offset, key=k.encode())
                 offset += 1
+        only_gated_calls_left(h, len(keys))  # every later version has finished before its v0
+        gate.set()
         h.end_of_input()
         got = per_key_ids(h)
         in_order = all(got[k.encode()] == [f"{k}-v{v}" for v in range(4)] for k in keys)
@@ -282,17 +306,16 @@ def test_per_key_other_keys_are_not_held_back_by_a_slow_one(sim: ThreadedSimulat
                                                             harnesses: list[Harness]) -> None:
     h = Harness(job_config(sim.url, capacity=8, ordering="per_key"))  # type: ignore[arg-type]
     harnesses.append(h)
-    slow_first_versions(h, {"hot-v0"}, delay_s=2.0)
+    gate = gated(h, {"hot-v0"})
     h.element(0, versioned("hot", 0), offset=0, key=b"hot")
     h.element(0, versioned("hot", 1), offset=1, key=b"hot")
     h.element(0, versioned("cold", 0), offset=2, key=b"cold")
-    deadline = time.monotonic() + 30
-    while ("cold-v0" not in {i for _, _, i in emitted(h)}) and time.monotonic() < deadline:
-        h.tick(0)
-        time.sleep(0.02)
-    ids = [i for _, _, i in emitted(h)]
-    assert ids == ["cold-v0"], "the cold key left before the hot key's slow head, the hot key's v1 waited"
-    assert h.function._order is not None and h.function._order.held <= 1
+    only_gated_calls_left(h, 1)
+    h.tick(0)
+    assert [i for _, _, i in emitted(h)] == ["cold-v0"], "the cold key leaves, the hot key's v1 waits for its v0"
+    assert h.function._order is not None and h.function._order.held == 1
+    assert h.function._runner.has_slot(), "a held outcome takes no call slot"
+    gate.set()
     h.end_of_input()
     assert per_key_ids(h)[b"hot"] == ["hot-v0", "hot-v1"]
 
@@ -304,13 +327,14 @@ def test_per_key_dead_letters_and_tombstones_wait_for_their_key(sim: ThreadedSim
     h = Harness(job_config(sim.url, capacity=8, ordering="per_key",  # type: ignore[arg-type]
                            input={"tombstones": "forward"}))
     harnesses.append(h)
-    slow_first_versions(h, {"a-v0"}, delay_s=0.5)
+    gate = gated(h, {"a-v0"})
     h.element(0, versioned("a", 0), offset=0, key=b"a")
     h.element(0, b"{not json", offset=1, key=b"a")
     h.element(0, None, offset=2, key=b"a")
     h.element(0, b"{not json", offset=3, key=b"b")  # nothing of b is out: at once
-    assert emitted(h) == [(b"b", "dlq", None)] or [t for _, t, _ in emitted(h)] == ["dlq"]
+    assert emitted(h) == [(b"b", "dlq", None)]
     assert set(h.state.snapshot()[0]) == {"in:0:0", "in:0:1", "in:0:2"}
+    gate.set()
     h.end_of_input()
     assert [(k, t) for k, t, _ in emitted(h)] == [(b"b", "dlq"), (b"a", "out"), (b"a", "dlq"), (b"a", "out")]
     tombstone = h.out[-1]
