@@ -203,7 +203,8 @@ def test_bad_input_corpus_is_dead_lettered_without_restarts(
     once, and the job never restarts."""
     started = time.monotonic()
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="bad-input",
-                     topic_configs={"max.message.bytes": str(12 * 1024 * 1024)})
+                     topic_configs={"max.message.bytes": str(12 * 1024 * 1024)},
+                     input={"tombstones": "dead-letter"})  # a keyed null value is bad input here, not a delete
     corpus = bad_input_corpus()
     good = unique_records(20 * len(corpus), "good")
     producer = KafkaProducer(bootstrap_servers=setup.bootstrap, acks="all", max_request_size=12 * 1024 * 1024)
