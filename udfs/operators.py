@@ -135,6 +135,7 @@ class InferenceStage(KeyedProcessFunction):
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, runtime_context: RuntimeContext) -> None:
+        from udfs.avro_format import codec_for
         from udfs.client import InferenceClient
         from udfs.inflight import CallRunner
         from udfs.metrics import InferenceMetrics
@@ -144,20 +145,23 @@ class InferenceStage(KeyedProcessFunction):
         self._pending = runtime_context.get_map_state(PENDING_STATE)
         self._runner = CallRunner(self._config.async_.capacity)
         self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
-        from udfs.avro_format import codec_for
         self._codec = codec_for(self._config)  # Avro and its registry client, when a format is avro
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
         model = self._config.model
+        where = model.endpoint or ", ".join(e.url for e in model.endpoints or [])
         log.info("inference subtask %s/%s: %s %s model=%s capacity=%s",
                  runtime_context.get_index_of_this_subtask() + 1, subtasks, model.api,
-                 model.endpoint, model.model, self._config.async_.capacity)
+                 where, model.model, self._config.async_.capacity)
 
     def close(self) -> None:
         runner = getattr(self, "_runner", None)
         if runner is not None:
             runner.close(before_stop=self._client.close)
+        codec = getattr(self, "_codec", None)
+        if codec is not None:
+            codec.close()  # the registry client's connections
 
     # ------------------------------------------------------------------ Flink callbacks
     def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
