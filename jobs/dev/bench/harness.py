@@ -41,7 +41,7 @@ from jobs.dev.bench.measure import (
     outcome,
     steady_window,
 )
-from jobs.dev.bench.scenarios import UNBATCHED, Scenario
+from jobs.dev.bench.scenarios import PER_KEY, UNBATCHED, Scenario
 from jobs.dev.bench.workload import (
     MAX_TOKENS,
     MODEL,
@@ -181,9 +181,11 @@ class Topics:
 
 
 def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: LlmstreamSettings,
-                     scenario: Scenario, state_root: Path, *, batched: bool = True) -> dict[str, Any]:
+                     scenario: Scenario, state_root: Path, *, batched: bool = True,
+                     per_key: bool = False) -> dict[str, Any]:
     """The job config for one run: the repo's defaults, these topics and the tuned settings;
-    an embeddings scenario batches up to `scenario.batch_size` inputs per request if `batched`."""
+    an embeddings scenario batches up to `scenario.batch_size` inputs per request if `batched`;
+    `per_key`: `ordering: per_key` (the `PER_KEY` run of a keyed scenario)."""
     model: dict[str, Any] = {"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT,
                              "max_tokens": MAX_TOKENS}
     if scenario.api == "embeddings":
@@ -207,6 +209,8 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
         config = with_overrides(config, model={"temperature": 0})
     data = to_dict(config)
     data["name"] = f"llmstream-bench-{scenario.key}"
+    if per_key:
+        data["ordering"] = "per_key"
     # One state directory per run: every run reads fresh topics, so no state carries over.
     data["checkpointing"]["directory"] = str(state_root / topics.group)
     config_from_dict(data)  # validate the final form, name included
@@ -242,7 +246,7 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
         config_file.write_text(yaml.safe_dump(
             llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario, approach), scenario,
                              config_dir / "state",
-                             batched=approach != UNBATCHED),
+                             batched=approach != UNBATCHED, per_key=approach == PER_KEY),
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]
@@ -323,7 +327,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     label = f"[{scenario.key}/{approach}]"
     topics = Topics.fresh(scenario, approach)
     kafka_admin.create_topics(bootstrap, [topics.input, topics.output, topics.dead_letter], partitions=1)
-    producer = InputProducer(bootstrap, topics.input)
+    producer = InputProducer(bootstrap, topics.input, keys=scenario.keys)
     overload = scenario.overload_rate_per_s
     if overload is None:
         ctx.say(f"{label} producing {records:,} input records ...")
