@@ -78,3 +78,14 @@ def test_the_check_sees_each_form_of_import() -> None:
     modules = {"test_client", "test_faults", "test_observe", "test_cache"}
     flagged = sorted({line for line, name in _imports(ast.parse(source)) if _is_test_module(name, modules)})
     assert flagged == [1, 2, 3, 4, 5, 6, 8]
+
+
+def test_no_two_test_modules_share_a_file_name() -> None:
+    """tests/unit and tests/integration are not packages, so pytest imports each test module by its
+    bare name: two `test_x.py` in different folders stop the collection of `pytest tests` (make test)
+    with "import file mismatch" although each folder alone collects fine."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test modules sharing a name: {clashes}"
