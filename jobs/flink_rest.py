@@ -40,9 +40,14 @@ def unreachable_reason(err: requests.RequestException) -> str:
 
 def last_error_line(text: str) -> str:
     """The line of a Java or Python error report that names the root cause: the last one naming an
-    exception or error (the innermost "Caused by"), else the first line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    named = [line for line in lines if "Exception:" in line or "Error:" in line]
+    exception or error (the innermost "Caused by"), else the first line. Lines Java indents (a
+    "Suppressed:" block and its causes) are not the chain: a failed job's report can end with a
+    suppressed "The TaskExecutor is shutting down" that would hide the real cause."""
+    raw = [line for line in text.splitlines() if line.strip()]
+    chain = [line.strip() for line in raw if not line[0].isspace()]
+    lines = [line.strip() for line in raw]
+    named = [line for line in chain if "Exception:" in line or "Error:" in line] \
+        or [line for line in lines if "Exception:" in line or "Error:" in line]
     chosen = named[-1] if named else lines[0] if lines else "(no output)"
     return chosen.removeprefix("Caused by: ")[:500]
 

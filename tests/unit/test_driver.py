@@ -148,3 +148,19 @@ def test_the_blocking_stop_returns_the_savepoint_once_the_job_ended() -> None:
     job = FakeJob(refusals=1)
     assert job.stop_with_savepoint(drain=False, directory=SAVEPOINTS, timeout_s=5) == f"{SAVEPOINTS}/savepoint-1"
     assert job.state == "FINISHED"
+
+
+def test_the_reported_cause_is_the_chains_not_a_suppressed_one() -> None:
+    """A failed job's report can end with a suppressed exception Java indents (the TaskExecutor
+    shutting down); the cause `run` reports is the innermost "Caused by" of the chain."""
+    from jobs.flink_rest import last_error_line
+
+    report = ("org.apache.flink.runtime.client.JobExecutionException: Job execution failed.\n"
+              "\tat org.apache.flink.X.y(X.java:1)\n"
+              "Caused by: org.apache.flink.runtime.JobException: Recovery is suppressed by NoRestartBackoffTimeStrategy\n"
+              "Caused by: org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized to access topics\n"
+              "\tat a.b(C.java:3)\n"
+              "\tSuppressed: org.apache.flink.util.FlinkExpectedException: The TaskExecutor is shutting down.\n"
+              "\t\tat a.b(C.java:4)\n")
+    assert last_error_line(report).startswith("org.apache.kafka.common.errors.TopicAuthorizationException")
+    assert last_error_line("RuntimeError: boom") == "RuntimeError: boom"
