@@ -220,6 +220,15 @@ def _check_credentials(path: str, api_key_env: str | None, api_key_file: str | N
         secrets.check(value, _join(path, f"headers.{name}"))
 
 
+def read_api_key(env: str | None, key_file: str | None, path: str) -> str | None:
+    """An API key from its file (`<path>.api_key_file`, checked as a secret file) or its environment
+    variable, read where it is used and never stored: the one reader for the model's key and each
+    fleet endpoint's."""
+    if key_file:
+        return secrets.read_secret_file(key_file, _join(path, "api_key_file"))
+    return os.environ.get(env) if env else None
+
+
 @dataclass(frozen=True)
 class EndpointConfig:
     """One replica or provider of a model fleet (`model.endpoints`, `model.fallback.endpoints`).
@@ -257,9 +266,7 @@ class EndpointConfig:
 
     def api_key(self, path: str = "model.endpoints") -> str | None:
         """The endpoint's API key from the environment or its file, read where it is used, never stored."""
-        if self.api_key_file:
-            return secrets.read_secret_file(self.api_key_file, _join(path, "api_key_file"))
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+        return read_api_key(self.api_key_env, self.api_key_file, path)
 
 
 @dataclass(frozen=True)
@@ -631,9 +638,7 @@ class JobConfig:
 
     def api_key(self) -> str | None:
         """The API key from the environment or its file, read where it is used and never stored."""
-        if self.model.api_key_file:
-            return secrets.read_secret_file(self.model.api_key_file, "model.api_key_file")
-        return os.environ.get(self.model.api_key_env) if self.model.api_key_env else None
+        return read_api_key(self.model.api_key_env, self.model.api_key_file, "model")
 
 
 def _key_of(f: dataclasses.Field[Any]) -> str:
