@@ -4,6 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# `make test` runs its modules on two pytest-xdist workers, each with its own broker and cluster:
+# most integration tests wait on a model, a checkpoint or a fault rather than on the CPU, so two
+# overlap well on this 2-core machine (tests/conftest.py orders the modules, longest first).
+TEST_WORKERS ?= 2
 # The bounded-memory fault test's duration: 90 s in `make test`; the documented full run is 300.
 export LLMSTREAM_MEMORY_TEST_SECONDS ?= 90
 # The interrupted-runs test stops `llmstream run` 6 times here (15 in the documented fault run),
@@ -77,7 +81,8 @@ test: venv jars redis docker lint typecheck
 	mkdir -p var && (nice -n 10 $(BIN)/llmstream model-server --backend llama-cpp --install-only \
 		> var/model-install-background.log 2>&1 &)
 	(nice -n 10 $(BIN)/python -m jobs.dev.containers image > var/docker-image-background.log 2>&1 &)
-	$(BIN)/python -m pytest tests -q -rs --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -rs --durations=25 \
+		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The documented full fault run: the 5-minute memory test, 15 interrupted runs, the cost test's control.
 fault: venv jars redis docker

@@ -1,4 +1,5 @@
-"""Test-wide hooks: the shared fixture modules, the shell's environment, and the run order.
+"""Test-wide hooks: the shared fixture modules, the shell's environment, the run order and how
+two workers share it.
 
 Markers, warning filters and test paths are in ``pyproject.toml``. What test modules share lives
 in ``tests/support/`` (see its ``__init__``); its fixture modules are plugins, listed here because
@@ -24,13 +25,30 @@ pytest_plugins = [
 ]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Container tests, then real-model tests, last: the image build and the llama.cpp build
-    `make test` starts in the background then overlap everything else instead of holding the
-    run up."""
-    def rank(item: pytest.Item) -> int:
-        if item.get_closest_marker("real_model") is not None:
-            return 2
-        return 1 if item.get_closest_marker("containers") is not None else 0
+def _module_rank(items: list[pytest.Item]) -> int:
+    """Where a module's tests go in the run, longest work first (so two workers end together):
+    fault tests, then other slow integration tests, other integration tests, unit tests, then
+    the container tests and the real-model tests, last, because `make test` builds the image and
+    llama.cpp in the background meanwhile."""
+    def has(name: str) -> bool:
+        return any(item.get_closest_marker(name) is not None for item in items)
 
-    items.sort(key=rank)
+    if has("real_model"):
+        return 5
+    if has("containers"):
+        return 4
+    if items[0].nodeid.startswith("tests/unit/"):
+        return 3
+    return 0 if has("fault") else 1 if has("slow") else 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The run order: modules kept whole, ranked by `_module_rank`. `make test` runs two pytest-xdist
+    workers with ``--dist loadscope --no-loadscope-reorder``: a module goes whole to one worker (its
+    module fixtures, such as a compose project, a model server or a bench run, are made once, and
+    its tests keep their file order), modules are handed out in this order as workers free up."""
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    rank = {name: _module_rank(module) for name, module in by_module.items()}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])

@@ -10,6 +10,7 @@ dead letters, and the numbers the fault tests write to ``var/fault-report.md`` /
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
@@ -371,12 +372,16 @@ class FaultReport:
 
     def add(self, result: FaultResult) -> None:
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.load()
         entry = asdict(result)
         entry["recorded_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        data[result.scenario] = entry
-        self.json_path.write_text(json.dumps(data, indent=2, sort_keys=True))
-        self.md_path.write_text(render_report(data))
+        # `make test` runs two workers, each with its own report object: read, add and write
+        # under one lock so neither drops the other's entry.
+        with open(self.json_path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = self.load()
+            data[result.scenario] = entry
+            self.json_path.write_text(json.dumps(data, indent=2, sort_keys=True))
+            self.md_path.write_text(render_report(data))
         log.warning("fault report: %s", json.dumps(entry))
 
 
