@@ -74,6 +74,12 @@ class JobDriver(ABC):
     def failure(self) -> str:
         """The root cause of the job's failure, once `ended()`; '' if none is known."""
 
+    def failure_history(self) -> list[str]:
+        """The root cause of each of the job's failures so far, oldest first, while it runs; [] if it
+        has none or they cannot be read. After restarts, `failure` names only the last one (often a
+        consequence, such as a slot not yet freed), so `drive` keeps the first one it saw."""
+        return []
+
     @abstractmethod
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         """Ask Flink to stop the job with a savepoint into ``directory`` (raises if refused at once)."""
@@ -106,11 +112,13 @@ class JobDriver(ABC):
 class MiniClusterDriver(JobDriver):
     """A job in this process's mini cluster, through PyFlink's `JobClient`."""
 
-    def __init__(self, job_client: Any) -> None:
+    def __init__(self, job_client: Any, rest: FlinkRest | None = None) -> None:
         self._client = job_client
         self._result = job_client.get_job_execution_result()
         self.job_id = str(job_client.get_job_id())
         self._error: BaseException | None = None
+        self._rest = rest
+        """The mini cluster's REST API, for `failure_history` (its job result holds the last failure only)."""
 
     def status(self) -> str:
         try:
@@ -133,6 +141,9 @@ class MiniClusterDriver(JobDriver):
         if self.final_state() == "FINISHED" or self._error is None:
             return ""
         return root_cause(self._error)
+
+    def failure_history(self) -> list[str]:
+        return [last_error_line(trace) for trace in self._rest.failures(self.job_id)] if self._rest else []
 
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         """`JobClient.stop_with_savepoint` in the Flink 2 signature, which wants a format type: PyFlink's
@@ -192,6 +203,9 @@ class RestDriver(JobDriver):
 
     def failure(self) -> str:
         return last_error_line(self._rest.failure(self.job_id))
+
+    def failure_history(self) -> list[str]:
+        return [last_error_line(trace) for trace in self._rest.failures(self.job_id)]
 
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         return _RestStop(self._rest, self.job_id, self._rest.trigger_stop(self.job_id, directory, drain=drain))
@@ -331,9 +345,13 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
     "starting" until there are figures.
     """
     stopper = SavepointStop(driver, savepoints_uri)
-    started, last_report, last_check = time.monotonic(), 0.0, 0.0
+    started, last_report, last_check, last_failures = time.monotonic(), 0.0, 0.0, 0.0
+    failures: list[str] = []
     while not driver.ended():
         now = time.monotonic()
+        if now - last_failures >= 2.0:
+            last_failures = now
+            failures = driver.failure_history() or failures
         if stop.cancel.is_set():
             stopper.cancel()
         elif stop.savepoint.is_set() and not stopper.started:
@@ -364,6 +382,15 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
     state = driver.final_state()
     if state != "FINISHED" and stopper.cancelled:
         state = "CANCELED"
-    cause = driver.failure() if state != "FINISHED" else ""
+    cause = _first_and_last(failures, driver.failure()) if state != "FINISHED" else ""
     return Outcome(state=state, savepoint=stopper.savepoint, cause=cause,
                    stop_error=stopper.error if stopper.started else None)
+
+
+def _first_and_last(seen: list[str], last: str) -> str:
+    """The cause to report: the last failure, led by the first one seen when restarts came between
+    (a revoked ACL first, then "could not acquire the minimum required resources" on each restart)."""
+    first = seen[0] if len(seen) > 1 else ""
+    if not first or not last or first == last:
+        return last or first
+    return f"{first} (then, after restarts: {last})"

@@ -169,12 +169,17 @@ class FlinkRest:
 
     def failure(self, job_id: str) -> str:
         """The root exception of the job's latest failure, or '' if it has none."""
-        with contextlib.suppress(ClusterError):
-            exceptions = self.rest(f"/jobs/{job_id}/exceptions?maxExceptions=1")
+        history = self.failures(job_id, most=1)
+        return history[-1] if history else ""
+
+    def failures(self, job_id: str, *, most: int = 16) -> list[str]:
+        """The stack traces of the job's failures, oldest first (Flink keeps the latest
+        ``web.exception-history-size``, 16 by default); [] if it has none or the API does not answer."""
+        with contextlib.suppress(ClusterError, AttributeError):
+            exceptions = self.rest(f"/jobs/{job_id}/exceptions?maxExceptions={most}", timeout=3.0)
             history = (exceptions.get("exceptionHistory") or {}).get("entries") or []
-            if history:
-                return str(history[0].get("stacktrace", ""))[:3000]
-        return ""
+            return [str(entry.get("stacktrace", ""))[:3000] for entry in reversed(history)]
+        return []
 
     def cancel(self, job_id: str, timeout: float = 60.0) -> None:
         """Cancel the job and wait until it is CANCELED (its last checkpoint is retained)."""

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from jobs import jars, preflight
 from jobs.driver import MiniClusterDriver, Outcome, StopRequest, drive, stop_on_signals
+from jobs.flink_rest import FlinkRest
 from jobs.kafka_admin import GroupProgress
 from jobs.observe import Observer, RunFigures
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
@@ -89,7 +90,8 @@ def run_job(
                    f"input records (end offsets {ends})")
         observer = Observer(config, local_run.rest_url, job_id=local_run.job_id, progress=progress,
                             local_run=local_run)
-        outcome = drive(MiniClusterDriver(job_client), stop, savepoints_uri=state.savepoints_uri, progress=progress,
+        driver = MiniClusterDriver(job_client, FlinkRest(local_run.rest_url))
+        outcome = drive(driver, stop, savepoints_uri=state.savepoints_uri, progress=progress,
                         targets=targets, figures=RunFigures(observer, local_run, state),
                         progress_every_s=progress_every_s, stop_timeout_s=stop_timeout_s, report=report)
         state_name = _conclude(outcome, progress, state, report)

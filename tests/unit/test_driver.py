@@ -47,6 +47,8 @@ class FakeJob(JobDriver):
     stops: list[bool] = field(default_factory=list)
     cancelled: bool = False
     asked: int = 0
+    history: list[str] = field(default_factory=list)
+    last_failure: str = "java.lang.RuntimeException: boom"
 
     def status(self) -> str:
         return self.state
@@ -61,7 +63,10 @@ class FakeJob(JobDriver):
         return self.state
 
     def failure(self) -> str:
-        return "java.lang.RuntimeException: boom" if self.state == "FAILED" else ""
+        return self.last_failure if self.state == "FAILED" else ""
+
+    def failure_history(self) -> list[str]:
+        return list(self.history)
 
     def trigger_stop(self, *, drain: bool, directory: str) -> Any:
         assert directory == SAVEPOINTS
@@ -142,6 +147,19 @@ def test_a_job_that_fails_by_itself_says_why() -> None:
     outcome = drive(FakeJob(fails_after=2), StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None)
     assert outcome.state == "FAILED" and outcome.cause == "java.lang.RuntimeException: boom"
     assert outcome.savepoint is None and outcome.stop_error is None
+
+
+def test_after_restarts_the_first_failure_leads_the_reported_cause() -> None:
+    """A revoked ACL fails the job; each restart then fails on a slot not yet freed. The job's
+    result holds only that last failure; the user needs the first."""
+    denied = "org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized to access topics"
+    no_slot = "org.apache.flink.runtime.jobmanager.scheduler.NoResourceAvailableException: Could not acquire"
+    job = FakeJob(fails_after=2, history=[denied, no_slot, no_slot], last_failure=no_slot)
+    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None)
+    assert outcome.cause == f"{denied} (then, after restarts: {no_slot})"
+
+    same = FakeJob(fails_after=2, history=[denied, denied], last_failure=denied)
+    assert drive(same, StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None).cause == denied
 
 
 def test_the_blocking_stop_returns_the_savepoint_once_the_job_ended() -> None:
