@@ -10,8 +10,14 @@ import sys
 import pytest
 
 from jobs.dev.bench.harness import REPO_ROOT, _llmstream_command, child_environment
-from jobs.dev.bench.measure import epoch_ms, percentile, steady_window
+from jobs.dev.bench.measure import (
+    CheckpointSampler,
+    epoch_ms,
+    percentile,
+    steady_window,
+)
 from jobs.dev.bench.ml_predict import MlPredictJob
+from jobs.dev.bench.report import _checkpoints
 from jobs.dev.bench.scenarios import SCENARIOS
 
 
@@ -76,3 +82,20 @@ def test_ml_predict_runs_in_every_scenario_it_applies_to() -> None:
     # Embeddings: the baselines send chat requests; ML_PREDICT has an embeddings task.
     assert SCENARIOS["e"].approaches(requested) == ["llmstream-unbatched", "llmstream", "ml-predict"]
     assert SCENARIOS["e"].approaches(["ml-predict"]) == ["ml-predict"]
+
+
+def test_the_bench_says_why_each_checkpoint_failed() -> None:
+    """A failed checkpoint's reason is in Flink's history for as long as it is among the latest ten,
+    so every sample's are kept; a trigger refused before any task was asked is only counted."""
+    sampler = CheckpointSampler(root_pid=0)
+    expired = {"id": 3, "status": "FAILED", "failure_message": "Checkpoint expired before completing."}
+    sampler.take({"counts": {"completed": 2, "failed": 1}, "history": [expired]})
+    sampler.take({"counts": {"completed": 14, "failed": 2},  # id 3 has left the history since
+                  "summary": {"end_to_end_duration": {"p50": 200, "max": 900}},
+                  "history": [{"id": 16, "status": "COMPLETED", "end_to_end_duration": 210}]})
+    summary = sampler.summary()
+    assert summary is not None
+    assert summary["failures"] == {"Checkpoint expired before completing.": 1}
+    assert summary["failed_untriggered"] == 1
+    assert _checkpoints(summary) == ("14, 0.20 / 0.90 (2 failed: 1× Checkpoint expired before completing.; "
+                                     "1× refused at trigger, not counted by Flink)")

@@ -315,12 +315,20 @@ def _interpolate(samples: Sequence[tuple[float, float, int]], at_ms: float) -> f
 class CheckpointSampler(PeriodicSampler):
     """Finds the REST endpoint of the mini cluster under `root_pid` (it listens on a random
     port) and keeps its latest `/jobs/<id>/checkpoints` answer: how many checkpoints
-    completed and how long they took, which bounds how late exactly-once output is visible."""
+    completed and how long they took, which bounds how late exactly-once output is visible.
+
+    Why a checkpoint failed: Flink keeps the reason of a checkpoint that was triggered in its
+    history (the last ``web.checkpoints.history`` ones, so each sample's are kept here), but a
+    trigger refused before any task was asked (not all tasks running yet, or some finished at the
+    end of a bounded run) only adds to ``counts.failed``. Flink's CheckpointFailureManager never
+    counts those against ``tolerable-failed-checkpoints``; the summary tells them apart."""
 
     def __init__(self, root_pid: int, interval_s: float = 2.0) -> None:
         super().__init__("bench-checkpoints", interval_s)
         self.root_pid = root_pid
         self.latest: dict[str, Any] = {}
+        self.failed: dict[Any, str] = {}
+        """Failure reason of each triggered checkpoint seen failed, by checkpoint id."""
         self._base: str | None = None
         self._job: str | None = None
 
@@ -355,8 +363,15 @@ class CheckpointSampler(PeriodicSampler):
             data = requests.get(f"{self._base}/jobs/{self._job}/checkpoints", timeout=1.0).json()
         except (requests.RequestException, ValueError):
             return
+        self.take(data)
+
+    def take(self, data: Any) -> None:
+        """Keep one `/checkpoints` answer, and the reasons of the failed checkpoints in its history."""
         if isinstance(data, dict) and "counts" in data:
             self.latest = data
+            for entry in data.get("history") or []:
+                if entry.get("status") == "FAILED":
+                    self.failed[entry.get("id")] = str(entry.get("failure_message") or "no reason given")[:200]
 
 
     def summary(self) -> dict[str, Any] | None:
@@ -366,14 +381,15 @@ class CheckpointSampler(PeriodicSampler):
         counts = self.latest.get("counts") or {}
         durations = (self.latest.get("summary") or {}).get("end_to_end_duration") or {}
         history = [h for h in self.latest.get("history") or [] if h.get("status") == "COMPLETED"]
+        failed = int(counts.get("failed") or 0)
         return {
             "completed": counts.get("completed"),
-            "failed": counts.get("failed"),
+            "failed": failed,
+            "failed_untriggered": max(0, failed - len(self.failed)),
             "in_progress": counts.get("in_progress"),
             "duration_ms": {k: _num(durations.get(k)) for k in ("min", "p50", "avg", "max")},
             "recent_durations_ms": [h.get("end_to_end_duration") for h in history[:10]],
-            "failures": sorted({str(h.get("failure_message"))[:200] for h in self.latest.get("history") or []
-                                if h.get("status") == "FAILED"}),
+            "failures": dict(Counter(self.failed.values())),
         }
 
 

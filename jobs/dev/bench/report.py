@@ -199,7 +199,15 @@ def _checkpoints(summary: dict[str, Any] | None) -> str:
         return "–"
     durations = summary.get("duration_ms") or {}
     text = f"{summary.get('completed') or 0}, {_secs(durations.get('p50'))} / {_secs(durations.get('max'))}"
-    return text + (f" ({summary['failed']} failed)" if summary.get("failed") else "")
+    if not summary.get("failed"):
+        return text
+    failures = summary.get("failures") or {}
+    if isinstance(failures, list):  # results written before the reasons were counted
+        failures = dict.fromkeys(failures, 1)
+    reasons = [f"{n}× {why}" for why, n in failures.items()]
+    if summary.get("failed_untriggered"):
+        reasons.append(f"{summary['failed_untriggered']}× refused at trigger, not counted by Flink")
+    return text + f" ({summary['failed']} failed: {'; '.join(reasons)})"
 
 
 def machine() -> dict[str, Any]:
