@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest, last_error_line
+from jobs.flink_rest import (
+    TERMINAL_STATES,
+    ClusterError,
+    FlinkRest,
+    is_secondary,
+    last_error_line,
+)
 from jobs.status import line as status_line
 
 if TYPE_CHECKING:
@@ -382,15 +388,23 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
     state = driver.final_state()
     if state != "FINISHED" and stopper.cancelled:
         state = "CANCELED"
-    cause = _first_and_last(failures, driver.failure()) if state != "FINISHED" else ""
+    cause = ""
+    if state != "FINISHED":
+        failures = driver.failure_history() or failures  # one more look: a mini cluster's API may still answer
+        cause = _first_and_last(failures, driver.failure())
     return Outcome(state=state, savepoint=stopper.savepoint, cause=cause,
                    stop_error=stopper.error if stopper.started else None)
 
 
 def _first_and_last(seen: list[str], last: str) -> str:
-    """The cause to report: the last failure, led by the first one seen when restarts came between
-    (a revoked ACL first, then "could not acquire the minimum required resources" on each restart)."""
-    first = seen[0] if len(seen) > 1 else ""
-    if not first or not last or first == last:
+    """The cause to report. Flink's exception history (`seen`, oldest first) records the failure that
+    failed the job; the job's result holds the last attempt's exception, which after restarts is often
+    a consequence (a revoked ACL first, then "could not acquire the minimum required resources" on each
+    restart), and in a mini cluster can be the TaskExecutor shutting down. So the first failure seen
+    leads, followed by the last when restarts came between."""
+    first = seen[0] if seen else ""
+    if not first or (is_secondary(first) and last and not is_secondary(last)):
         return last or first
-    return f"{first} (then, after restarts: {last})"
+    if len(seen) > 1 and last and last != first:
+        return f"{first} (then, after restarts: {last})"
+    return first

@@ -38,18 +38,40 @@ def unreachable_reason(err: requests.RequestException) -> str:
     return found[-1].strip() if found else type(err).__name__
 
 
+SECONDARY_FAILURES = (
+    "FlinkExpectedException",  # "The TaskExecutor is shutting down": the cluster closing after the failure
+    "NoResourceAvailableException",  # a restart waiting for the slot the failed task still holds
+    "Recovery is suppressed",  # the restart strategy giving up: the cause is what it wraps
+    "JobExecutionException: Job execution failed",
+    "CancelTaskException",
+)
+"""Exceptions that follow a failure rather than cause it; a report names them only if it has nothing else."""
+
+
+def is_secondary(line: str) -> bool:
+    return any(marker in line for marker in SECONDARY_FAILURES)
+
+
 def last_error_line(text: str) -> str:
-    """The line of a Java or Python error report that names the root cause: the last one naming an
-    exception or error (the innermost "Caused by"), else the first line. Lines Java indents (a
-    "Suppressed:" block and its causes) are not the chain: a failed job's report can end with a
-    suppressed "The TaskExecutor is shutting down" that would hide the real cause."""
+    """The line of a Java or Python error report that names the root cause: the innermost "Caused
+    by" of the chain (lines Java indents, a "Suppressed:" block and its causes, are not the chain),
+    passing over exceptions that only follow a failure (`SECONDARY_FAILURES`): a failed job's
+    report can end with "The TaskExecutor is shutting down" while the authorization error that
+    failed it is earlier in the chain or among the suppressed ones. Else the first line."""
     raw = [line for line in text.splitlines() if line.strip()]
     chain = [line.strip() for line in raw if not line[0].isspace()]
+    indented = [line.strip() for line in raw if line[0].isspace()]
+
+    def named(lines: list[str]) -> list[str]:
+        return [line for line in lines if "Exception:" in line or "Error:" in line]
+
+    def primary(lines: list[str]) -> list[str]:
+        return [line for line in named(lines) if not is_secondary(line)]
+
+    candidates = primary(chain) or primary(indented) or named(chain) or named(indented)
     lines = [line.strip() for line in raw]
-    named = [line for line in chain if "Exception:" in line or "Error:" in line] \
-        or [line for line in lines if "Exception:" in line or "Error:" in line]
-    chosen = named[-1] if named else lines[0] if lines else "(no output)"
-    return chosen.removeprefix("Caused by: ")[:500]
+    chosen = candidates[-1] if candidates else lines[0] if lines else "(no output)"
+    return chosen.removeprefix("Suppressed: ").removeprefix("Caused by: ")[:500]
 
 
 class FlinkRest:
@@ -178,7 +200,10 @@ class FlinkRest:
         with contextlib.suppress(ClusterError, AttributeError):
             exceptions = self.rest(f"/jobs/{job_id}/exceptions?maxExceptions={most}", timeout=3.0)
             history = (exceptions.get("exceptionHistory") or {}).get("entries") or []
-            return [str(entry.get("stacktrace", ""))[:3000] for entry in reversed(history)]
+            # An entry's concurrent exceptions (other tasks failing at the same moment) follow its own
+            # trace: when the entry is only the cluster shutting down, one of them is the cause.
+            return ["\n".join(str(e.get("stacktrace", ""))[:3000] for e in [entry, *(entry.get("concurrentExceptions") or [])])
+                    for entry in reversed(history)]
         return []
 
     def cancel(self, job_id: str, timeout: float = 60.0) -> None:

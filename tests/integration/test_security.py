@@ -315,10 +315,9 @@ def test_revoked_credentials_fail_the_job_visibly_and_the_next_run_resumes_exact
     `llmstream run` exits non-zero saying why; granted again, the next run resumes from the retained
     checkpoint and every id is written exactly once.
 
-    Without restarts on purpose: with a fixed-delay strategy, a CI run on a quiet machine saw the
-    restart wait for the slot of the task still closing its refused producer and fail with
-    NoResourceAvailableException, which then hid the authorization error as the reported cause
-    (a defect of how `run` words a failure, open in the issue notes; it needs the exception history)."""
+    Without restarts, to keep it short: the cause `run` reports comes from Flink's exception history
+    (`jobs/driver.py`), which names the authorization error also when the job's own result ends
+    with "The TaskExecutor is shutting down" (seen in CI) or, after restarts, with a slot not freed."""
     config, names = secured(flink={"restart-strategy.type": "none"})
     path = write_config(config, tmp_path)
     first = _produce(secure_broker, names, 200, "before")

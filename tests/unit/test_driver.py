@@ -182,3 +182,22 @@ def test_the_reported_cause_is_the_chains_not_a_suppressed_one() -> None:
               "\t\tat a.b(C.java:4)\n")
     assert last_error_line(report).startswith("org.apache.kafka.common.errors.TopicAuthorizationException")
     assert last_error_line("RuntimeError: boom") == "RuntimeError: boom"
+
+    # The chain itself can end with the TaskExecutor shutting down (seen in CI); the authorization
+    # error is then a suppressed one, and still the cause.
+    shutting_down = ("org.apache.flink.runtime.client.JobExecutionException: Job execution failed.\n"
+                     "Caused by: org.apache.flink.util.FlinkExpectedException: The TaskExecutor is shutting down.\n"
+                     "\tSuppressed: org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized\n")
+    assert last_error_line(shutting_down) == "org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized"
+    only_secondary = "Caused by: org.apache.flink.util.FlinkExpectedException: The TaskExecutor is shutting down.\n"
+    assert last_error_line(only_secondary).startswith("org.apache.flink.util.FlinkExpectedException")
+
+
+def test_the_exception_history_names_the_cause_when_the_result_names_the_shutdown() -> None:
+    denied = "org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized to access topics"
+    shutdown = "org.apache.flink.util.FlinkExpectedException: The TaskExecutor is shutting down."
+    job = FakeJob(fails_after=2, history=[denied], last_failure=shutdown)
+    assert drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None).cause == denied
+    # and the other way round: a history that saw only the shutdown does not hide a better result
+    job = FakeJob(fails_after=2, history=[shutdown], last_failure=denied)
+    assert drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None).cause == denied
