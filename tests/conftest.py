@@ -9,6 +9,7 @@ pytest takes ``pytest_plugins`` only from the top conftest.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,38 @@ pytest_plugins = [
     "tests.support.servers",
     "tests.support.stages",
 ]
+
+
+KEPT_WHOLE = frozenset({
+    "tests/integration/test_bench.py", "tests/integration/test_command_failures.py",
+    "tests/integration/test_compose.py", "tests/integration/test_containers.py",
+    "tests/integration/test_kubernetes.py", "tests/integration/test_preflight.py",
+    "tests/integration/test_real_models.py", "tests/integration/test_security.py",
+    "tests/unit/test_jars.py", "tests/unit/test_model_tls.py",
+})
+"""Modules whose tests share a module fixture (a compose project, a model server, the smoke bench, a
+broker of their own): `make test`'s workers take each of them whole, in file order. Every other test
+goes to whichever worker is free. `pytest_collection_modifyitems` refuses a module that uses a module
+fixture and is missing here; the controller, which collects nothing, can only read this list."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadscope` with one scope per test, except the modules in `KEPT_WHOLE`."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TestsOrWholeModules(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in KEPT_WHOLE else nodeid
+
+    return TestsOrWholeModules(config, log)
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
 
 
 def _module_rank(items: list[pytest.Item]) -> int:
@@ -43,12 +76,16 @@ def _module_rank(items: list[pytest.Item]) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The run order: modules kept whole, ranked by `_module_rank`. `make test` runs two pytest-xdist
-    workers with ``--dist loadscope --no-loadscope-reorder``: a module goes whole to one worker (its
-    module fixtures, such as a compose project, a model server or a bench run, are made once, and
-    its tests keep their file order), modules are handed out in this order as workers free up."""
+    """The run order: modules kept together, ranked by `_module_rank`. `make test` runs two
+    pytest-xdist workers with ``--dist loadscope --no-loadscope-reorder`` and the scheduler above:
+    tests (and `KEPT_WHOLE` modules) are handed out in this order as workers free up."""
     by_module: dict[str, list[pytest.Item]] = {}
     for item in items:
         by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
     rank = {name: _module_rank(module) for name, module in by_module.items()}
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+    shared = sorted(name for name, module in by_module.items()
+                    if name not in KEPT_WHOLE and any(_uses_module_fixture(item) for item in module))
+    if shared:
+        raise pytest.UsageError(f"{', '.join(shared)}: a module fixture, so add the module to KEPT_WHOLE in "
+                                "tests/conftest.py (two workers would each make it, out of file order)")
