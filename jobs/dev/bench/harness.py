@@ -41,6 +41,7 @@ from jobs.dev.bench.measure import (
     outcome,
     steady_window,
 )
+from jobs.dev.bench.profile import RecordPathProfiler
 from jobs.dev.bench.scenarios import PER_KEY, UNBATCHED, Scenario
 from jobs.dev.bench.workload import (
     MAX_TOKENS,
@@ -156,6 +157,8 @@ class BenchContext:
     overrides: dict[str, int] = field(default_factory=dict)
     say: Callable[[str], None] = print
     progress_every_s: float = 5.0
+    profile_dir: Path | None = None
+    """`--profile`: profile each Flink run (`jobs/dev/bench/profile.py`) and write its table here."""
 
     def settings_for(self, scenario: Scenario, approach: str = "llmstream") -> LlmstreamSettings:
         """The recommended settings for `scenario`, with any given on the command line instead.
@@ -358,6 +361,11 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     checkpoints = CheckpointSampler(proc.pid) if is_flink(approach) else None
     if checkpoints is not None:
         checkpoints.start()
+    profiler = None
+    if ctx.profile_dir is not None and is_flink(approach):
+        profiler = RecordPathProfiler(proc.pid, lambda: observer.seen, max(100, records * 15 // 100), ctx.profile_dir,
+                                      ctx.workdir, f"{scenario.key}-{approach}", ctx.say)
+        profiler.start()
     paced = None
     if overload is not None:
         paced = PacedProducer(producer, overload, scenario.overload_seconds)
@@ -404,18 +412,21 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     finally:
         proc.stop(5)
         proc.reap_group()
-        samplers: list[Any] = [observer, rss, server, *([checkpoints] if checkpoints else [])]
+        samplers: list[Any] = [observer, rss, server, *([checkpoints] if checkpoints else []),
+                               *([profiler] if profiler else [])]
         for thread in samplers:
             thread.stop()
         server.sample()
         for thread in samplers:
-            thread.join(10)
+            thread.join(180 if thread is profiler else 10)
         producer.close()
 
     committed = _committed(bootstrap, topics.group, topics.input)
     result = _summarise(ctx, scenario, approach, producer, observer, rss, server, committed,
                         started_ms, elapsed, stopped_by, proc, load_before)
     result.checkpoints = checkpoints.summary() if checkpoints is not None else None
+    if profiler is not None:
+        result.notes.append(f"profile: {profiler.error or 'profile-' + profiler.label + '.md'}")
     if proc.process.returncode not in (0, None) or result.outcome.seen == 0:
         ctx.say(f"{label} exit code {proc.process.returncode}, {result.outcome.seen} results; "
                 f"last lines of {log_file}:\n{proc.tail()}")

@@ -5,6 +5,7 @@ same simulator settings, same records; writes latest.md / latest.json / latest.p
     llmstream bench --smoke              # ~30 s: scenario a, 100 records, results to a temp dir
     llmstream bench --scenarios b --approaches llmstream --bundle-size 2000   # a tuning run
     llmstream bench --render             # re-write latest.md/png from latest.json
+    llmstream bench --profile --scenarios d --approaches llmstream   # CPU per record per stage
 
 Exit status 0 when every run produced answers with no duplicates and nothing lost; speed
 targets are reported, never enforced.
@@ -85,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work dir (per-run logs, configs, broker)")
     parser.add_argument("--render", action="store_true",
                         help="only re-write latest.md and latest.png from the latest.json in --out")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each Flink run for 10 s once 15%% of its records are answered (py-spy on "
+                             "Python, JFR on the JVM); tables and flame graphs go to --out as profile-*.md/svg")
     parser.add_argument("--wait-for-quiet", type=float, default=None, metavar="LOAD",
                         help="first wait (at most 10 min) for the 1-minute load average to drop below LOAD")
     tuning = parser.add_argument_group(
@@ -123,7 +127,8 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
     try:
         _say(f"bench: starting a Kafka broker; load average {load_before:.2f} on {os.cpu_count()} CPUs")
         broker = _start_broker(workdir)
-        ctx = BenchContext(broker=broker, workdir=workdir, overrides=overrides, say=_say)
+        ctx = BenchContext(broker=broker, workdir=workdir, overrides=overrides, say=_say,
+                           profile_dir=out_dir if args.profile else None)
         for key in args.scenarios:
             scenario = _scenario(key, args)
             records = args.records or scenario.records
