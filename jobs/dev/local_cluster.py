@@ -299,11 +299,8 @@ class LocalCluster(FlinkRest):
         return self.jobmanager_pid() is not None and self.overview() is not None
 
     def _wait_taskmanagers(self, count: int, timeout: float) -> None:
-        def enough() -> bool:
-            ov = self.overview()
-            return ov is not None and int(ov.get("taskmanagers", 0)) >= count
-
-        self._wait(f"{count} registered TaskManager(s)", enough, timeout)
+        self._wait(f"{count} registered TaskManager(s) with their slots",
+                   lambda: len(self.taskmanager_ids()) >= count, timeout)
 
     def jobmanager_log(self) -> Path:
         found = sorted(self.log_dir.glob(f"flink-{IDENT}-standalonesession-*.log"))
@@ -344,8 +341,11 @@ class LocalCluster(FlinkRest):
             raise
 
     def taskmanager_ids(self) -> set[str]:
-        """Resource ids of the TaskManagers registered with the JobManager (``/taskmanagers``)."""
-        return {str(tm["id"]) for tm in self.rest("/taskmanagers").get("taskmanagers", [])}
+        """Resource ids of the TaskManagers registered with the JobManager (``/taskmanagers``) whose
+        slots it knows: a TaskManager registers first and reports its slots a moment later, and until
+        then the cluster has none of them (a `status` in between said "slots 2/2" of two TaskManagers)."""
+        return {str(tm["id"]) for tm in self.rest("/taskmanagers").get("taskmanagers", [])
+                if int(tm.get("slotsNumber") or 0) > 0}
 
     def add_taskmanager(self, timeout: float = 120.0) -> int:
         """Start one more TaskManager and wait until it registers; returns its pid.
