@@ -29,7 +29,7 @@ from pyflink.datastream import (
 from pyflink.java_gateway import get_gateway
 from pyflink.table import StreamTableEnvironment, Table
 
-from jobs import jars
+from jobs import jars, key_groups
 from jobs.state import StateDir
 from udfs import kafka_security
 from udfs.config import JobConfig
@@ -225,17 +225,13 @@ BUCKETS_PER_SUBTASK = 4
 def bucket_keys(parallelism: int, max_parallelism: int | None = None) -> list[int]:
     """`BUCKETS_PER_SUBTASK` key values for each inference subtask, chosen (with Flink's own
     key-group assignment) so that every subtask gets the same number of buckets."""
-    gateway = get_gateway()
-    assign = gateway.jvm.org.apache.flink.runtime.state.KeyGroupRangeAssignment
-    max_p = max_parallelism or assign.computeDefaultMaxParallelism(parallelism)
+    max_p = max_parallelism or key_groups.default_max_parallelism(parallelism)
     chosen: dict[int, list[int]] = {i: [] for i in range(parallelism)}
     candidate = 0
     while any(len(keys) < BUCKETS_PER_SUBTASK for keys in chosen.values()):
-        row = gateway.jvm.org.apache.flink.types.Row(1)
-        row.setField(0, gateway.jvm.java.lang.Integer(candidate))
-        subtask = assign.assignKeyToParallelOperator(row, max_p, parallelism)
-        if len(chosen[subtask]) < BUCKETS_PER_SUBTASK:
-            chosen[subtask].append(candidate)
+        index = key_groups.subtask(candidate, max_p, parallelism)
+        if len(chosen[index]) < BUCKETS_PER_SUBTASK:
+            chosen[index].append(candidate)
         candidate += 1
     return sorted(key for keys in chosen.values() for key in keys)
 
@@ -275,16 +271,12 @@ def per_key_bucket_keys(parallelism: int, max_parallelism: int | None = None) ->
     restore cannot change either: a Kafka key keeps its bucket, and its pending records their
     place in line, across restarts and rescaling, and each subtask owns the buckets of its
     key-group range."""
-    gateway = get_gateway()
-    assign = gateway.jvm.org.apache.flink.runtime.state.KeyGroupRangeAssignment
-    max_p = max_parallelism or assign.computeDefaultMaxParallelism(parallelism)
+    max_p = max_parallelism or key_groups.default_max_parallelism(parallelism)
     wanted = set(range(0, max_p, KEY_GROUP_STRIDE))
     found: dict[int, int] = {}
     candidate = 0
     while len(found) < len(wanted):
-        row = gateway.jvm.org.apache.flink.types.Row(1)
-        row.setField(0, gateway.jvm.java.lang.Integer(candidate))
-        group = assign.assignToKeyGroup(row, max_p)
+        group = key_groups.key_group(candidate, max_p)
         if group in wanted and group not in found:
             found[group] = candidate
         candidate += 1

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pyflink.java_gateway import get_gateway
 
-from jobs import jars
+from jobs import jars, key_groups
 from jobs.pipeline import (
     BUCKETS_PER_SUBTASK,
     bucket_keys,
@@ -71,6 +71,25 @@ def test_every_inference_subtask_gets_the_same_number_of_buckets(parallelism: in
         row.setField(0, gateway.jvm.java.lang.Integer(key))
         per_subtask[assign.assignKeyToParallelOperator(row, max_p, parallelism)] += 1
     assert per_subtask == {i: BUCKETS_PER_SUBTASK for i in range(parallelism)}
+
+
+def test_python_key_groups_are_the_jvms() -> None:
+    """The bucket keys are chosen in Python (`jobs.key_groups`) for the JVM to route: both must agree
+    on every key the job may pick, at every parallelism it ticks and beyond."""
+    create_environment(load_config(), jars.connector_jar_urls())  # starts the JVM gateway
+    gateway = get_gateway()
+    assign = gateway.jvm.org.apache.flink.runtime.state.KeyGroupRangeAssignment
+    for parallelism in (1, 2, 3, 16, 100, 200, 30000):
+        assert key_groups.default_max_parallelism(parallelism) == assign.computeDefaultMaxParallelism(parallelism)
+    keys = [*range(1500), -1, -62, -63, 2**31 - 63, 2**31 - 62, 2**31 - 1, -(2**31)]
+    for key in keys:
+        row = gateway.jvm.org.apache.flink.types.Row(1)
+        row.setField(0, gateway.jvm.java.lang.Integer(key))
+        assert key_groups.row_key_hash(key) == row.hashCode(), key
+        for max_p, parallelism in ((128, 1), (128, 5), (128, 16), (256, 100)):
+            assert key_groups.subtask(key, max_p, parallelism) == assign.assignKeyToParallelOperator(
+                row, max_p, parallelism), (key, max_p, parallelism)
+        assert key_groups.key_group(key, 128) == assign.assignToKeyGroup(row, 128), key
 
 
 @pytest.mark.parametrize("parallelism", [1, 2, 5])
