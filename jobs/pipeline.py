@@ -348,7 +348,8 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
         rate = PER_KEY_TICKS_PER_BUCKET_PER_S
     # Tick slots: each own key `rate` times, each other key OTHER_TICKS_PER_BUCKET_PER_S.
     slots = keys * rate + other_keys * OTHER_TICKS_PER_BUCKET_PER_S
-    tick_cases = " ".join(f"WHEN {i} THEN {key}" for i, key in enumerate(slots))
+    # An array indexed by slot, not a CASE: the planner took 1.3 s over a 122-branch CASE, 0.14 s over this.
+    tick_slots = "ARRAY[" + ", ".join(str(key) for key in slots) + "]"
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {TICKS_TABLE} (n BIGINT) WITH (\n  " + _with({
             "connector": "datagen",
@@ -369,7 +370,7 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     uid_format = config.get("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
     config.set("table.exec.uid.format", f"{TICKS_TABLE}_<transformation>")
     ticks = _as_rows(t_env, t_env.sql_query(
-        f"SELECT CASE MOD(n, {len(slots)}) {tick_cases} END AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
+        f"SELECT {tick_slots}[CAST(MOD(n, {len(slots)}) AS INT) + 1] AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
         f"FROM {TICKS_TABLE}"), row_type)
     ticks._j_data_stream.getTransformation().setName("ticks: TableToDataStream")
     config.set("table.exec.uid.format", uid_format)
