@@ -3,7 +3,12 @@ a stack belongs to, the collapsed-stack format, CPU per record per stage and the
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections import Counter
+from pathlib import Path
+
+import psutil
 
 from jobs.dev.bench.profile import (
     JVM_STAGES,
@@ -13,6 +18,7 @@ from jobs.dev.bench.profile import (
     ProfileResult,
     classify,
     flame_svg,
+    jdk_tool,
     parse_collapsed,
 )
 
@@ -50,3 +56,21 @@ def test_the_flame_graph_has_a_box_per_frame_with_its_samples() -> None:
     assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
     assert "<title>a (4 samples, 100.0%)</title>" in svg
     assert "<title>b (3 samples, 75.0%)</title>" in svg and "<title>c (1 samples, 25.0%)</title>" in svg
+
+
+def test_jdk_tools_come_from_beside_the_profiled_jvm(tmp_path: Path) -> None:
+    """A JDK's jcmd attaches to its own version's JVMs: the profiler takes the one beside the target
+    process's executable, and the PATH's only when there is none there."""
+    jdk_bin = tmp_path / "jdk" / "bin"
+    jdk_bin.mkdir(parents=True)
+    java = jdk_bin / "java"
+    shutil.copy2(shutil.which("sleep") or "/bin/sleep", java)  # a real process whose executable is "java"
+    (jdk_bin / "jcmd").write_text("")
+    process = subprocess.Popen([str(java), "30"])
+    try:
+        target = psutil.Process(process.pid)
+        assert jdk_tool(target, "jcmd") == str(jdk_bin / "jcmd")
+        assert jdk_tool(target, "sh") == shutil.which("sh")
+    finally:
+        process.kill()
+        process.wait()

@@ -226,6 +226,16 @@ def _tool(name: str) -> str | None:
     return str(here) if here.exists() else shutil.which(name)
 
 
+def jdk_tool(java: psutil.Process, name: str) -> str | None:
+    """`jcmd` or `jfr` of the JDK the profiled JVM runs on (beside its `java`), else the PATH's: a
+    JDK's jcmd attaches to its own version's JVMs, and the machine may have several (17 and 25 here)."""
+    with contextlib.suppress(psutil.Error, OSError):
+        here = Path(java.exe()).resolve().parent / name
+        if here.exists():
+            return str(here)
+    return shutil.which(name)
+
+
 class RecordPathProfiler(threading.Thread):
     """Profiles the approach under `root_pid` once `answered()` reaches `start_at`, for `window_s`."""
 
@@ -260,7 +270,9 @@ class RecordPathProfiler(threading.Thread):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"profile-{self.label}"
         raw = self.work_dir / f"profile-{self.label}"  # the recordings: megabytes, left with the work dir
-        py_spy, jcmd, jfr = _tool("py-spy"), _tool("jcmd"), _tool("jfr")
+        py_spy = _tool("py-spy")
+        jcmds = {p.pid: jdk_tool(p, "jcmd") for p in javas}
+        jfr = jdk_tool(javas[0], "jfr") if javas else None
         if py_spy is None:
             raise RuntimeError("py-spy is not installed (pip install py-spy)")
         cpu_before = {p.pid: sum(p.cpu_times()[:2]) for p in pythons + javas}
@@ -269,18 +281,18 @@ class RecordPathProfiler(threading.Thread):
                                    "--nonblocking", "--format", "raw", "-o", f"{raw}-python-{p.pid}.txt"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for p in pythons]
         recordings: dict[int, Path] = {}
-        if jcmd is None or jfr is None:
-            self.say(f"[{self.label}] profile: no jcmd/jfr on PATH; the JVM is not profiled")
+        if javas and (jfr is None or None in jcmds.values()):
+            self.say(f"[{self.label}] profile: no jcmd/jfr beside its java nor on PATH; the JVM is not profiled")
             javas = []
         settings = Path(f"{raw}.jfc")
         settings.write_text(JFR_SETTINGS)
         for p in javas:
             recordings[p.pid] = Path(f"{raw}-jvm-{p.pid}.jfr")
-            subprocess.run([str(jcmd), str(p.pid), "JFR.start", f"name=bench-{self.label}", f"settings={settings}"],
+            subprocess.run([str(jcmds[p.pid]), str(p.pid), "JFR.start", f"name=bench-{self.label}", f"settings={settings}"],
                            capture_output=True, timeout=60, check=True)
         self._ended.wait(self.window_s)
         for p in javas:
-            subprocess.run([str(jcmd), str(p.pid), "JFR.stop", f"name=bench-{self.label}",
+            subprocess.run([str(jcmds[p.pid]), str(p.pid), "JFR.stop", f"name=bench-{self.label}",
                             f"filename={recordings[p.pid]}"], capture_output=True, timeout=120, check=True)
         window = time.monotonic() - started
         records = self.answered() - seen_before
