@@ -38,6 +38,7 @@ from jobs.dev.bench.harness import (
     wait_for_quiet,
 )
 from jobs.dev.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
+from jobs.dev.bench.soak import DEFAULT_RATE, run_soak
 from jobs.dev.simulator import SpawnedFleet, spawn_fleet
 from jobs.dev.simulator import spawn as spawn_simulator
 
@@ -89,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile each Flink run for 10 s once 15%% of its records are answered (py-spy on "
                              "Python, JFR on the JVM); tables and flame graphs go to --out as profile-*.md/svg")
+    parser.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                        help="instead of the scenarios: the job on a standalone cluster for MINUTES at a steady "
+                             "input rate while fleet endpoints, the TaskManager and the broker fail at random "
+                             "moments (jobs/dev/bench/soak.py); soak.md/json go to --out")
+    parser.add_argument("--soak-rate", type=float, default=None, metavar="PER_S",
+                        help="the soak's input records per second (default 60)")
+    parser.add_argument("--seed", type=int, default=1, help="the soak's fault schedule (default %(default)s)")
     parser.add_argument("--wait-for-quiet", type=float, default=None, metavar="LOAD",
                         help="first wait (at most 10 min) for the 1-minute load average to drop below LOAD")
     tuning = parser.add_argument_group(
@@ -219,6 +227,12 @@ def run(args: argparse.Namespace) -> int:
     # kafka-python logs every refused connection while the broker starts, at ERROR; the
     # harness raises on what matters, so its clients' chatter stays out of the progress lines.
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    if args.soak is not None:
+        if args.wait_for_quiet is not None:
+            wait_for_quiet(args.wait_for_quiet, 600, _say)
+        jars.ensure("broker")
+        jars.ensure("connector")
+        return run_soak(args.soak, args.soak_rate or DEFAULT_RATE, args.seed, args.out or RESULTS_DIR, args.keep, _say)
     if args.smoke:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS

@@ -1,0 +1,63 @@
+"""The soak's schedule and arithmetic (`jobs/dev/bench/soak.py`), without services: the faults land
+one at a time inside the window, every kind comes up in a long soak, the slopes are least squares
+per TaskManager process, and the report says when ids were lost."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from jobs.dev.bench.soak import (
+    FAULT_SECONDS,
+    KINDS,
+    RECOVERY_SECONDS,
+    SETTLE_S,
+    WARMUP_S,
+    Sample,
+    SoakResult,
+    chaos_schedule,
+    segment_slopes,
+    slope_per_hour,
+)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 42])
+def test_faults_land_one_at_a_time_inside_the_window(seed: int) -> None:
+    events = chaos_schedule(30, seed)
+    assert events, "a 30-minute soak has faults"
+    assert all(WARMUP_S <= e.at_s < 30 * 60 - SETTLE_S for e in events)
+    for before, after in itertools.pairwise(events):
+        assert after.at_s >= before.at_s + FAULT_SECONDS[before.kind] + RECOVERY_SECONDS[before.kind]
+    assert {e.kind for e in events} == set(KINDS), "30 minutes hold a round of every kind"
+    assert all((e.endpoint is None) == (e.kind in ("TaskManager SIGKILL", "broker restart")) for e in events)
+    assert chaos_schedule(30, seed) == events, "a seed gives the same schedule"
+
+
+def test_a_soak_too_short_for_faults_has_none() -> None:
+    assert chaos_schedule((WARMUP_S + SETTLE_S) / 60, 1) == []
+
+
+def test_slope_is_least_squares_per_hour() -> None:
+    assert slope_per_hour([(t, 100 + t / 60) for t in range(0, 600, 10)]) == pytest.approx(60.0)
+    assert slope_per_hour([(t, 5.0) for t in range(0, 600, 10)]) == pytest.approx(0.0)
+    assert slope_per_hour([(0, 1.0), (10, 2.0)]) is None, "too few points to say"
+
+
+def test_slopes_are_per_taskmanager_after_its_warmup() -> None:
+    first = [Sample(t, 11, 500 + (1000 if t < WARMUP_S else t / 3600 * 20), 1.0) for t in range(0, 1200, 10)]
+    second = [Sample(t, 22, 800.0, 2.0) for t in range(1200, 2400, 10)]
+    rows = segment_slopes(first + second, lambda s: s.taskmanager_rss_mb)
+    assert [r["pid"] for r in rows] == [11, 22]
+    assert rows[0]["slope_per_h"] == pytest.approx(20.0, abs=0.1), "the warm-up's jump is left out"
+    assert rows[1]["slope_per_h"] == pytest.approx(0.0)
+    assert rows[1]["minutes"] == pytest.approx((2390 - 1200 - WARMUP_S) / 60, abs=0.1)
+
+
+def test_the_report_says_when_ids_were_lost() -> None:
+    clean = SoakResult(30, 60, 1, produced=100, answered=98, dead_lettered=2)
+    assert clean.exactly_once and "every id exactly once" in clean.markdown()
+    lossy = SoakResult(30, 60, 1, produced=100, answered=97, dead_lettered=2, lost=1)
+    assert not lossy.exactly_once and "NOT exactly once" in lossy.markdown()
+    failed = SoakResult(30, 60, 1, produced=100, answered=100, error="TimeoutError: 3 ids unseen")
+    assert not failed.exactly_once and "TimeoutError" in failed.markdown()
