@@ -61,3 +61,12 @@ def test_the_report_says_when_ids_were_lost() -> None:
     assert not lossy.exactly_once and "NOT exactly once" in lossy.markdown()
     failed = SoakResult(30, 60, 1, produced=100, answered=100, error="TimeoutError: 3 ids unseen")
     assert not failed.exactly_once and "TimeoutError" in failed.markdown()
+
+
+def test_the_report_tells_refused_triggers_from_failed_checkpoints() -> None:
+    result = SoakResult(30, 60, 1, produced=10, answered=10, checkpoints={
+        "completed": 300, "failed": 4, "failures": {"Checkpoint expired before completing.": 1},
+        "failed_untriggered": 3, "seen": 300, "p50_ms": 150, "p99_ms": 900, "max_ms": 1200})
+    text = result.markdown()
+    assert "1× Checkpoint expired before completing.; 3× refused at trigger, not counted by Flink" in text
+    assert "150 / 900 / 1200 ms" in text
