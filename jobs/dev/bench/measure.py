@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 import requests
 from kafka import KafkaConsumer, TopicPartition  # type: ignore[import-untyped]
+from kafka.errors import KafkaError  # type: ignore[import-untyped]
 
 log = logging.getLogger("llmstream.bench")
 
@@ -64,6 +65,8 @@ class Observer(threading.Thread):
         self.positions: dict[str, int] = {}
         self.cached = 0
         """Ids first seen with `"cached": true` (answered from the result cache)."""
+        self.broker_errors = 0
+        """Reads that failed because the broker did not answer (read again a second later)."""
 
     @property
     def seen(self) -> int:
@@ -78,12 +81,19 @@ class Observer(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stop_event.is_set():
-                batches = self._consumer.poll(timeout_ms=100)
-                arrival = now_ms()
-                for batch in batches.values():
-                    for message in batch:
-                        self._record(message, arrival)
-                self.positions = {tp.topic: int(self._consumer.position(tp)) for tp in self._partitions}
+                try:
+                    batches = self._consumer.poll(timeout_ms=100)
+                    arrival = now_ms()
+                    for batch in batches.values():
+                        for message in batch:
+                            self._record(message, arrival)
+                    self.positions = {tp.topic: int(self._consumer.position(tp)) for tp in self._partitions}
+                except KafkaError as err:
+                    # The broker restarting (the soak does that): the consumer keeps its position,
+                    # so reading on once it answers again neither skips nor repeats a record.
+                    self.broker_errors += 1
+                    log.debug("observer: %s; reading on in 1 s", err)
+                    self._stop_event.wait(1.0)
         finally:
             self._consumer.close()
 
