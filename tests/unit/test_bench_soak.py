@@ -55,12 +55,16 @@ def test_slopes_are_per_taskmanager_after_its_warmup() -> None:
 
 
 def test_the_report_says_when_ids_were_lost() -> None:
-    clean = SoakResult(30, 60, 1, produced=100, answered=98, dead_lettered=2)
-    assert clean.exactly_once and "every id exactly once" in clean.markdown()
-    lossy = SoakResult(30, 60, 1, produced=100, answered=97, dead_lettered=2, lost=1)
-    assert not lossy.exactly_once and "NOT exactly once" in lossy.markdown()
+    clean = SoakResult(30, 60, 1, produced=100, answered=98, dead_lettered=2, drained_s=3.0)
+    assert clean.exactly_once and "**every id exactly once**" in clean.markdown()
+    lossy = SoakResult(30, 60, 1, produced=100, answered=97, dead_lettered=2, lost=1, drained_s=900.0)
+    assert not lossy.exactly_once and "**NOT exactly once**" in lossy.markdown() and "1 lost" in lossy.markdown()
+    doubled = SoakResult(30, 60, 1, produced=100, answered=100, duplicates=1, drained_s=3.0)
+    assert "**NOT exactly once**" in doubled.markdown()
     failed = SoakResult(30, 60, 1, produced=100, answered=100, error="TimeoutError: 3 ids unseen")
     assert not failed.exactly_once and "TimeoutError" in failed.markdown()
+    stopped = SoakResult(3, 60, 1, produced=648, answered=568, lost=80, error="interrupted 11 s into the soak")
+    assert "**not finished**" in stopped.markdown() and "80 not seen yet" in stopped.markdown()
 
 
 def test_the_report_tells_refused_triggers_from_failed_checkpoints() -> None:

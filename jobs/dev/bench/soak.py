@@ -26,6 +26,7 @@ import logging
 import math
 import random
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -179,10 +180,16 @@ class SoakResult:
 
     def markdown(self) -> str:
         """The report: the outcome first, then each fault, checkpoints and the slopes."""
-        verdict = "every id exactly once" if self.exactly_once else "**NOT exactly once**"
+        if self.exactly_once:
+            verdict = "every id exactly once"
+        elif self.drained_s is None and self.duplicates == 0:
+            verdict = "not finished"  # stopped before every id could come out: unseen is not lost
+        else:
+            verdict = "NOT exactly once"
+        missing = "lost" if self.drained_s is not None else "not seen yet"
         lines = [f"# Soak: {self.minutes:g} min at {self.rate_per_s:g} records/s (seed {self.seed})", "",
                  f"- **{verdict}**: {self.produced:,} produced, {self.answered:,} answered, "
-                 f"{self.dead_lettered:,} dead-lettered, {self.lost:,} lost, {self.duplicates:,} duplicated"
+                 f"{self.dead_lettered:,} dead-lettered, {self.lost:,} {missing}, {self.duplicates:,} duplicated"
                  + (f"; all seen {self.drained_s:.0f} s after the input ended" if self.drained_s is not None else ""),
                  f"- job restarts: {self.restarts}; model calls per record: {self.calls_per_record}",
                  (f"- checkpoints: {self.checkpoints.get('completed')} completed, {self.checkpoints.get('failed')} "
@@ -266,7 +273,9 @@ class Soak:
                 if paced.error is not None:
                     raise RuntimeError(f"the input producer failed: {paced.error!r}")
                 self._drain(observer, producer.produced, cluster)
-            except Exception as err:
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`run_soak`): count what came out, then tear down
+                self.result.error = f"interrupted {self._elapsed():.0f} s into the soak"
+            except Exception as err:  # the report says what happened, with the counts so far
                 self.result.error = f"{type(err).__name__}: {err}"
                 log.warning("soak failed", exc_info=True)
             finally:
@@ -385,6 +394,10 @@ class Soak:
                 cluster.cancel(self.job_id, timeout=60)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_soak(minutes: float, rate_per_s: float, seed: int, out_dir: Path, keep: bool,
              say: Callable[[str], None] = print) -> int:
     """`llmstream bench --soak`: 0 if every id came out exactly once."""
@@ -394,9 +407,13 @@ def run_soak(minutes: float, rate_per_s: float, seed: int, out_dir: Path, keep: 
     workdir = Path(tempfile.mkdtemp(prefix="llmstream-soak-"))
     say(f"soak: {minutes:g} min at {rate_per_s:g} records/s, seed {seed}; faults: "
         + "; ".join(f"{e.at_s:.0f}s {e.kind}" for e in chaos_schedule(minutes, seed)))
+    # SIGTERM as Ctrl-C: the broker, the cluster and the fleet are stopped either way (a shell
+    # that starts the soak in the background leaves SIGINT ignored, so `kill` is the way to stop it).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = Soak(minutes, rate_per_s, seed, workdir, say).run()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if keep:
             say(f"soak: work dir kept at {workdir}")
         else:
