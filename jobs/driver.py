@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -115,16 +117,77 @@ class JobDriver(ABC):
         return stop.savepoint
 
 
+_LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+_TASK_FAILURE = ("to FAILED with failure cause", "FATAL - exception in")
+"""How Flink's log opens the report of a task that failed: the TaskManager's "switched from RUNNING
+to FAILED with failure cause:", and "FATAL - exception in exception handler of task" when the task's
+clean-up threw too (which takes the TaskManager down)."""
+
+
+def logged_failures(text: str) -> list[str]:
+    """The root cause of each task failure a Flink log records, oldest first (`last_error_line` of
+    each report: its first line and the stack trace up to the next log record)."""
+    causes: list[str] = []
+    report: list[str] | None = None
+    for line in [*text.splitlines(), "0000-00-00 00:00:00,000 end"]:
+        if _LOG_RECORD.match(line):
+            if report is not None:
+                causes.append(last_error_line("\n".join(report)))
+            report = [line.split(" - ", 1)[-1]] if any(marker in line for marker in _TASK_FAILURE) else None
+        elif report is not None:
+            report.append(line)
+    return causes
+
+
+@dataclass(frozen=True)
+class FlinkLog:
+    """The part of a local JVM's Flink log written since ``offset`` (where a job started).
+
+    A mini cluster's TaskManager can die of a task's failure: when the failed task's clean-up
+    throws again (the Kafka sink's writer rethrows a send error on close), Flink takes that as
+    fatal and stops the TaskManager before the task's own failure reaches the JobManager. The job
+    then fails with "The TaskExecutor is shutting down", its exception history never hears of the
+    cause, and only the log has it."""
+
+    path: Path
+    offset: int = 0
+    limit: int = 32 * 1024 * 1024
+
+    @classmethod
+    def of_this_jvm(cls) -> FlinkLog | None:
+        """The log the gateway JVM writes (its ``log.file``), from its current end; None if unknown."""
+        with contextlib.suppress(Exception):
+            from pyflink.java_gateway import get_gateway
+
+            name = get_gateway().jvm.System.getProperty("log.file")
+            if name:
+                path = Path(str(name))
+                return cls(path, path.stat().st_size if path.exists() else 0)
+        return None
+
+    def failures(self) -> list[str]:
+        """Root causes of the task failures logged since ``offset`` (the first ``limit`` bytes)."""
+        try:
+            with self.path.open("rb") as log_file:
+                log_file.seek(self.offset)
+                text = log_file.read(self.limit).decode("utf-8", "replace")
+        except OSError:
+            return []
+        return logged_failures(text)
+
+
 class MiniClusterDriver(JobDriver):
     """A job in this process's mini cluster, through PyFlink's `JobClient`."""
 
-    def __init__(self, job_client: Any, rest: FlinkRest | None = None) -> None:
+    def __init__(self, job_client: Any, rest: FlinkRest | None = None, log: FlinkLog | None = None) -> None:
         self._client = job_client
         self._result = job_client.get_job_execution_result()
         self.job_id = str(job_client.get_job_id())
         self._error: BaseException | None = None
         self._rest = rest
         """The mini cluster's REST API, for `failure_history` (its job result holds the last failure only)."""
+        self._log = log
+        """The JVM's log, for a failure only it records (`FlinkLog`)."""
 
     def status(self) -> str:
         try:
@@ -144,9 +207,15 @@ class MiniClusterDriver(JobDriver):
         return "FINISHED"
 
     def failure(self) -> str:
+        """The job result's root cause; when that only follows a failure (the TaskManager shutting
+        down), the first primary task failure in the log, which is the one that ended the job."""
         if self.final_state() == "FINISHED" or self._error is None:
             return ""
-        return root_cause(self._error)
+        cause = root_cause(self._error)
+        if is_secondary(cause) and self._log is not None:
+            logged = [line for line in self._log.failures() if not is_secondary(line)]
+            return logged[0] if logged else cause
+        return cause
 
     def failure_history(self) -> list[str]:
         return [last_error_line(trace) for trace in self._rest.failures(self.job_id)] if self._rest else []

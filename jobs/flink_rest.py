@@ -44,6 +44,7 @@ SECONDARY_FAILURES = (
     "Recovery is suppressed",  # the restart strategy giving up: the cause is what it wraps
     "JobExecutionException: Job execution failed",
     "CancelTaskException",
+    "Disconnect from JobManager responsible for",  # a TaskManager stopping fails the tasks it still runs
 )
 """Exceptions that follow a failure rather than cause it; a report names them only if it has nothing else."""
 

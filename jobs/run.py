@@ -23,11 +23,19 @@ source's offset commits wait for its blocked fetcher), lag, calls, latency and c
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from jobs import jars, preflight
-from jobs.driver import MiniClusterDriver, Outcome, StopRequest, drive, stop_on_signals
+from jobs.driver import (
+    FlinkLog,
+    MiniClusterDriver,
+    Outcome,
+    StopRequest,
+    drive,
+    stop_on_signals,
+)
 from jobs.flink_rest import FlinkRest
 from jobs.kafka_admin import GroupProgress
 from jobs.observe import Observer, RunFigures
@@ -72,9 +80,11 @@ def run_job(
         stack.enter_context(quiet_worker_shutdown())
         targets = progress.end_offsets() if options.until_end else None
         rest_port = config.metrics.rest_port or free_port()
-        env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
-                                 local_rest_port=rest_port)
+        with flink_log_dir(state):
+            env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
+                                     local_rest_port=rest_port)
         build_pipeline(env, config)
+        flink_log = FlinkLog.of_this_jvm()
         job_client = env.execute_async(config.name)
         local_run = LocalRun.starting(config, str(job_client.get_job_id()), rest_port)
         stack.callback(local_run.ended, state)
@@ -90,13 +100,31 @@ def run_job(
                    f"input records (end offsets {ends})")
         observer = Observer(config, local_run.rest_url, job_id=local_run.job_id, progress=progress,
                             local_run=local_run)
-        driver = MiniClusterDriver(job_client, FlinkRest(local_run.rest_url))
+        driver = MiniClusterDriver(job_client, FlinkRest(local_run.rest_url), flink_log)
         outcome = drive(driver, stop, savepoints_uri=state.savepoints_uri, progress=progress,
                         targets=targets, figures=RunFigures(observer, local_run, state),
                         progress_every_s=progress_every_s, stop_timeout_s=stop_timeout_s, report=report)
         state_name = _conclude(outcome, progress, state, report)
+        if outcome.state == "FAILED" and flink_log is not None:
+            report(f"llmstream: Flink's log of this run: {flink_log.path}")
         state.prune()
         return state_name
+
+
+@contextlib.contextmanager
+def flink_log_dir(state: StateDir) -> Iterator[None]:
+    """Flink's log of a run in this process goes to the state directory's ``log/`` (a local one),
+    unless FLINK_LOG_DIR says where: PyFlink's default is one file in its own package directory,
+    shared by every run on the machine and truncated by each JVM that starts. PyFlink reads the
+    variable when it starts its JVM (the first run in a process), so it is set only meanwhile."""
+    if state.path is None or "FLINK_LOG_DIR" in os.environ:
+        yield
+        return
+    os.environ["FLINK_LOG_DIR"] = str(state.path / "log")
+    try:
+        yield
+    finally:
+        os.environ.pop("FLINK_LOG_DIR", None)
 
 
 def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report: Callable[[str], None]) -> str:

@@ -201,3 +201,70 @@ def test_the_exception_history_names_the_cause_when_the_result_names_the_shutdow
     # and the other way round: a history that saw only the shutdown does not hide a better result
     job = FakeJob(fails_after=2, history=[shutdown], last_failure=denied)
     assert drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None).cause == denied
+
+
+# Shortened from a mini cluster's log (CI, 2026-12-02): the writer's send error fails the task, its
+# clean-up rethrows it, and the TaskManager stops before the JobManager hears of the task's failure.
+MINI_CLUSTER_LOG = """\
+2026-12-02 01:00:17,361 INFO  org.apache.flink.runtime.executiongraph.ExecutionGraph       [] - Job llmstream-inference switched from state CREATED to RUNNING.
+2026-12-02 01:00:35,041 WARN  org.apache.flink.runtime.taskmanager.Task                    [] - inference -> kafka_results[9]: Writer (1/1)#0 (5b5c_94cf_0_0) switched from RUNNING to FAILED with failure cause:
+java.io.IOException: One or more Kafka Producer send requests have encountered exception
+\tat org.apache.flink.connector.kafka.sink.KafkaWriter.checkAsyncException(KafkaWriter.java:297) ~[blob_p:5.0.0-2.2]
+Caused by: org.apache.flink.util.FlinkRuntimeException: Failed to send data to Kafka sec-out-1@-1
+\tat org.apache.flink.connector.kafka.sink.KafkaWriter$WriterCallback.decorateException(KafkaWriter.java:368)
+\t... 1 more
+Caused by: org.apache.flink.kafka.shaded.org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized to access topics: [sec-out]
+2026-12-02 01:00:35,161 ERROR org.apache.beam.runners.fnexecution.control.FnApiControlClient [] - FnApiControlClient closed, clearing outstanding requests
+2026-12-02 01:00:35,582 ERROR org.apache.flink.runtime.taskmanager.Task                    [] - FATAL - exception in exception handler of task inference (1/1)#0.
+java.io.IOException: One or more Kafka Producer send requests have encountered exception
+Caused by: org.apache.flink.kafka.shaded.org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized to access topics: [sec-out]
+2026-12-02 01:00:35,650 WARN  org.apache.flink.runtime.taskmanager.Task                    [] - Source: inference_ticks[4] (1/1)#0 (5b5c_e58f_0_0) switched from RUNNING to FAILED with failure cause:
+org.apache.flink.util.FlinkException: Disconnect from JobManager responsible for 293a.
+Caused by: org.apache.flink.util.FlinkExpectedException: The TaskExecutor is shutting down.
+\tat org.apache.flink.runtime.taskexecutor.TaskExecutor.onStop(TaskExecutor.java:523) ~[flink-dist-2.2.1.jar:2.2.1]
+2026-12-02 01:00:35,824 INFO  org.apache.flink.runtime.executiongraph.ExecutionGraph       [] - Job llmstream-inference switched from state FAILING to FAILED.
+"""
+DENIED_OUT = ("org.apache.flink.kafka.shaded.org.apache.kafka.common.errors.TopicAuthorizationException: "
+              "Not authorized to access topics: [sec-out]")
+
+
+def test_the_log_names_each_task_failure_by_its_root_cause() -> None:
+    from jobs.driver import logged_failures
+
+    assert logged_failures(MINI_CLUSTER_LOG) == [
+        DENIED_OUT, DENIED_OUT, "org.apache.flink.util.FlinkExpectedException: The TaskExecutor is shutting down."]
+    assert logged_failures("2026-12-02 01:00:17,361 INFO  x [] - nothing failed\n") == []
+
+
+def test_when_the_job_result_names_only_the_shutdown_the_log_names_the_cause(tmp_path: Any) -> None:
+    """The TaskManager died of the failed task's clean-up before the JobManager heard of the task's
+    failure: the job's result and its exception history name only the shutdown; the log, read from
+    where this job started, names the authorization error."""
+    from jobs.driver import FlinkLog, MiniClusterDriver
+
+    class FailedResult:
+        def done(self) -> bool:
+            return True
+
+        def result(self) -> None:
+            raise RuntimeError("org.apache.flink.runtime.client.JobExecutionException: Job execution failed.\n"
+                               "Caused by: org.apache.flink.util.FlinkExpectedException: The TaskExecutor is "
+                               "shutting down.\n")
+
+    class Client:
+        def get_job_execution_result(self) -> FailedResult:
+            return FailedResult()
+
+        def get_job_id(self) -> str:
+            return "293a"
+
+    earlier = "2026-12-02 00:59:00,000 WARN  Task [] - old (1/1) switched from RUNNING to FAILED with failure cause:\n" \
+              "java.lang.RuntimeException: an earlier job's failure\n"
+    log = tmp_path / "flink.log"
+    log.write_text(earlier + MINI_CLUSTER_LOG)
+    driver = MiniClusterDriver(Client(), log=FlinkLog(log, offset=len(earlier)))
+    assert driver.failure() == DENIED_OUT
+    assert drive(driver, StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None).cause == DENIED_OUT
+    # without the log (or with nothing in it) the shutdown is all there is to say
+    assert MiniClusterDriver(Client()).failure().endswith("The TaskExecutor is shutting down.")
+    assert MiniClusterDriver(Client(), log=FlinkLog(tmp_path / "absent.log")).failure().endswith("shutting down.")
