@@ -145,13 +145,26 @@ class FlinkRest:
         """Operator chain name -> parallelism, as the cluster runs it."""
         return {v["name"]: int(v["parallelism"]) for v in self.job(job_id)["vertices"]}
 
-    def num_restarts(self, job_id: str) -> int:
-        """The job's ``numRestarts`` metric (full and partial restarts since submission)."""
-        metrics = self.rest(f"/jobs/{job_id}/metrics?get=numRestarts")
-        for metric in metrics or []:
-            if metric.get("id") == "numRestarts":
-                return int(float(metric["value"]))
-        return 0
+    def num_restarts(self, job_id: str, *, settle_s: float = 0.0) -> int:
+        """The job's ``numRestarts`` metric (full and partial restarts since submission).
+
+        The REST API answers job metrics from its metric store and refreshes that store only when
+        asked, at most every ``metrics.fetcher.update-interval`` (10 s): the first query after a
+        quiet while answers an old value (0 after three TaskManager kills, in a soak's report) and
+        starts the fetch. With ``settle_s`` the question is asked again after that long, for a
+        figure that must be current (a report's last word); 0 answers what the store has."""
+        def ask() -> int:
+            metrics = self.rest(f"/jobs/{job_id}/metrics?get=numRestarts")
+            for metric in metrics or []:
+                if metric.get("id") == "numRestarts":
+                    return int(float(metric["value"]))
+            return 0
+
+        first = ask()
+        if settle_s <= 0:
+            return first
+        time.sleep(settle_s)
+        return max(first, ask())
 
     def checkpoint_stats(self, job_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self.rest(f"/jobs/{job_id}/checkpoints")

@@ -199,7 +199,7 @@ class ClusterRun:
         wait_until(enough, timeout, message=f"{at_least} committed outputs")
 
     def restarts(self) -> int:
-        return sum(self.cluster.num_restarts(j) for j in self.jobs)
+        return sum(self.cluster.num_restarts(j, settle_s=2.0) for j in self.jobs)
 
 
 LIFECYCLE_SIM_ARGS = ["--latency", "fixed:100", "--seed", "3"]

@@ -268,3 +268,23 @@ def test_when_the_job_result_names_only_the_shutdown_the_log_names_the_cause(tmp
     # without the log (or with nothing in it) the shutdown is all there is to say
     assert MiniClusterDriver(Client()).failure().endswith("The TaskExecutor is shutting down.")
     assert MiniClusterDriver(Client(), log=FlinkLog(tmp_path / "absent.log")).failure().endswith("shutting down.")
+
+
+def test_a_settled_restart_count_asks_again_after_the_metric_store_caught_up(monkeypatch: Any) -> None:
+    """Flink's REST API answers job metrics from a store it refreshes only when asked: the first
+    answer can be the old value. `settle_s` asks a second time and keeps the larger count."""
+    from jobs.flink_rest import FlinkRest
+
+    answers = iter(["0", "4"])
+    asked: list[str] = []
+
+    def rest(self: FlinkRest, path: str, **_: Any) -> list[dict[str, str]]:
+        asked.append(path)
+        return [{"id": "numRestarts", "value": next(answers)}]
+
+    monkeypatch.setattr(FlinkRest, "rest", rest)
+    monkeypatch.setattr("jobs.flink_rest.time.sleep", lambda s: None)
+    assert FlinkRest("http://127.0.0.1:1").num_restarts("j", settle_s=2.0) == 4
+    assert asked == ["/jobs/j/metrics?get=numRestarts"] * 2
+    answers = iter(["3"])
+    assert FlinkRest("http://127.0.0.1:1").num_restarts("j") == 3

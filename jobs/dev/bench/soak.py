@@ -375,11 +375,7 @@ class Soak:
         result.lost = len(ids - set(first))
         result.duplicates = sum(n - 1 for rid, n in counts.items() if rid in ids and n > 1)
         with contextlib.suppress(Exception):
-            # The REST API's job metrics are fetched lazily: a first query answers the metric store's
-            # old value (0 in the first soak's report after three TaskManager kills) and starts a fetch.
-            cluster.num_restarts(self.job_id or "")
-            time.sleep(3)
-            result.restarts = cluster.num_restarts(self.job_id or "")
+            result.restarts = cluster.num_restarts(self.job_id or "", settle_s=3.0)
         with contextlib.suppress(Exception):
             result.calls_per_record = round(int(fleet.stats()["requests_total"]) / max(1, produced), 3)
         durations = sorted(self.durations.values())
