@@ -160,6 +160,19 @@ class PeriodicSampler(threading.Thread):
         self._stop_event.set()
 
 
+def process_tree(root: psutil.Process) -> list[psutil.Process]:
+    """A process and all its descendants (a TaskManager and its Python workers)."""
+    return [root, *root.children(recursive=True)]
+
+
+def tree_rss_mb(pid: int) -> float | None:
+    """The resident memory of a process tree in MB; None if the process is gone."""
+    try:
+        return sum(proc.memory_info().rss for proc in process_tree(psutil.Process(pid))) / 2**20
+    except psutil.Error:
+        return None
+
+
 class RssSampler(PeriodicSampler):
     """Every `interval_s`, the summed RSS of each role's process tree (root and descendants).
 
@@ -194,8 +207,7 @@ class RssSampler(PeriodicSampler):
 
     def _tree(self, pid: int) -> list[psutil.Process]:
         try:
-            root = self._process(pid)
-            return [root, *root.children(recursive=True)]
+            return process_tree(self._process(pid))
         except psutil.Error:
             return []
 

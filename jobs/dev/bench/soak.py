@@ -36,13 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import yaml
 
 from jobs import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.bench.harness import LlmstreamSettings, Topics, llmstream_config
-from jobs.dev.bench.measure import CheckpointSampler, Observer, percentile
+from jobs.dev.bench.measure import CheckpointSampler, Observer, percentile, tree_rss_mb
 from jobs.dev.bench.scenarios import Scenario
 from jobs.dev.bench.workload import InputProducer, PacedProducer, record_id
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
@@ -332,11 +331,7 @@ class Soak:
     def _sample(self, cluster: LocalCluster) -> None:
         pids = cluster.taskmanager_pids()
         pid = pids[-1] if pids else None
-        rss = None
-        if pid is not None:
-            with contextlib.suppress(psutil.Error):
-                root = psutil.Process(pid)
-                rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+        rss = tree_rss_mb(pid) if pid is not None else None
         size = None
         if self.job_id is not None:
             stats = cluster.checkpoint_stats(self.job_id)
