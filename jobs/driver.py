@@ -127,16 +127,16 @@ clean-up threw too (which takes the TaskManager down)."""
 def logged_failures(text: str) -> list[str]:
     """The root cause of each task failure a Flink log records, oldest first (`last_error_line` of
     each report: its first line and the stack trace up to the next log record)."""
-    causes: list[str] = []
+    reports: list[list[str]] = []
     report: list[str] | None = None
-    for line in [*text.splitlines(), "0000-00-00 00:00:00,000 end"]:
+    for line in text.splitlines():
         if _LOG_RECORD.match(line):
-            if report is not None:
-                causes.append(last_error_line("\n".join(report)))
             report = [line.split(" - ", 1)[-1]] if any(marker in line for marker in _TASK_FAILURE) else None
+            if report is not None:
+                reports.append(report)
         elif report is not None:
             report.append(line)
-    return causes
+    return [last_error_line("\n".join(lines)) for lines in reports]
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from jobs.dev.schema_registry import LocalRegistry
 from jobs.dev.simulator import SpawnedSimulator
 from jobs.preflight import _check_registry
 from tests.integration.helpers import make_job
-from tests.support.waiting import wait_until
+from tests.support.waiting import METRICS_SETTLE_S, wait_until
 from udfs.config import config_from_dict
 from udfs.errors import ConfigError
 from udfs.registry import RegistryClient, SchemaNotFound, SchemaRejected
@@ -95,7 +95,7 @@ def test_avro_in_avro_out_with_an_evolved_schema_bad_bytes_and_a_registry_outage
     expected = len(sent) + len(bad_first) + len(bad_second)
     wait_until(lambda: len(_keys(bootstrap, setup.output_topic)) + len(_keys(bootstrap, setup.dead_letter_topic))
                >= expected, 300, message=f"{expected} records committed")
-    assert cluster.num_restarts(job_id, settle_s=2.0) == 0
+    assert cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S) == 0
 
     dead = {r.key: json.loads(r.value) for r in kafka_admin.consume_committed(bootstrap, setup.dead_letter_topic,
                                                                               timeout_s=30)}

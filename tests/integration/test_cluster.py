@@ -32,6 +32,7 @@ from tests.integration.helpers import (
     unique_records,
     wait_for_checkpoints,
 )
+from tests.support.waiting import METRICS_SETTLE_S
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +127,7 @@ def test_submit_honours_the_configured_parallelism(
     assert sorted(json.loads(r.value)["id"] for r in got) == sorted(k.decode() for k, _ in records)
     subtasks = {json.loads(r.value)["source"]["partition"] for r in got}
     assert subtasks == {0, 1}
-    assert cluster.num_restarts(job_id, settle_s=2.0) == 0
+    assert cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S) == 0
     cluster.cancel(job_id)
 
 
@@ -228,7 +229,7 @@ def test_bad_input_corpus_is_dead_lettered_without_restarts(
     wait_for_checkpoints(cluster, job_id, 3)  # anything duplicated or late would show now
     dead = kafka_admin.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=60)
     out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=60)
-    restarts = cluster.num_restarts(job_id, settle_s=2.0)
+    restarts = cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S)
     state = cluster.job_status(job_id)
     cluster.cancel(job_id)
 

@@ -31,7 +31,7 @@ from tests.integration.helpers import (
     unique_records,
 )
 from tests.support.runs import Run, start_run
-from tests.support.waiting import wait_until
+from tests.support.waiting import METRICS_SETTLE_S, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -385,7 +385,7 @@ def test_memory_stays_flat_with_a_200k_backlog_and_a_slow_model(
             samples.append((now - t0, _rss_mb([tm]), _rss_mb(workers)))
             assert cluster.job_status(job_id) == "RUNNING", cluster.failure(job_id)
             time.sleep(2)
-        restarts = cluster.num_restarts(job_id, settle_s=2.0)
+        restarts = cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S)
         metaspace_mb = _metaspace_mb(cluster)
         committed = sum(kafka_admin.committed_offsets(setup.bootstrap, setup.config.kafka.group_id,
                                                       setup.input_topic).values())

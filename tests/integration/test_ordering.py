@@ -42,6 +42,7 @@ from tests.integration.helpers import (
     make_job,
     wait_for_checkpoints,
 )
+from tests.support.waiting import METRICS_SETTLE_S
 from udfs.config import to_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
@@ -145,7 +146,7 @@ def test_per_key_order_and_tombstones_survive_a_taskmanager_kill(
     cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
     finish(cluster, reader, job_id, total)
     cluster.reap_orphans(grace_s=2)
-    restarts = cluster.num_restarts(job_id, settle_s=2.0)
+    restarts = cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S)
     print(f"per_key: {committed_at_kill} of {total} committed at the kill, "
           f"{time.monotonic() - killed_at:.1f} s from the kill to the end, {restarts} restart(s)")
 

@@ -17,11 +17,10 @@ from tests.integration.helpers import (
     unique_records,
     wait_for_checkpoints,
 )
+from tests.support.waiting import METRICS_SETTLE_S
 
 RECORDS = 5000
 """Records of one scenario: ~40 s of work at the fault tests' pace, so a fault lands mid-stream."""
-SETTLE_S = 2.0
-"""How long a restart count waits for the REST API's metric store to catch up (`FlinkRest.num_restarts`)."""
 
 
 @dataclass
@@ -56,7 +55,7 @@ class Run:
         assert self.reader.unique_ids() < len(self.ids), "the stream finished before the fault"
 
     def restarts(self) -> int:
-        return sum(self.cluster.num_restarts(j, settle_s=SETTLE_S) for j in self.job_ids)
+        return sum(self.cluster.num_restarts(j, settle_s=METRICS_SETTLE_S) for j in self.job_ids)
 
     def finish(self, timeout: float = 300) -> Tally:
         """Wait for every id, give late duplicates three more checkpoints to appear, then count independently."""

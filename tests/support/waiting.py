@@ -15,6 +15,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+METRICS_SETTLE_S = 2.0
+"""How long a restart count waits for the REST API's metric store to catch up (`FlinkRest.num_restarts`)."""
+
 Message = str | Callable[[], str]
 """What was awaited, or a function that says it at the timeout (e.g. with the logs of that moment)."""
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import psutil
 
+from jobs.dev.bench.measure import process_tree
+
 log = logging.getLogger("llmstream.bench")
 
 PYTHON_STAGES: list[tuple[str, tuple[str, ...]]] = [
@@ -263,8 +265,7 @@ class RecordPathProfiler(threading.Thread):
             if self._ended.wait(0.25):
                 self.error = f"the run ended before {self.start_at:,} records were answered"
                 return
-        root = psutil.Process(self.root_pid)
-        tree = [root, *root.children(recursive=True)]
+        tree = process_tree(psutil.Process(self.root_pid))
         pythons = [p for p in tree if "python" in p.name()]
         javas = [p for p in tree if p.name() == "java"]
         self.out_dir.mkdir(parents=True, exist_ok=True)
