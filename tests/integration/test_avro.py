@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
@@ -48,6 +49,21 @@ def _serialized(registry: LocalRegistry, topic: str, schema: dict[str, Any], rec
     serializer = AvroSerializer(client, json.dumps(schema))
     context = SerializationContext(topic, MessageField.VALUE)
     return [serializer(record, context) for record in records]
+
+
+def _assert_registry_kept(registry: LocalRegistry, topic: str, samples: list[bytes]) -> None:
+    """The restarted registry still has the writer schemas registered before its stop. One CI run
+    saw Apicurio answer 404 for the second of two ids registered a second apart (cause unknown,
+    not reproduced in 22 restarts); the job then dead-letters good records, as it should for an
+    id the registry does not have. This names the registry as the part that failed."""
+    for sample in samples:
+        schema_id = int.from_bytes(sample[1:5], "big")
+        answer = requests.get(f"{registry.url}/schemas/ids/{schema_id}", timeout=30)
+        if answer.status_code != 200:
+            versions = requests.get(f"{registry.url}/subjects/{topic}-value/versions", timeout=30)
+            pytest.fail(f"the local registry lost schema id {schema_id} across its restart (HTTP "
+                        f"{answer.status_code}; subject {topic}-value has versions {versions.text[:200]}); "
+                        f"its data and log: {registry.data_dir}")
 
 
 def _keys(bootstrap: str, topic: str) -> list[bytes]:
@@ -91,6 +107,7 @@ def test_avro_in_avro_out_with_an_evolved_schema_bad_bytes_and_a_registry_outage
     wait_until(lambda: time.monotonic() - down_at >= OUTAGE_S, OUTAGE_S + 5, 1, "the outage to last 20 s")
     assert cluster.job_status(job_id) == "RUNNING"
     schema_registry.start(timeout=240)
+    _assert_registry_kept(schema_registry, topic, [v1[0], v2[0]])
 
     expected = len(sent) + len(bad_first) + len(bad_second)
     wait_until(lambda: len(_keys(bootstrap, setup.output_topic)) + len(_keys(bootstrap, setup.dead_letter_topic))

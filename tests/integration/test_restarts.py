@@ -37,7 +37,8 @@ from tests.integration.helpers import (
     make_job,
     unique_records,
 )
-from tests.support.waiting import METRICS_SETTLE_S, wait_until
+from tests.support.runs import total_restarts
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -203,7 +204,7 @@ class ClusterRun:
         wait_until(enough, timeout, message=f"{at_least} committed outputs")
 
     def restarts(self) -> int:
-        return sum(self.cluster.num_restarts(j, settle_s=METRICS_SETTLE_S) for j in self.jobs)
+        return total_restarts(self.cluster, self.jobs)
 
 
 LIFECYCLE_SIM_ARGS = ["--latency", "fixed:100", "--seed", "3"]

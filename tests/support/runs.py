@@ -23,6 +23,11 @@ RECORDS = 5000
 """Records of one scenario: ~40 s of work at the fault tests' pace, so a fault lands mid-stream."""
 
 
+def total_restarts(cluster: LocalCluster, job_ids: list[str]) -> int:
+    """Restarts of every job a scenario submitted, each read after the metric store has settled."""
+    return sum(cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S) for job_id in job_ids)
+
+
 @dataclass
 class Run:
     """One scenario in progress: its job(s), the records sent and the committed reader."""
@@ -55,7 +60,7 @@ class Run:
         assert self.reader.unique_ids() < len(self.ids), "the stream finished before the fault"
 
     def restarts(self) -> int:
-        return sum(self.cluster.num_restarts(j, settle_s=METRICS_SETTLE_S) for j in self.job_ids)
+        return total_restarts(self.cluster, self.job_ids)
 
     def finish(self, timeout: float = 300) -> Tally:
         """Wait for every id, give late duplicates three more checkpoints to appear, then count independently."""
