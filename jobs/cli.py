@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     return exit_code(run_job(config, _run_options(args), progress_every_s=args.progress_every,
-                             stop_timeout_s=args.stop_timeout))
+                             stop_timeout_s=args.stop_timeout, class_archive=True))
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from jobs.driver import (
     stop_on_signals,
 )
 from jobs.flink_rest import FlinkRest
+from jobs.jvm_archive import GatewayArchive
 from jobs.kafka_admin import GroupProgress
 from jobs.observe import Observer, RunFigures
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
@@ -58,9 +59,14 @@ def run_job(
     report: Callable[[str], None] = print,
     stop: StopRequest | None = None,
     stop_timeout_s: float = 60.0,
+    class_archive: bool = False,
 ) -> str:
     """Runs the job until it ends; returns FINISHED (a backfill done, or stopped with a
-    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume."""
+    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume.
+
+    `class_archive` (the CLI's, which owns its process): the JVM starts from a class-data-sharing
+    archive, or makes one and is shut down at the end to write it (`jobs/jvm_archive.py`), so
+    nothing in this process may use PyFlink after this returns."""
     options = options or RunOptions()
     stop = stop or StopRequest.new()
     state = checked_state_dir(config, options.state_dir, create=True)
@@ -70,6 +76,16 @@ def run_job(
     jars.ensure("connector")
     if config.metrics.prometheus_port is not None:
         jars.ensure("metrics")
+    archive = GatewayArchive.find() if class_archive else None
+    state_name = _run(config, options, state, archive, progress_every_s=progress_every_s, report=report,
+                      stop=stop, stop_timeout_s=stop_timeout_s)
+    if archive is not None:
+        archive.save(report)
+    return state_name
+
+
+def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: GatewayArchive | None, *,
+         progress_every_s: float, report: Callable[[str], None], stop: StopRequest, stop_timeout_s: float) -> str:
     with contextlib.ExitStack() as stack:
         stack.enter_context(state.exclusive())
         check_identity(state, config, fresh=options.fresh)
@@ -80,7 +96,7 @@ def run_job(
         stack.enter_context(quiet_worker_shutdown())
         targets = progress.end_offsets() if options.until_end else None
         rest_port = config.metrics.rest_port or free_port()
-        with flink_log_dir(state):
+        with flink_log_dir(state), _archive_applied(archive, state):
             env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
                                      local_rest_port=rest_port)
         build_pipeline(env, config)
@@ -125,6 +141,19 @@ def flink_log_dir(state: StateDir) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("FLINK_LOG_DIR", None)
+
+
+@contextlib.contextmanager
+def _archive_applied(archive: GatewayArchive | None, state: StateDir) -> Iterator[None]:
+    if archive is None:
+        yield
+        return
+    log_file = None
+    if state.path is not None:
+        (state.path / "log").mkdir(parents=True, exist_ok=True)
+        log_file = state.path / "log" / "jvm-class-archive.log"
+    with archive.applied(log_file):
+        yield
 
 
 def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report: Callable[[str], None]) -> str:

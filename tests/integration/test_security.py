@@ -30,6 +30,7 @@ from jobs import submit as submit_mod
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.secure_kafka import JOB, LACKING_USERS, WRONG_HOST, SecureBroker, job_acls
 from jobs.dev.simulator import SpawnedSimulator
+from jobs.jvm_archive import DIR_ENV
 from jobs.pipeline import RunOptions
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import unique_records, write_config
@@ -193,9 +194,11 @@ def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
 
     watcher = RestWatcher(rest_url)
     watcher.start()
+    archives = tmp_path / "jvm"  # this run makes its JVM's class archive, a file llmstream writes too
     try:
         done = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "run", "--config", str(path), "--until-end"],
-                              capture_output=True, timeout=900, env=SHELL_ENV, check=False)
+                              capture_output=True, timeout=900, env={**SHELL_ENV, DIR_ENV: str(archives)},
+                              check=False)
     finally:
         watcher.stop()
     assert done.returncode == 0, done.stderr.decode()[-3000:]
@@ -215,7 +218,8 @@ def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
               "status --json": status.stdout + status.stderr, "config file": path.read_bytes(),
               "records and headers": b"\n".join(m.value + repr(m.headers).encode() for m in records),
               **{f"REST {p}": page for p, page in watcher.pages.items()},
-              **_files(state_dir)}
+              **_files(state_dir), **_files(archives)}
+    assert any(name.endswith(".jsa") for name in _files(archives)), "the run saved no class archive"
     for secret in (password, api_key):
         assert not _grep(secret, places), f"a secret leaked into: {_grep(secret, places)}"
 
