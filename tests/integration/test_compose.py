@@ -150,6 +150,7 @@ def test_llmstream_commands_exist(compose: dict[str, Any]) -> None:
     {},
     {"LLMSTREAM_MODEL_ENDPOINT": "http://ollama:11434/v1", "LLMSTREAM_MODEL": "qwen2.5:0.5b"},
     {"LLMSTREAM_MODEL_ENDPOINT": "http://vllm:8000/v1", "LLMSTREAM_MODEL": "Qwen/Qwen2.5-0.5B-Instruct"},
+    {"LLMSTREAM_PARALLELISM": "2"},
 ])
 def test_submitted_job_config_is_valid_and_the_model_is_switchable(
         compose: dict[str, Any], env: dict[str, str]) -> None:
@@ -159,7 +160,8 @@ def test_submitted_job_config_is_valid_and_the_model_is_switchable(
     assert config.model.endpoint == env.get("LLMSTREAM_MODEL_ENDPOINT", "http://model-server:8000/v1")
     assert config.kafka.bootstrap_servers == "kafka:9092"
     assert config.model.api_key_file == "/dev/null" and API_KEY_SECRET in raw
-    if env:
+    assert config.parallelism.default == int(env.get("LLMSTREAM_PARALLELISM", "1"))
+    if "LLMSTREAM_MODEL_ENDPOINT" in env:
         host = env["LLMSTREAM_MODEL_ENDPOINT"].split("//")[1].split(":")[0]
         assert host in compose["services"], f"no service {host} for the endpoint"
 

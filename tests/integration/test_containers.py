@@ -4,23 +4,28 @@ The image is built on a base made here (debootstrap + ``docker import``, jobs/de
 because no image registry is reachable; ``make test`` starts that build in the background, and
 the fixture below waits for it (a file lock) instead of building twice.
 
-One compose project (unique name, free host ports) serves the module, in file order:
-500 records exactly once; a TaskManager killed mid-stream and started again by compose, every
-id still exactly once; then ``down -v`` leaves no container, volume or network behind.
+One compose project (unique name, free host ports) serves the module, in file order, with two
+TaskManagers and the job at parallelism 2 (``LLMSTREAM_PARALLELISM=2 up --scale taskmanager=2``):
+500 records exactly once; the TaskManager running the most of the job killed mid-stream (the other
+has room for all of it) and started again by compose, every id still exactly once; then ``down
+-v`` leaves no container, volume or network behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
+import requests
 
 from jobs import jars, kafka_admin
 from jobs.dev import containers
@@ -32,6 +37,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.containers]
 
 ROOT = jars.repo_root()
 TOPICS = ("llm-requests", "llm-results", "llm-dead-letter")
+TASKMANAGERS = 2
+_IP = re.compile(r"@([0-9.]+):")
 
 
 def compose_command() -> list[str]:
@@ -63,6 +70,27 @@ class ComposeProject:
         ids = self.compose("ps", "-q", service).split()
         assert len(ids) == 1, f"{service}: containers {ids}"
         return ids[0]
+
+    def rest(self, path: str) -> Any:
+        answer = requests.get(f"http://127.0.0.1:{self.env['LLMSTREAM_FLINK_REST_PORT']}{path}", timeout=10)
+        answer.raise_for_status()
+        return answer.json()
+
+    def busiest_taskmanager(self) -> tuple[str, int]:
+        """The TaskManager container with the most of the job's slots, and how many it runs."""
+        by_ip = {}
+        for cid in self.compose("ps", "-q", "taskmanager").split():
+            ip = subprocess.run(["docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+                                 cid], capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+            by_ip[ip] = cid
+        busy = []
+        for tm in self.rest("/taskmanagers")["taskmanagers"]:
+            match = _IP.search(str(tm["path"]))
+            if match and match.group(1) in by_ip:
+                busy.append((int(tm["slotsNumber"]) - int(tm["freeSlots"]), by_ip[match.group(1)]))
+        assert len(busy) == TASKMANAGERS, f"TaskManagers {self.rest('/taskmanagers')} vs containers {by_ip}"
+        slots, cid = max(busy)
+        return cid, slots
 
     def state(self, container: str) -> tuple[str, int]:
         out = subprocess.run(["docker", "inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", container],
@@ -122,12 +150,13 @@ def llmstream_image() -> str:
 @pytest.fixture(scope="module")
 def project(llmstream_image: str) -> Iterator[ComposeProject]:
     env = {**os.environ,
+           "LLMSTREAM_PARALLELISM": str(TASKMANAGERS),
            "LLMSTREAM_KAFKA_HOST_PORT": str(free_port()),
            "LLMSTREAM_FLINK_REST_PORT": str(free_port()),
            "LLMSTREAM_BASE_IMAGE": containers.BASE_IMAGE}
     proj = ComposeProject(f"llmstream-test-{uuid.uuid4().hex[:8]}", env)
     try:
-        proj.compose("up", "-d", timeout=900)
+        proj.compose("up", "-d", "--scale", f"taskmanager={TASKMANAGERS}", timeout=900)
         submitter = proj.container("submitter")
 
         def exited() -> tuple[str, int] | None:
@@ -147,6 +176,11 @@ def test_compose_up_500_records_exactly_once(project: ComposeProject) -> None:
     result = wait_for_all(project)
     check_exactly_once(result)
     assert result.out > 0, "the simulator answers: most records reach the output topic"
+    running = [job["id"] for job in project.rest("/jobs")["jobs"] if job["status"] == "RUNNING"]
+    assert len(running) == 1, project.rest("/jobs")
+    vertices = project.rest(f"/jobs/{running[0]}")["vertices"]
+    assert max(v["parallelism"] for v in vertices) == TASKMANAGERS, [(v["name"], v["parallelism"]) for v in vertices]
+    assert len(project.rest("/taskmanagers")["taskmanagers"]) == TASKMANAGERS
 
 
 @pytest.mark.fault
@@ -162,12 +196,14 @@ def test_taskmanager_killed_mid_stream_every_id_exactly_once(project: ComposePro
     visible_new = wait_until(some_new_visible, timeout=240, interval=1,
                              message=lambda: f"output for the new records\n{project.logs()}")
     assert visible_new < len(ids), "the whole batch was committed before the kill: not mid-stream"
-    taskmanager = project.container("taskmanager")
+    taskmanager, slots = project.busiest_taskmanager()
+    assert slots >= 1, "neither TaskManager runs a slot of the job"
     subprocess.run(["docker", "kill", taskmanager], capture_output=True, timeout=60, check=True)
     assert project.state(taskmanager)[0] == "exited"
     # `docker kill` is a manual stop to Docker, so the restart policy stays out of it: compose starts it.
     project.compose("start", "taskmanager")
-    assert project.state(project.container("taskmanager"))[0] == "running"
+    states = [project.state(cid)[0] for cid in project.compose("ps", "-q", "taskmanager").split()]
+    assert states == ["running"] * TASKMANAGERS, states
     result = wait_for_all(project, timeout=420)
     check_exactly_once(result)
 
