@@ -17,6 +17,7 @@ from jobs.dev.bench.soak import (
     Sample,
     SoakResult,
     chaos_schedule,
+    fault_kinds,
     segment_slopes,
     slope_per_hour,
 )
@@ -32,6 +33,17 @@ def test_faults_land_one_at_a_time_inside_the_window(seed: int) -> None:
     assert {e.kind for e in events} == set(KINDS), "30 minutes hold a round of every kind"
     assert all((e.endpoint is None) == (e.kind in ("TaskManager SIGKILL", "broker restart")) for e in events)
     assert chaos_schedule(30, seed) == events, "a seed gives the same schedule"
+
+
+def test_a_soak_draws_only_the_faults_asked_for() -> None:
+    kinds = fault_kinds("endpoint-kill,endpoint-500,endpoint-429,broker-restart")
+    events = chaos_schedule(30, 1, kinds_allowed=kinds)
+    assert events and "TaskManager SIGKILL" not in {e.kind for e in events}
+    assert {e.kind for e in events} == set(kinds)
+    assert chaos_schedule(30, 1, kinds_allowed=fault_kinds("none")) == []
+    assert fault_kinds("all") == KINDS
+    with pytest.raises(ValueError, match="tm-kill"):
+        fault_kinds("endpoint-kill,tm-kill")
 
 
 def test_a_soak_too_short_for_faults_has_none() -> None:

@@ -38,7 +38,7 @@ from jobs.dev.bench.harness import (
     wait_for_quiet,
 )
 from jobs.dev.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
-from jobs.dev.bench.soak import DEFAULT_RATE, run_soak
+from jobs.dev.bench.soak import DEFAULT_RATE, FAULT_NAMES, fault_kinds, run_soak
 from jobs.dev.simulator import SpawnedFleet, spawn_fleet
 from jobs.dev.simulator import spawn as spawn_simulator
 
@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "moments (jobs/dev/bench/soak.py); soak.md/json go to --out")
     parser.add_argument("--soak-rate", type=float, default=None, metavar="PER_S",
                         help="the soak's input records per second (default 60)")
+    parser.add_argument("--soak-faults", default="all", metavar="KINDS",
+                        help="the soak's kinds of fault, comma-separated: " + ", ".join(FAULT_NAMES)
+                             + ", or all (default) or none")
     parser.add_argument("--seed", type=int, default=1, help="the soak's fault schedule (default %(default)s)")
     parser.add_argument("--wait-for-quiet", type=float, default=None, metavar="LOAD",
                         help="first wait (at most 10 min) for the 1-minute load average to drop below LOAD")
@@ -228,11 +231,17 @@ def run(args: argparse.Namespace) -> int:
     # harness raises on what matters, so its clients' chatter stays out of the progress lines.
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     if args.soak is not None:
+        try:
+            kinds = fault_kinds(args.soak_faults)
+        except ValueError as err:
+            _say(f"bench: {err}")
+            return 2
         if args.wait_for_quiet is not None:
             wait_for_quiet(args.wait_for_quiet, 600, _say)
         jars.ensure("broker")
         jars.ensure("connector")
-        return run_soak(args.soak, args.soak_rate or DEFAULT_RATE, args.seed, args.out or RESULTS_DIR, args.keep, _say)
+        return run_soak(args.soak, args.soak_rate or DEFAULT_RATE, args.seed, args.out or RESULTS_DIR, args.keep, _say,
+                        kinds)
     if args.smoke:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS

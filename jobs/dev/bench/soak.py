@@ -66,6 +66,24 @@ RECOVERY_SECONDS = {ENDPOINT_KILL: 30.0, ENDPOINT_500: 30.0, ENDPOINT_429: 30.0,
                     BROKER_RESTART: 90.0}
 """Quiet time after each fault before the next may start: the job restarts and catches up."""
 KINDS = tuple(FAULT_SECONDS)
+FAULT_NAMES = {"endpoint-kill": ENDPOINT_KILL, "endpoint-500": ENDPOINT_500, "endpoint-429": ENDPOINT_429,
+               "taskmanager-kill": TASKMANAGER_KILL, "broker-restart": BROKER_RESTART}
+"""`--soak-faults` names. Without the TaskManager kill one TaskManager lives the whole soak, so its
+RSS slope covers hours' worth of trend instead of a few minutes per TaskManager life."""
+
+
+def fault_kinds(names: str) -> tuple[str, ...]:
+    """`--soak-faults` (comma-separated `FAULT_NAMES`, ``all`` or ``none``) as kinds; ValueError names a bad one."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if wanted == ["all"]:
+        return KINDS
+    if wanted == ["none"]:
+        return ()
+    unknown = [n for n in wanted if n not in FAULT_NAMES]
+    if unknown or not wanted:
+        raise ValueError(f"--soak-faults: {', '.join(unknown) or names!r} is not one of all, none, "
+                         + ", ".join(FAULT_NAMES))
+    return tuple(FAULT_NAMES[n] for n in wanted)
 WARMUP_S = 90.0
 """No fault in the first 90 s (the job starts, the first checkpoints complete); the RSS and
 checkpoint-size slopes also skip each TaskManager's first 90 s (JIT, Python worker start)."""
@@ -84,7 +102,8 @@ class ChaosEvent:
     duration_s: float = 0.0
 
 
-def chaos_schedule(minutes: float, seed: int, endpoints: int = len(FLEET)) -> list[ChaosEvent]:
+def chaos_schedule(minutes: float, seed: int, endpoints: int = len(FLEET),
+                   kinds_allowed: Sequence[str] = KINDS) -> list[ChaosEvent]:
     """Faults at random moments between `WARMUP_S` and `SETTLE_S` before the end, one at a time:
     each starts after the previous one has ended and its `RECOVERY_SECONDS` have passed, plus a
     random 0-60 s. Kinds come in shuffled rounds, so a soak long enough for five faults has each
@@ -94,9 +113,9 @@ def chaos_schedule(minutes: float, seed: int, endpoints: int = len(FLEET)) -> li
     events: list[ChaosEvent] = []
     at = WARMUP_S + rng.uniform(0, 60)
     kinds: list[str] = []
-    while at < end:
+    while at < end and kinds_allowed:
         if not kinds:
-            kinds = list(KINDS)
+            kinds = list(kinds_allowed)
             rng.shuffle(kinds)
         kind = kinds.pop()
         endpoint = rng.randrange(endpoints) if kind in (ENDPOINT_KILL, ENDPOINT_500, ENDPOINT_429) else None
@@ -158,6 +177,8 @@ class SoakResult:
     minutes: float
     rate_per_s: float
     seed: int
+    faults: list[str] = field(default_factory=lambda: list(KINDS))
+    """The kinds of fault this soak drew from (`--soak-faults`)."""
     produced: int = 0
     answered: int = 0
     dead_lettered: int = 0
@@ -186,7 +207,9 @@ class SoakResult:
         else:
             verdict = "NOT exactly once"
         missing = "lost" if self.drained_s is not None else "not seen yet"
-        lines = [f"# Soak: {self.minutes:g} min at {self.rate_per_s:g} records/s (seed {self.seed})", "",
+        kinds = "every kind of fault" if set(self.faults) == set(KINDS) else (
+            "faults: " + ", ".join(self.faults) if self.faults else "no faults")
+        lines = [f"# Soak: {self.minutes:g} min at {self.rate_per_s:g} records/s (seed {self.seed}; {kinds})", "",
                  f"- **{verdict}**: {self.produced:,} produced, {self.answered:,} answered, "
                  f"{self.dead_lettered:,} dead-lettered, {self.lost:,} {missing}, {self.duplicates:,} duplicated"
                  + (f"; all seen {self.drained_s:.0f} s after the input ended" if self.drained_s is not None else ""),
@@ -222,9 +245,10 @@ class Soak:
     """One soak: services up, the job submitted, the input paced, the faults applied, the count."""
 
     def __init__(self, minutes: float, rate_per_s: float, seed: int, workdir: Path,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print, kinds: Sequence[str] = KINDS) -> None:
         self.minutes, self.rate, self.seed, self.workdir, self.say = minutes, rate_per_s, seed, workdir, say
-        self.result = SoakResult(minutes, rate_per_s, seed)
+        self.kinds = tuple(kinds)
+        self.result = SoakResult(minutes, rate_per_s, seed, list(self.kinds))
         self.samples: list[Sample] = []
         self.durations: dict[Any, float] = {}
         self.failures = CheckpointSampler(root_pid=0)
@@ -267,7 +291,7 @@ class Soak:
             sampler = threading.Thread(target=self._sample_loop, args=(cluster,), name="soak-sampler", daemon=True)
             sampler.start()
             try:
-                self._apply_faults(chaos_schedule(self.minutes, self.seed), cluster, broker, fleet, paced)
+                self._apply_faults(chaos_schedule(self.minutes, self.seed, kinds_allowed=self.kinds), cluster, broker, fleet, paced)
                 paced.finished.wait()
                 if paced.error is not None:
                     raise RuntimeError(f"the input producer failed: {paced.error!r}")
@@ -394,19 +418,20 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_soak(minutes: float, rate_per_s: float, seed: int, out_dir: Path, keep: bool,
-             say: Callable[[str], None] = print) -> int:
+             say: Callable[[str], None] = print, kinds: Sequence[str] = KINDS) -> int:
     """`llmstream bench --soak`: 0 if every id came out exactly once."""
     if minutes <= 0 or not math.isfinite(minutes):
         say("bench: --soak takes a number of minutes above 0")
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="llmstream-soak-"))
     say(f"soak: {minutes:g} min at {rate_per_s:g} records/s, seed {seed}; faults: "
-        + "; ".join(f"{e.at_s:.0f}s {e.kind}" for e in chaos_schedule(minutes, seed)))
+        + ("; ".join(f"{e.at_s:.0f}s {e.kind}" for e in chaos_schedule(minutes, seed, kinds_allowed=kinds))
+           or "none"))
     # SIGTERM as Ctrl-C: the broker, the cluster and the fleet are stopped either way (a shell
     # that starts the soak in the background leaves SIGINT ignored, so `kill` is the way to stop it).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = Soak(minutes, rate_per_s, seed, workdir, say).run()
+        result = Soak(minutes, rate_per_s, seed, workdir, say, kinds).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         if keep:
@@ -421,4 +446,5 @@ def run_soak(minutes: float, rate_per_s: float, seed: int, out_dir: Path, keep: 
     return 0 if result.exactly_once else 1
 
 
-__all__ = ["ChaosEvent", "SoakResult", "chaos_schedule", "run_soak", "segment_slopes", "slope_per_hour"]
+__all__ = ["FAULT_NAMES", "ChaosEvent", "SoakResult", "chaos_schedule", "fault_kinds", "run_soak", "segment_slopes",
+           "slope_per_hour"]
