@@ -38,7 +38,7 @@ SWITCH_ENV = "LLMSTREAM_JVM_ARCHIVE"
 DIR_ENV = "LLMSTREAM_JVM_ARCHIVE_DIR"
 KEEP = 3
 """Archives kept per directory (the newest used): two checkouts or venvs on one machine each keep theirs."""
-STALE_TMP_S = 3600.0
+STALE_TMP_S = 600.0
 SAVE_TIMEOUT_S = 180.0
 _USER_FLAGS = ("-Xshare", "SharedArchiveFile", "ArchiveClassesAtExit", "AutoCreateSharedArchive")
 _QUIET = "-Xlog:cds*=off"  # CDS warnings (thousands of "Skipping ..." at a dump) would land on the run's stdout
