@@ -63,6 +63,7 @@ def test_slopes_are_per_taskmanager_after_its_warmup() -> None:
     assert [r["pid"] for r in rows] == [11, 22]
     assert rows[0]["slope_per_h"] == pytest.approx(20.0, abs=0.1), "the warm-up's jump is left out"
     assert rows[1]["slope_per_h"] == pytest.approx(0.0)
+    assert rows[0]["later_slope_per_h"] == pytest.approx(20.0, abs=0.1), "a steady rise: both halves alike"
     assert rows[1]["minutes"] == pytest.approx((2390 - 1200 - WARMUP_S) / 60, abs=0.1)
 
 

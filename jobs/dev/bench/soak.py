@@ -151,7 +151,9 @@ class Sample:
 def segment_slopes(samples: Sequence[Sample], value: Callable[[Sample], float | None],
                    warmup_s: float = WARMUP_S) -> list[dict[str, Any]]:
     """A slope per hour of `value` for each TaskManager process's samples (a kill starts a new one),
-    skipping each one's first `warmup_s`: [{pid, minutes, slope_per_h, first, last}]."""
+    skipping each one's first `warmup_s`: [{pid, minutes, slope_per_h, later_slope_per_h, first,
+    last}]; `later_slope_per_h` is the slope over the second half of those samples, so a rise
+    that levels off reads differently from one that keeps going."""
     by_pid: dict[int, list[Sample]] = {}
     for sample in samples:
         if sample.taskmanager_pid is not None:
@@ -163,7 +165,9 @@ def segment_slopes(samples: Sequence[Sample], value: Callable[[Sample], float | 
         if len(points) < 2:
             continue
         out.append({"pid": pid, "minutes": round((points[-1][0] - points[0][0]) / 60, 1),
-                    "slope_per_h": _round(slope_per_hour(points)), "first": round(points[0][1], 1),
+                    "slope_per_h": _round(slope_per_hour(points)),
+                    "later_slope_per_h": _round(slope_per_hour(points[len(points) // 2:])),
+                    "first": round(points[0][1], 1),
                     "last": round(points[-1][1], 1)})
     return out
 
@@ -226,8 +230,10 @@ class SoakResult:
         for title, rows, unit in (("TaskManager RSS (JVM + Python workers)", self.rss, "MB"),
                                   ("Checkpoint size", self.checkpoint_size, "KB")):
             lines += ["", f"{title}, least-squares slope after each TaskManager's first {WARMUP_S:.0f} s:", "",
-                      f"| TaskManager pid | minutes | first {unit} | last {unit} | slope {unit}/h |", "|---|---|---|---|---|"]
-            lines += [f"| {r['pid']} | {r['minutes']} | {r['first']} | {r['last']} | {r['slope_per_h']} |" for r in rows]
+                      (f"| TaskManager pid | minutes | first {unit} | last {unit} | slope {unit}/h | "
+                       f"second half's slope {unit}/h |"), "|---|---|---|---|---|---|"]
+            lines += [f"| {r['pid']} | {r['minutes']} | {r['first']} | {r['last']} | {r['slope_per_h']} | "
+                      f"{r.get('later_slope_per_h')} |" for r in rows]
         return "\n".join(lines) + "\n"
 
 
