@@ -104,6 +104,13 @@ def wire(schema_id: int, payload: bytes) -> bytes:
     return bytes([MAGIC]) + schema_id.to_bytes(4, "big") + payload
 
 
+def wire_schema_id(value: bytes) -> int | None:
+    """The schema id a Confluent wire-format value names, or None if it is not framed that way."""
+    if len(value) < HEADER_BYTES or value[0] != MAGIC:
+        return None
+    return int.from_bytes(value[1:HEADER_BYTES], "big")
+
+
 def carried(value: Any) -> Any:
     """A decoded field's value as `CARRIED_TYPE` holds it (primitives as they are, else JSON text)."""
     if value is None or isinstance(value, (bool, str, bytes)):
@@ -220,9 +227,9 @@ class AvroCodec:
         """One wire-format record as a `Request` (prompt from the template, fields for it and the carry)."""
         if len(value) > limits.max_record_bytes:
             raise BadInput("record_too_large", f"value has {len(value)} bytes, limit {limits.max_record_bytes}")
-        if len(value) < HEADER_BYTES or value[0] != MAGIC:
+        schema_id = wire_schema_id(value)
+        if schema_id is None:
             raise BadInput("schema_error", "not the Confluent wire format (no magic byte 0 and schema id)")
-        schema_id = int.from_bytes(value[1:HEADER_BYTES], "big")
         schema = self.writer_schema(schema_id)
         buffer = io.BytesIO(value)
         buffer.seek(HEADER_BYTES)

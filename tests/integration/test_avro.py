@@ -30,6 +30,7 @@ from jobs.dev.simulator import SpawnedSimulator
 from jobs.preflight import _check_registry
 from tests.integration.helpers import make_job
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
+from udfs.avro_format import wire_schema_id
 from udfs.config import config_from_dict
 from udfs.errors import ConfigError
 from udfs.registry import RegistryClient, SchemaNotFound, SchemaRejected
@@ -57,7 +58,8 @@ def _assert_registry_kept(registry: LocalRegistry, topic: str, samples: list[byt
     not reproduced in 22 restarts); the job then dead-letters good records, as it should for an
     id the registry does not have. This names the registry as the part that failed."""
     for sample in samples:
-        schema_id = int.from_bytes(sample[1:5], "big")
+        schema_id = wire_schema_id(sample)
+        assert schema_id is not None, "the sample is not in the wire format"
         answer = requests.get(f"{registry.url}/schemas/ids/{schema_id}", timeout=30)
         if answer.status_code != 200:
             versions = requests.get(f"{registry.url}/subjects/{topic}-value/versions", timeout=30)

@@ -11,7 +11,7 @@ from typing import Any
 import fastavro
 import pytest
 
-from udfs.avro_format import AvroCodec, carried, result_schema, wire
+from udfs.avro_format import AvroCodec, carried, result_schema, wire, wire_schema_id
 from udfs.config import JobConfig, config_from_dict
 from udfs.decode import decode
 from udfs.encode import result_row
@@ -133,6 +133,13 @@ def test_a_registry_that_does_not_answer_is_registry_unavailable_and_a_cached_sc
     assert info.value.reason == "registry_unavailable"
 
 
+def test_wire_schema_id_reads_the_frame_and_only_the_frame() -> None:
+    assert wire_schema_id(wire(70000, b"payload")) == 70000
+    assert wire_schema_id(wire(1, b"")) == 1
+    assert wire_schema_id(b"\x00\x00\x00\x01") is None, "four bytes are no frame"
+    assert wire_schema_id(b'{"id": 1, "prompt": "json"}') is None
+
+
 def test_a_missing_key_or_id_field_is_bad_input() -> None:
     value = avro(1, DOC_V1, {"doc_id": 1, "title": "t", "body": "b"})
     with pytest.raises(BadInput, match="Kafka key"):
@@ -156,7 +163,7 @@ def test_the_result_is_written_under_the_registered_schema_with_the_carried_fiel
     request = decode(b"doc-1", avro(2, DOC_V2, {"doc_id": 1, "title": "t", "body": "b", "lang": "de",
                                                 "tags": ["a", "b"]}), SOURCE, cfg.limits, c)
     row = result_row(request, _completion(), "summaries", 10_000, None, c)
-    assert row.key == b"doc-1" and int.from_bytes(row.value[1:5], "big") == schema_id
+    assert row.key == b"doc-1" and wire_schema_id(row.value) == schema_id
     body = read(row.value, store.schemas[schema_id])
     assert body["id"] == "doc-1" and body["output"] == "a summary" and body["cost"] == 0.25
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
