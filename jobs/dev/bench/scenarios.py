@@ -152,6 +152,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("h", "fleet 4:2:1", "three simulated endpoints, fixed 100 ms, server concurrency 16, 8 and 4 "
                  "(limits 160, 80 and 40/s): llmstream with model.endpoints, each endpoint's share of the answers",
                  latency="fixed:100", concurrency=28, records=10_000, fleet=(16, 8, 4)),
+        # The same fleet with a heavy tail: answers do not all come back in the same instant as with
+        # a fixed latency, whose synchronized bursts the one call loop turns around one by one.
+        Scenario("i", "fleet 4:2:1, heavy tail", "as (h) with lognormal latency, median 100 ms, p99 1 s "
+                 "(limits ~98, 49 and 25/s)",
+                 latency="lognormal:100:1000", concurrency=28, records=10_000, fleet=(16, 8, 4)),
     )
 }
 
