@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jobs import ports
+from jobs import pids, ports
 from jobs.dev import processes
 from jobs.dev.processes import pid_alive, terminate, wait_gone
 
@@ -47,6 +47,8 @@ def test_a_listening_port_is_in_use_and_a_free_one_is_not() -> None:
     assert not ports.port_in_use(ports.free_port())
 
 
-def test_the_dev_wing_uses_the_jobs_port_helpers() -> None:
-    """One implementation: jobs/dev/processes re-exports jobs/ports (`llmstream run` needs a free port too)."""
+def test_the_dev_wing_uses_the_jobs_port_and_pid_helpers() -> None:
+    """One implementation: jobs/dev/processes re-exports jobs/ports and jobs/pids (`llmstream run`
+    needs a free port, and waits for its JVM to exit when it saves the class archive)."""
     assert processes.free_port is ports.free_port and processes.port_in_use is ports.port_in_use
+    assert processes.pid_alive is pids.pid_alive and processes.wait_gone is pids.wait_gone
