@@ -29,8 +29,10 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from jobs.pids import wait_gone
 
 log = logging.getLogger("llmstream.jvm_archive")
 
@@ -140,18 +142,9 @@ class GatewayArchive:
         self.pending = self.directory / f"{self.path.stem}.{os.getpid()}.tmp"
         return [f"-XX:ArchiveClassesAtExit={self.pending}", _QUIET]
 
-    @contextlib.contextmanager
-    def applied(self, log_file: Path | None = None) -> Iterator[None]:
-        """``JVM_ARGS`` with `jvm_options` while PyFlink starts its JVM (it reads the variable then)."""
-        before = os.environ.get("JVM_ARGS")
-        os.environ["JVM_ARGS"] = " ".join([*(before or "").split(), *self.jvm_options(log_file)])
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop("JVM_ARGS", None)
-            else:
-                os.environ["JVM_ARGS"] = before
+    def jvm_args(self, current: str, log_file: Path | None = None) -> str:
+        """`current` ``JVM_ARGS`` with `jvm_options` added, for PyFlink's launcher."""
+        return " ".join([*current.split(), *self.jvm_options(log_file)])
 
     def save(self, report: Callable[[str], None]) -> None:
         """Ends this process's JVM, so that it writes the archive it owes, and keeps the archive if
@@ -170,7 +163,7 @@ class GatewayArchive:
         started = time.monotonic()
         try:
             gateway.close()  # the JVM's watchdog sees the gateway go and exits, writing the archive
-            if not _wait_gone(pid, SAVE_TIMEOUT_S):
+            if wait_gone([pid], SAVE_TIMEOUT_S):
                 report(f"llmstream: the JVM did not exit within {SAVE_TIMEOUT_S:g} s; no class archive this time")
                 return
             if not pending.exists() or not self.usable(pending):
@@ -200,18 +193,3 @@ class GatewayArchive:
             with contextlib.suppress(OSError):
                 if now - tmp.stat().st_mtime > STALE_TMP_S:
                     tmp.unlink()
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    """Waits for a process to end: reaps it if it is this process's child (PyFlink's JVM is)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return True
-        except ChildProcessError:
-            if not Path(f"/proc/{pid}").exists():
-                return True
-        time.sleep(0.1)
-    return False

@@ -127,33 +127,40 @@ def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: Gatew
         return state_name
 
 
-@contextlib.contextmanager
-def flink_log_dir(state: StateDir) -> Iterator[None]:
+def flink_log_dir(state: StateDir) -> contextlib.AbstractContextManager[None]:
     """Flink's log of a run in this process goes to the state directory's ``log/`` (a local one),
     unless FLINK_LOG_DIR says where: PyFlink's default is one file in its own package directory,
     shared by every run on the machine and truncated by each JVM that starts. PyFlink reads the
     variable when it starts its JVM (the first run in a process), so it is set only meanwhile."""
-    if state.path is None or "FLINK_LOG_DIR" in os.environ:
-        yield
-        return
-    os.environ["FLINK_LOG_DIR"] = str(state.path / "log")
-    try:
-        yield
-    finally:
-        os.environ.pop("FLINK_LOG_DIR", None)
+    local = None if state.path is None or "FLINK_LOG_DIR" in os.environ else str(state.path / "log")
+    return _environ("FLINK_LOG_DIR", local)
 
 
-@contextlib.contextmanager
-def _archive_applied(archive: GatewayArchive | None, state: StateDir) -> Iterator[None]:
+def _archive_applied(archive: GatewayArchive | None, state: StateDir) -> contextlib.AbstractContextManager[None]:
+    """``JVM_ARGS`` with the class archive's options while PyFlink starts its JVM (it reads it then)."""
     if archive is None:
-        yield
-        return
+        return contextlib.nullcontext()
     log_file = None
     if state.path is not None:
         (state.path / "log").mkdir(parents=True, exist_ok=True)
         log_file = state.path / "log" / "jvm-class-archive.log"
-    with archive.applied(log_file):
+    return _environ("JVM_ARGS", archive.jvm_args(os.environ.get("JVM_ARGS", ""), log_file))
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None) -> Iterator[None]:
+    """`name` set to `value` in this process's environment meanwhile (None: left as it is)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
         yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
 
 
 def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report: Callable[[str], None]) -> str:

@@ -66,7 +66,7 @@ def test_the_first_run_saves_a_class_archive_and_the_next_run_maps_it(
     check_exactly_once(final_tally(setup, [k.decode() for k, _ in records]))
 
     # A torn archive (a disk filled, a copy cut short) is refused, and the next run makes a new one.
-    archive = GatewayArchive.find({**env})
+    archive = GatewayArchive.find(env)
     assert archive is not None and archive.path == saved[0]
     assert archive.usable(archive.path)
     with open(archive.path, "r+b") as torn:

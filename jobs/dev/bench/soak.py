@@ -233,7 +233,7 @@ class SoakResult:
                       (f"| TaskManager pid | minutes | first {unit} | last {unit} | slope {unit}/h | "
                        f"second half's slope {unit}/h |"), "|---|---|---|---|---|---|"]
             lines += [f"| {r['pid']} | {r['minutes']} | {r['first']} | {r['last']} | {r['slope_per_h']} | "
-                      f"{r.get('later_slope_per_h')} |" for r in rows]
+                      f"{r['later_slope_per_h']} |" for r in rows]
         return "\n".join(lines) + "\n"
 
 
@@ -253,8 +253,7 @@ class Soak:
     def __init__(self, minutes: float, rate_per_s: float, seed: int, workdir: Path,
                  say: Callable[[str], None] = print, kinds: Sequence[str] = KINDS) -> None:
         self.minutes, self.rate, self.seed, self.workdir, self.say = minutes, rate_per_s, seed, workdir, say
-        self.kinds = tuple(kinds)
-        self.result = SoakResult(minutes, rate_per_s, seed, list(self.kinds))
+        self.result = SoakResult(minutes, rate_per_s, seed, list(kinds))
         self.samples: list[Sample] = []
         self.durations: dict[Any, float] = {}
         self.failures = CheckpointSampler(root_pid=0)
@@ -297,7 +296,7 @@ class Soak:
             sampler = threading.Thread(target=self._sample_loop, args=(cluster,), name="soak-sampler", daemon=True)
             sampler.start()
             try:
-                self._apply_faults(chaos_schedule(self.minutes, self.seed, kinds_allowed=self.kinds), cluster, broker, fleet, paced)
+                self._apply_faults(chaos_schedule(self.minutes, self.seed, kinds_allowed=self.result.faults), cluster, broker, fleet, paced)
                 paced.finished.wait()
                 if paced.error is not None:
                     raise RuntimeError(f"the input producer failed: {paced.error!r}")
