@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -119,12 +120,15 @@ class GatewayArchive:
 
     def usable(self, path: Path) -> bool:
         """Whether a JVM with this classpath starts with `path` mapped (``-Xshare:on`` fails otherwise)."""
-        try:
-            done = subprocess.run([self.java, "-Xshare:on", f"-XX:SharedArchiveFile={path}", _QUIET,
-                                   "-cp", self.classpath, "-version"],
-                                  capture_output=True, timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
+        # A bad archive crashes the check (that is the point): its hs_err file goes to a scratch
+        # directory, not into the user's working directory.
+        with tempfile.TemporaryDirectory(prefix="llmstream-cds-check-") as scratch:
+            try:
+                done = subprocess.run([self.java, "-Xshare:on", f"-XX:SharedArchiveFile={path}", _QUIET,
+                                       f"-XX:ErrorFile={scratch}/hs_err_pid%p.log", "-cp", self.classpath, "-version"],
+                                      capture_output=True, timeout=60, check=False, cwd=scratch)
+            except (OSError, subprocess.TimeoutExpired):
+                return False
         return done.returncode == 0
 
     def jvm_options(self, log_file: Path | None = None) -> list[str]:

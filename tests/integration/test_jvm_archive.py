@@ -71,7 +71,10 @@ def test_the_first_run_saves_a_class_archive_and_the_next_run_maps_it(
     assert archive.usable(archive.path)
     with open(archive.path, "r+b") as torn:
         torn.truncate(archive.path.stat().st_size * 3 // 4)
+    crash_reports = set(Path.cwd().glob("hs_err_pid*.log"))
     assert not archive.usable(archive.path)
+    assert set(Path.cwd().glob("hs_err_pid*.log")) == crash_reports, \
+        "the check's JVM crash report must not land in the working directory"
     options = archive.jvm_options()
     assert not archive.path.exists(), "a torn archive must not stay to crash a later JVM"
     assert options[0] == f"-XX:ArchiveClassesAtExit={archive.pending}", options
