@@ -32,6 +32,7 @@ venv: $(STAMP)
 
 jars: $(STAMP)
 	$(BIN)/python pom-free/fetch.py --set all
+	$(BIN)/python -m jobs.gate
 
 # The result cache's shared backend (cache.backend: redis): the tests start their own
 # redis-server on a free loopback port. CI runs as root on a fresh Debian machine.

@@ -15,6 +15,8 @@ the output (`udfs/records.py`).
 from __future__ import annotations
 
 import sys
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,14 +332,15 @@ def bucket_sql(ordering: str, keys: list[int]) -> str:
 
 
 def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
-                   with_headers: bool = True, ordering: str = "none") -> KeyedStream:
+                   with_headers: bool = True, ordering: str = "none", gate_dir: str | None = None) -> KeyedStream:
     """The input rows keyed by bucket, with the bucket computed in SQL (`bucket_sql`) and the key
     taken on the JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip)
     in front. A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a
     second (`PER_KEY_TICKS_PER_BUCKET_PER_S` under `ordering: per_key`), and the buckets of other
     parallelisms and of the other `ordering` (`tick_keys`) about once a second. Without
     `with_headers` the rows carry NULL headers and the source does not read them
-    (`kafka.forward_headers: none`)."""
+    (`kafka.forward_headers: none`). With `gate_dir` the keyed rows pass the admission gate
+    (`admission_gate`) on their way to the stage."""
     max_p = env.get_max_parallelism() if env.get_max_parallelism() > 0 else None
     keys, other_keys = tick_keys(parallelism, max_p)
     rate = TICKS_PER_BUCKET_PER_S
@@ -366,19 +369,74 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
         f"  CAST(ROW(k, v, `topic`, `partition`, `offset`, ts, {headers}) AS {INPUT_ROW_SQL}) AS rec\n"
         f"FROM {SOURCE_TABLE}"),
         row_type)
-    config = t_env.get_config()
-    uid_format = config.get("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
-    config.set("table.exec.uid.format", f"{TICKS_TABLE}_<transformation>")
-    ticks = _as_rows(t_env, t_env.sql_query(
-        f"SELECT {tick_slots}[CAST(MOD(n, {len(slots)}) AS INT) + 1] AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
-        f"FROM {TICKS_TABLE}"), row_type)
-    ticks._j_data_stream.getTransformation().setName("ticks: TableToDataStream")
-    config.set("table.exec.uid.format", uid_format)
+    if gate_dir is not None:
+        ticks = gated_ticks(env, slots, row_type)
+    else:
+        config = t_env.get_config()
+        uid_format = config.get("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
+        config.set("table.exec.uid.format", f"{TICKS_TABLE}_<transformation>")
+        ticks = _as_rows(t_env, t_env.sql_query(
+            f"SELECT {tick_slots}[CAST(MOD(n, {len(slots)}) AS INT) + 1] AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
+            f"FROM {TICKS_TABLE}"), row_type)
+        ticks._j_data_stream.getTransformation().setName("ticks: TableToDataStream")
+        config.set("table.exec.uid.format", uid_format)
     rows = requests.union(ticks)
     gateway = get_gateway()
     key_type = Types.ROW([Types.INT()]).get_java_type_info()
     j_keyed = rows._j_data_stream.keyBy(gateway.jvm.KeyByKeySelector(), key_type)
+    if gate_dir is not None:
+        j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type)
     return KeyedStream(j_keyed, INPUT_ROW_TYPE, rows)
+
+
+GATE_UID = "admission-gate"
+
+
+def gate_directory() -> str:
+    """Where this job's inference subtasks and their gates meet: a fresh directory name under the
+    temporary directory of the host (a Python worker runs on its TaskManager's host)."""
+    return str(Path(tempfile.gettempdir()) / "llmstream-gate" / uuid.uuid4().hex)
+
+
+GATED_TICKS_UID = "inference-ticks-gated"
+
+
+def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any) -> DataStream:
+    """The ticks of a gated job (`pom-free/gate/Ticks.java`): the same slots, one after another, at
+    the same rate, from Flink's FLIP-27 `DataGeneratorSource` instead of the SQL datagen source,
+    whose legacy source thread would hold every checkpoint while a closed gate back-pressures it.
+    Adds the gate's jar to the job (`jobs/gate.py` builds it)."""
+    from jobs import gate
+
+    env.add_jars(gate.ensure().as_uri())
+    gateway = get_gateway()
+    jvm = gateway.jvm
+    j_slots = gateway.new_array(jvm.int, len(slots))
+    for i, key in enumerate(slots):
+        j_slots[i] = key
+    source = jvm.org.apache.flink.connector.datagen.source.DataGeneratorSource(
+        getattr(jvm, gate.TICKS_CLASS)(j_slots), jvm.Long.MAX_VALUE,
+        jvm.org.apache.flink.api.connector.source.util.ratelimit.RateLimiterStrategy.perSecond(float(len(slots))),
+        row_type)
+    j_stream = env._j_stream_execution_environment.fromSource(
+        source, jvm.org.apache.flink.api.common.eventtime.WatermarkStrategy.noWatermarks(), "ticks")
+    j_stream.uid(GATED_TICKS_UID).setParallelism(1)
+    return DataStream(j_stream)
+
+
+def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any) -> Any:
+    """`j_keyed` through the admission gate (`pom-free/gate/AdmissionGate.java`, `udfs/gate.py`),
+    keyed again as it was: the gate only forwards, so its output keeps the keyBy's partitioning
+    (`reinterpretAsKeyedStream`) and the gate is chained into the stage's task. The gate's jar is
+    in the job already (`gated_ticks`)."""
+    from jobs import gate
+
+    jvm = get_gateway().jvm
+    operator = getattr(jvm, gate.GATE_CLASS)(gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS)
+    gated = j_keyed.transform("inference admission gate", j_keyed.getType(), operator)
+    gated.uid(GATE_UID).setParallelism(parallelism)
+    return jvm.org.apache.flink.streaming.api.datastream.DataStreamUtils.reinterpretAsKeyedStream(
+        gated, jvm.KeyByKeySelector(), key_type)
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
@@ -406,10 +464,12 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
     inference_parallelism = config.parallelism.of("inference")
     if config.python.unaligned_checkpoints:
         env.get_checkpoint_config().enable_unaligned_checkpoints()
+    # A spend budget pauses the stage for up to a window: the gate keeps checkpoints going meanwhile.
+    gate_dir = gate_directory() if config.budget.enabled else None
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
-                           ordering=config.ordering)
+                           ordering=config.ordering, gate_dir=gate_dir)
     outgoing = (
-        keyed.process(InferenceStage(config), output_type=SINK_ROW_TYPE)
+        keyed.process(InferenceStage(config, gate_dir=gate_dir), output_type=SINK_ROW_TYPE)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
     )
     t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")

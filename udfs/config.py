@@ -504,12 +504,17 @@ class BudgetConfig:
     """A job-wide spend cap per window (an hour by default), each inference subtask taking
     its share; past it the stage waits (backpressure), it never fails or drops a record.
     `max_cost_per_hour` is priced from `model.prices`. `window_s` is the window's length and
-    the caps apply per window. A pause lasts up to a window and holds the next checkpoint, so
-    with a cap set the window must be shorter than `checkpointing.timeout_ms` (checked)."""
+    the caps apply per window. A pause lasts up to a window; the admission gate in front of the
+    stage (`udfs/gate.py`) stops its input meanwhile without holding a checkpoint, which needs
+    unaligned checkpoints (checked)."""
 
     max_cost_per_hour: PositiveFloat | None = None
     max_tokens_per_hour: PositiveFloat | None = None
     window_s: PositiveFloat = 3600.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_cost_per_hour is not None or self.max_tokens_per_hour is not None
 
 
 @dataclass(frozen=True)
@@ -613,12 +618,10 @@ class JobConfig:
                  "a batch could never fill")
         _require(self.budget.max_cost_per_hour is None or self.model.prices is not None, "budget.max_cost_per_hour",
                  "needs model.prices to price the calls")
-        budgeted = self.budget.max_cost_per_hour is not None or self.budget.max_tokens_per_hour is not None
-        _require(not budgeted or self.budget.window_s * 1000 < self.checkpointing.timeout_ms, "budget.window_s",
-                 f"{self.budget.window_s:g} s is not shorter than checkpointing.timeout_ms "
-                 f"({self.checkpointing.timeout_ms} ms): a budget pause lasts up to a window and holds the next "
-                 "checkpoint (the stage admits no record meanwhile), which would time out and restart the job; "
-                 "shorten the window (the caps apply per window)")
+        _require(not self.budget.enabled or self.python.unaligned_checkpoints, "python.unaligned_checkpoints",
+                 "a spend budget (budget.*) needs unaligned checkpoints: while the budget is paused the admission gate "
+                 "stops the stage's input, and only an unaligned checkpoint barrier gets past a task that is not "
+                 "reading its input")
         _validate_formats(self)
         request_limit = int(self.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
         _require(self.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",

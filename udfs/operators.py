@@ -47,7 +47,8 @@ it becomes an `internal_error` dead letter and is logged with its traceback
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Coroutine, Generator, Iterator
 from typing import Any
 
 from pyflink.common import Row, Types
@@ -127,11 +128,15 @@ class InferenceStage(KeyedProcessFunction):
     """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick).
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
 
-    `capacity` bounds the calls in flight per subtask (`async.capacity`).
+    `capacity` bounds the calls in flight per subtask (`async.capacity`). `gate_dir`: the
+    job has a spend budget and an admission gate in front (`udfs/gate.py`); while the budget is
+    paused the stage parks what it cannot start (it is in state already) instead of waiting for
+    a slot inside the bundle, and tells the gate to stop its input.
     """
 
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig, gate_dir: str | None = None) -> None:
         self._config = config
+        self._gate_dir = gate_dir
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -149,6 +154,11 @@ class InferenceStage(KeyedProcessFunction):
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
+        self._parked: dict[Any, deque[tuple[str, Callable[[], Coroutine[Any, Any, Outcome]]]]] = {}
+        self._gate = None
+        if self._gate_dir is not None:
+            from udfs.gate import GateSignal
+            self._gate = GateSignal(self._gate_dir, runtime_context.get_index_of_this_subtask())
         model = self._config.model
         where = model.endpoint or ", ".join(e.url for e in model.endpoints or [])
         log.info("inference subtask %s/%s: %s %s model=%s capacity=%s",
@@ -159,6 +169,9 @@ class InferenceStage(KeyedProcessFunction):
         runner = getattr(self, "_runner", None)
         if runner is not None:
             runner.close(before_stop=self._client.close)
+        gate = getattr(self, "_gate", None)
+        if gate is not None:
+            gate.close()
         codec = getattr(self, "_codec", None)
         if codec is not None:
             codec.close()  # the registry client's connections
@@ -171,6 +184,7 @@ class InferenceStage(KeyedProcessFunction):
                 yield from self._adopt(bucket, ctx)
             if value is None:  # a tick: only wakes the bucket
                 yield from self._emit(bucket)
+                self._admit_parked(bucket)
                 self._ensure_timer(bucket, ctx)
                 return
             self._metrics.records_in.inc()
@@ -181,6 +195,7 @@ class InferenceStage(KeyedProcessFunction):
             return
         yield from self._start(bucket, record)
         yield from self._emit(bucket)
+        self._admit_parked(bucket)
         self._ensure_timer(bucket, ctx)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
@@ -193,6 +208,7 @@ class InferenceStage(KeyedProcessFunction):
         if self._timer_at.get(bucket) == timestamp:
             del self._timer_at[bucket]
         yield from self._emit(bucket)
+        self._admit_parked(bucket)
         self._ensure_timer(bucket, ctx)
 
     # ------------------------------------------------------------------ the stage
@@ -256,14 +272,50 @@ class InferenceStage(KeyedProcessFunction):
             self._pending.put(handle, record)
         else:
             self._metrics.reissued.inc()
-        runner = self._runner
-        while not runner.has_slot():
-            runner.wait_for_slot(SLOT_WAIT_S)
-            yield from self._emit(bucket)
         if self._order is not None:
             self._order.admit(bucket, record.key, handle)
-        runner.submit(bucket, handle, lambda: self._call(request, record))
         self._outstanding[bucket] += 1
+
+        def call() -> Coroutine[Any, Any, Outcome]:
+            return self._call(request, record)
+
+        parked = self._parked.get(bucket)
+        if parked or not (yield from self._slot(bucket)):
+            self._parked.setdefault(bucket, deque()).append((handle, call))
+            return
+        self._runner.submit(bucket, handle, call)
+        self._metrics.admitted = self._runner.in_flight
+
+    def _slot(self, bucket: Any) -> Generator[Row, None, bool]:
+        """Waits for a free slot, emitting the bucket's finished calls meanwhile: the stage's
+        backpressure. False at once while the spend budget is paused and a gate is in front:
+        no slot frees before the window rolls over, so the record is parked instead."""
+        runner = self._runner
+        while not runner.has_slot():
+            if self._paused():
+                return False
+            runner.wait_for_slot(SLOT_WAIT_S)
+            yield from self._emit(bucket)
+        return True
+
+    def _paused(self) -> bool:
+        gate = self._gate
+        if gate is None:
+            return False
+        paused = bool(self._client.budget.paused)
+        gate.set(paused)
+        return paused
+
+    def _admit_parked(self, bucket: Any, *, at_end: bool = False) -> None:
+        """Starts the bucket's parked records, in order, while slots are free and the budget is not
+        paused (`at_end`: paused or not; the calls then wait for the window themselves)."""
+        parked = self._parked.get(bucket)
+        if self._gate is None or (not parked and not self._paused()):
+            return
+        runner = self._runner
+        while parked and runner.has_slot() and (at_end or not self._paused()):
+            handle, call = parked.popleft()
+            runner.submit(bucket, handle, call)
         self._metrics.admitted = runner.in_flight
 
     def _settle(self, bucket: Any, record: PendingRecord, handle: str, reissue: bool,
@@ -334,6 +386,7 @@ class InferenceStage(KeyedProcessFunction):
     def _flush(self, bucket: Any) -> Iterator[Row]:
         """End of input: every call of `bucket`, waited for and emitted."""
         while self._outstanding.get(bucket, 0) > 0:
+            self._admit_parked(bucket, at_end=True)
             self._runner.wait(SLOT_WAIT_S, bucket)
             yield from self._emit(bucket)
 

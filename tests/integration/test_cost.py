@@ -211,6 +211,84 @@ def test_past_the_token_budget_the_job_pauses_and_resumes_on_its_own(
     assert last - first >= (share - 5) * window_s * 0.8, f"{n} calls in {last - first:.1f} s: the budget did not hold"
 
 
+class CheckpointSampler(ServedSampler):
+    """`ServedSampler` that also samples the job's completed checkpoints and the latest one's duration."""
+
+    def __init__(self, simulator: SpawnedSimulator, cluster: LocalCluster, every_s: float = 0.25) -> None:
+        super().__init__(simulator, every_s)
+        self.cluster = cluster
+        self.job_id: str | None = None
+        self.checkpoints: list[tuple[float, int, int]] = []  # (time, completed, latest's duration ms)
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            with contextlib.suppress(Exception):
+                self.samples.append((time.monotonic(), int(self.simulator.stats()["served"])))
+                if self.job_id is not None:
+                    stats = self.cluster.checkpoint_stats(self.job_id)
+                    latest = (stats.get("latest") or {}).get("completed") or {}
+                    self.checkpoints.append((time.monotonic(), int(stats["counts"]["completed"]),
+                                             int(latest.get("end_to_end_duration", 0))))
+
+    def longest_flat_span(self, total: int) -> tuple[float, float]:
+        """(start, end) of the longest stretch with no call answered while records were left."""
+        best, since = (0.0, 0.0), None
+        for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False):
+            if b == a and 0 < a < total:
+                since = t0 if since is None else since
+                if t1 - since > best[1] - best[0]:
+                    best = (since, t1)
+            else:
+                since = None
+        return best
+
+    def during(self, start: float, end: float) -> tuple[int, int]:
+        """(checkpoints completed between `start` and `end`, the longest duration among them, ms)."""
+        inside = [c for c in self.checkpoints if start <= c[0] <= end]
+        if len(inside) < 2:
+            return 0, 0
+        completed = inside[-1][1] - inside[0][1]
+        return completed, max(d for _, n, d in inside[1:] if n > inside[0][1]) if completed else 0
+
+
+def test_a_budget_paused_for_a_whole_window_never_holds_a_checkpoint(
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        fault_report: FaultReport) -> None:
+    """A budget window twice the checkpoint timeout (refused before the admission gate): while
+    the budget is paused the gate stops the stage's input, and checkpoints keep completing, every
+    one well inside the timeout; the job resumes each window by itself and never restarts.
+
+    The input needs three windows' allowance, so whatever the phase of the clock at the start,
+    one window is used up at its start and the next is waited for whole (less the calls' time)."""
+    n, window_s, share, timeout_ms = 120, 20.0, 3, 10_000
+    records = unique_records(n, "gated")
+    probe = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-gate-probe")
+    need = estimated_tokens(probe.config, records)
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-gate",
+                     budget={"max_tokens_per_hour": need / share, "window_s": window_s},
+                     checkpointing={"timeout_ms": timeout_ms})
+    sampler = CheckpointSampler(paced_simulator, cluster)
+    sampler.start()
+    try:
+        run = start_records(cluster, setup, records)
+        sampler.job_id = run.job_id
+        result = run.finish(timeout=600)
+    finally:
+        sampler.stop()
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
+    assert run.restarts() == 0
+    start, end = sampler.longest_flat_span(n)
+    completed, longest_ms = sampler.during(start, end)
+    report(fault_report, f"n. token budget paused for a {window_s:g} s window (checkpoint timeout {timeout_ms} ms)",
+           run, result, paced_simulator, notes=f"budget {need / share:.0f} of {need} estimated tokens per window",
+           longest_pause_s=round(end - start, 1), checkpoints_in_pause=completed, longest_checkpoint_in_pause_ms=longest_ms)
+    assert end - start >= window_s / 3, f"no pause seen (longest stretch without calls {end - start:.1f} s)"
+    assert completed >= 3, (f"{completed} checkpoint(s) completed during a {end - start:.1f} s pause "
+                            f"(samples {sampler.checkpoints[-5:]})")
+    assert longest_ms < timeout_ms
+
+
 # ---------------------------------------------------------------------- cache outage
 
 

@@ -99,11 +99,11 @@ class Context:
 class Harness:
     """Drives one function instance the way PyFlink's keyed operation does."""
 
-    def __init__(self, config: JobConfig, state: KeyedState | None = None) -> None:
+    def __init__(self, config: JobConfig, state: KeyedState | None = None, *, gate_dir: str | None = None) -> None:
         self.state = state or KeyedState()
         self.timers = TimerService()
         self.ctx = Context(self.timers)
-        self.function = InferenceStage(config)
+        self.function = InferenceStage(config, gate_dir=gate_dir)
         self.runtime = RuntimeContext(self.state)
         self.function.open(self.runtime)  # type: ignore[arg-type]
         self.out: list[Row] = []

@@ -384,3 +384,44 @@ def test_per_key_restore_reissues_pending_records_and_emits_them_in_offset_order
         whole = done_before.get(k.encode(), []) + after[k.encode()]
         assert whole == [f"{k}-v{v}" for v in range(5)], (k, done_before, after)
     assert second.metric("reissued") == sum(len(v) for v in checkpoint.values())
+
+
+def test_a_paused_budget_parks_records_closes_the_gate_and_resumes_by_itself(
+        sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
+    """With a gate in front, a paused spend budget never holds the bundle: records that find no
+    slot are parked (they are in state already), the pause file tells the gate to stop the input,
+    and each new window starts the next call; the file goes when the budget is no longer paused."""
+    h = Harness(job_config(sim.url, capacity=2, budget={"max_tokens_per_hour": 1, "window_s": 10}),
+                gate_dir=str(tmp_path))
+    harnesses.append(h)
+    now = [1_000_009.9]  # 0.1 s before a window ends: a waiting call looks again every 0.1 s
+    h.function._client.budget._clock = lambda: now[0]  # windows roll only when the test says so
+    pause_file = tmp_path / "0.closed"
+    feed(h, range(6), buckets=1)  # returns though the budget admits one call per window
+    assert pause_file.exists()
+    assert len(h.function._parked[0]) >= 3, "records beyond the waiting calls are parked"
+    assert len(h.state.snapshot()[0]) + len(h.bodies("out")) == 6
+    def answered(n: int) -> bool:
+        h.fire_due_processing_timers()
+        h.tick(0)
+        return len(h.bodies("out")) >= n
+
+    for window in range(1, 7):
+        now[0] += 10
+        wanted = min(6, window + 1)
+        wait_until(lambda: answered(wanted), 30, 0.05, f"call {wanted} after the window rolled over")  # noqa: B023
+    wait_until(lambda: (h.fire_due_processing_timers(), not pause_file.exists())[-1], 30, 0.05,
+               "the pause file removed")
+    assert Counter(b["id"] for b in h.bodies("out")) == Counter({f"id-{i}": 1 for i in range(6)})
+    assert h.state.snapshot() == {}
+    assert not h.function._parked.get(0)
+
+
+def test_without_a_gate_a_paused_budget_still_waits_in_the_bundle(
+        sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
+    """No gate (no `gate_dir`): the stage keeps its old backpressure, waiting for a slot."""
+    h = Harness(job_config(sim.url, capacity=1, budget={"max_tokens_per_hour": 1, "window_s": 1}))
+    harnesses.append(h)
+    feed(h, range(3), buckets=1)
+    assert not h.function._parked and not list(tmp_path.iterdir())
+    assert len(h.bodies("out")) >= 1

@@ -1,0 +1,54 @@
+"""The inference stage's side of the admission gate (`pom-free/gate/AdmissionGate.java`).
+
+While a spend budget is paused no call can start, and a stage that waited for a free slot
+inside its bundle would hold every checkpoint until the window rolls over (up to an hour).
+Instead the stage keeps what it cannot start in its keyed state and says "paused" with a
+file, `<directory>/<subtask>.closed`; the Java gate chained in front of it (same subtask, same
+host: a Python worker always runs beside its TaskManager) stops taking input while the file
+exists, and keeps running the task's mails so an unaligned checkpoint completes meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class GateSignal:
+    """The pause file of one inference subtask. `set` writes only on a change; `close` removes
+    it, and so does the constructor, in case a worker that died while paused left one."""
+
+    def __init__(self, directory: str, subtask: int) -> None:
+        self.path = Path(directory) / f"{subtask}.closed"
+        self.closed = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._remove()
+
+    def set(self, closed: bool) -> None:
+        if closed == self.closed:
+            return
+        self.closed = closed
+        if closed:
+            self.path.touch()
+            log.info("admission gate closed: the spend budget is paused (%s)", self.path)
+        else:
+            self._remove()
+            log.info("admission gate open again")
+
+    def close(self) -> None:
+        """Removes the file, and the job's directory once no subtask has a file in it."""
+        self.closed = False
+        self._remove()
+        try:
+            self.path.parent.rmdir()
+        except OSError:
+            pass  # another subtask's file is still there, or the directory is gone already
+
+    def _remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
