@@ -34,7 +34,8 @@ class SpendBudget:
     """This subtask's share of `budget.max_tokens_per_hour` / `max_cost_per_hour` per `window_s`.
 
     `paused` is true while a call waits for the next window; `on_pause` hears every change
-    (the `budget_paused` metric). Use from one event loop.
+    (the `budget_paused` metric). Use from one event loop; the inference stage reads `paused`
+    from its own thread (a bool: no lock needed) to close its admission gate (`udfs/gate.py`).
     """
 
     def __init__(self, config: BudgetConfig, prices: PriceConfig | None, subtasks: int = 1, *,
@@ -53,6 +54,7 @@ class SpendBudget:
         self.cost = 0.0
         self.paused = False
         self.pauses = 0
+        self._waiting = 0  # calls waiting for a window with room
 
     @property
     def enabled(self) -> bool:
@@ -77,25 +79,34 @@ class SpendBudget:
         return self.max_cost is None or self.cost + cost <= self.max_cost
 
     async def acquire(self, prompt_tokens: int, completion_tokens: int) -> float:
-        """Charges an estimated call, first waiting for a window with room; returns the seconds waited."""
+        """Charges an estimated call, first waiting for a window with room; returns the seconds waited.
+
+        `paused` is true while at least one call waits, and turns false when the last one leaves,
+        through the window or cancelled (a record deadline, a shutdown): a pause the stage's
+        admission gate follows must never outlive its waiters."""
         if not self.enabled:
             return 0.0
         started = time.monotonic()
         tokens, cost = prompt_tokens + completion_tokens, self.price(prompt_tokens, completion_tokens)
         self._roll()
-        while not self._fits(tokens, cost):
+        if not self._fits(tokens, cost):
+            self._waiting += 1
             if not self.paused:
                 self._set_paused(True)
                 self.pauses += 1
                 log.warning("spend budget reached (%s); pausing calls until the window rolls over in %.0f s",
                             self._describe(), self._until_next_window())
-            await self._sleep(self._until_next_window() + 0.001)
-            self._roll()
+            try:
+                while not self._fits(tokens, cost):
+                    await self._sleep(self._until_next_window() + 0.001)
+                    self._roll()
+            finally:
+                self._waiting -= 1
+                if self._waiting == 0 and self.paused:
+                    self._set_paused(False)
+                    log.warning("spend budget: calls resume after %.1f s paused", time.monotonic() - started)
         self.tokens += tokens
         self.cost += cost
-        if self.paused:
-            self._set_paused(False)
-            log.warning("spend budget: new window, calls resume after %.1f s paused", time.monotonic() - started)
         return time.monotonic() - started
 
     def settle(self, estimated: tuple[int, int], actual: tuple[int, int]) -> None:

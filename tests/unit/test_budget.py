@@ -4,6 +4,7 @@ failing. Windows are made short through config (`budget.window_s`), never by pat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -122,3 +123,20 @@ def test_the_client_pauses_past_the_budget_and_finishes_everything(sim: Threaded
     assert sim.stats()["served"] == 12
     assert True in seen_paused and not metrics.budget_paused
     assert int(time.time()) - int(started) >= 2
+
+
+def test_a_waiting_call_cancelled_ends_the_pause() -> None:
+    """A call cancelled while it waits (a record deadline, a shutdown) must not leave `paused` set:
+    the inference stage's admission gate follows it and would stay closed with nothing waiting."""
+    budget = SpendBudget(BudgetConfig(max_tokens_per_hour=10, window_s=3600), None)
+
+    async def go() -> tuple[bool, bool]:
+        await budget.acquire(5, 5)  # the window's share is used up
+        waiter = asyncio.ensure_future(budget.acquire(5, 5))
+        await asyncio.sleep(0.05)
+        during = budget.paused
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        return during, budget.paused
+    assert run(go) == (True, False)
