@@ -25,6 +25,7 @@ from jobs.dev.simulator import SpawnedSimulator
 from tests.integration.helpers import (
     FaultReport,
     FaultResult,
+    JobSetup,
     Tally,
     check_exactly_once,
     make_job,
@@ -165,14 +166,38 @@ class ServedSampler(threading.Thread):
 
     def longest_flat(self, total: int) -> float:
         """Longest stretch with no call answered after the first one, while records were left."""
-        longest, since = 0.0, None
+        start, end = self.longest_flat_span(total)
+        return end - start
+
+    def longest_flat_span(self, total: int) -> tuple[float, float]:
+        """(start, end) of that stretch."""
+        best, since = (0.0, 0.0), None
         for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False):
             if b == a and 0 < a < total:
                 since = t0 if since is None else since
-                longest = max(longest, t1 - since)
+                if t1 - since > best[1] - best[0]:
+                    best = (since, t1)
             else:
                 since = None
-        return longest
+        return best
+
+
+def run_budgeted(cluster: LocalCluster, setup: JobSetup, records: list[tuple[bytes, bytes]],
+                 sampler: ServedSampler) -> tuple[Run, Tally]:
+    """The records through a budgeted job with `sampler` watching: every id exactly once, no dead
+    letter, no restart."""
+    sampler.start()
+    try:
+        run = start_records(cluster, setup, records)
+        if isinstance(sampler, CheckpointSampler):
+            sampler.job_id = run.job_id
+        result = run.finish(timeout=600)
+    finally:
+        sampler.stop()
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
+    assert run.restarts() == 0
+    return run, result
 
 
 def test_past_the_token_budget_the_job_pauses_and_resumes_on_its_own(
@@ -191,15 +216,7 @@ def test_past_the_token_budget_the_job_pauses_and_resumes_on_its_own(
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-budget",
                      budget={"max_tokens_per_hour": need / share, "window_s": window_s})
     sampler = ServedSampler(paced_simulator)
-    sampler.start()
-    try:
-        run = start_records(cluster, setup, records)
-        result = run.finish(timeout=600)
-    finally:
-        sampler.stop()
-    check_exactly_once(result)
-    assert result.dead == 0, result.dead_reasons
-    assert run.restarts() == 0
+    run, result = run_budgeted(cluster, setup, records, sampler)
     flat = sampler.longest_flat(n)
     first = next(t for t, s in sampler.samples if s > 0)
     last = next(t for t, s in sampler.samples if s >= n)
@@ -230,18 +247,6 @@ class CheckpointSampler(ServedSampler):
                     self.checkpoints.append((time.monotonic(), int(stats["counts"]["completed"]),
                                              int(latest.get("end_to_end_duration", 0))))
 
-    def longest_flat_span(self, total: int) -> tuple[float, float]:
-        """(start, end) of the longest stretch with no call answered while records were left."""
-        best, since = (0.0, 0.0), None
-        for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False):
-            if b == a and 0 < a < total:
-                since = t0 if since is None else since
-                if t1 - since > best[1] - best[0]:
-                    best = (since, t1)
-            else:
-                since = None
-        return best
-
     def during(self, start: float, end: float) -> tuple[int, int]:
         """(checkpoints completed between `start` and `end`, the longest duration among them, ms)."""
         inside = [c for c in self.checkpoints if start <= c[0] <= end]
@@ -268,16 +273,7 @@ def test_a_budget_paused_for_a_whole_window_never_holds_a_checkpoint(
                      budget={"max_tokens_per_hour": need / share, "window_s": window_s},
                      checkpointing={"timeout_ms": timeout_ms})
     sampler = CheckpointSampler(paced_simulator, cluster)
-    sampler.start()
-    try:
-        run = start_records(cluster, setup, records)
-        sampler.job_id = run.job_id
-        result = run.finish(timeout=600)
-    finally:
-        sampler.stop()
-    check_exactly_once(result)
-    assert result.dead == 0, result.dead_reasons
-    assert run.restarts() == 0
+    run, result = run_budgeted(cluster, setup, records, sampler)
     start, end = sampler.longest_flat_span(n)
     completed, longest_ms = sampler.during(start, end)
     report(fault_report, f"n. token budget paused for a {window_s:g} s window (checkpoint timeout {timeout_ms} ms)",
