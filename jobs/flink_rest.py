@@ -75,6 +75,19 @@ def last_error_line(text: str) -> str:
     return chosen.removeprefix("Suppressed: ").removeprefix("Caused by: ")[:500]
 
 
+TRACE_CHARS = 3000
+"""How much of each failure's trace (frames left out) `FlinkRest.failures` keeps."""
+
+
+def without_frames(trace: str) -> str:
+    """A Java stack trace without its frames (``at …`` and ``... N more``): the exception lines,
+    "Caused by" and "Suppressed" blocks keep their indentation. A Kafka send failure's root cause
+    (an authorization error) comes after ~30 frames of ~200 characters; cut by length with its
+    frames, the trace lost it (seen under load)."""
+    return "\n".join(line for line in trace.splitlines()
+                     if not (line[:1].isspace() and line.lstrip().startswith(("at ", "... "))))
+
+
 class FlinkRest:
     """Job operations through the REST API at ``rest_url`` (``http://host:port``)."""
 
@@ -216,7 +229,8 @@ class FlinkRest:
             history = (exceptions.get("exceptionHistory") or {}).get("entries") or []
             # An entry's concurrent exceptions (other tasks failing at the same moment) follow its own
             # trace: when the entry is only the cluster shutting down, one of them is the cause.
-            return ["\n".join(str(e.get("stacktrace", ""))[:3000] for e in [entry, *(entry.get("concurrentExceptions") or [])])
+            return ["\n".join(without_frames(str(e.get("stacktrace", "")))[:TRACE_CHARS]
+                              for e in [entry, *(entry.get("concurrentExceptions") or [])])
                     for entry in reversed(history)]
         return []
 

@@ -186,7 +186,9 @@ def test_compose_up_500_records_exactly_once(project: ComposeProject) -> None:
 @pytest.mark.fault
 def test_taskmanager_killed_mid_stream_every_id_exactly_once(project: ComposeProject) -> None:
     before = len(project.produced)
-    ids = produce(project, 500, "killed")
+    # 2,000: the simulator answers at most ~160/s (32 at a time, ~0.2 s each), so the batch spans
+    # several 5 s checkpoints whatever the CPU; 500 were once all committed by the first (loaded machine).
+    ids = produce(project, 2000, "killed")
 
     def some_new_visible() -> int | None:
         seen = committed(project)

@@ -288,3 +288,22 @@ def test_a_settled_restart_count_asks_again_after_the_metric_store_caught_up(mon
     assert asked == ["/jobs/j/metrics?get=numRestarts"] * 2
     answers = iter(["3"])
     assert FlinkRest("http://127.0.0.1:1").num_restarts("j") == 3
+
+
+def test_a_long_trace_keeps_its_root_cause_once_frames_are_left_out() -> None:
+    """The exception history's traces are cut to `TRACE_CHARS`: a Kafka send failure's authorization
+    error came after ~30 long frames and was cut off (run under load reported "Failed to send data");
+    without the frames the whole chain fits."""
+    from jobs.flink_rest import TRACE_CHARS, last_error_line, without_frames
+
+    frame = "\tat org.apache.flink.kafka.shaded.org.apache.kafka.clients.producer.internals.Sender.failBatch(Sender.java:843) ~[blob_p-7bf2:5.0.0-2.2]\n"
+    trace = ("java.io.IOException: One or more Kafka Producer send requests have encountered exception\n" + frame * 15
+             + "Caused by: org.apache.flink.util.FlinkRuntimeException: Failed to send data to Kafka out-0@-1\n" + frame * 25
+             + "\t... 1 more\n"
+             + "Caused by: org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized to access topics: [out]\n")
+    assert "TopicAuthorization" not in last_error_line(trace[:TRACE_CHARS])
+    kept = without_frames(trace)
+    assert len(kept) < TRACE_CHARS and "\tat " not in kept and "... 1 more" not in kept
+    assert last_error_line(kept[:TRACE_CHARS]).startswith("org.apache.kafka.common.errors.TopicAuthorizationException")
+    suppressed = "x.Y: top\n\tSuppressed: a.B: inner\n\t\tat a.b(C.java:4)\n"
+    assert without_frames(suppressed) == "x.Y: top\n\tSuppressed: a.B: inner"
