@@ -154,7 +154,7 @@ class InferenceStage(KeyedProcessFunction):
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
-        self._parked: dict[Any, deque[tuple[str, Callable[[], Coroutine[Any, Any, Outcome]]]]] = {}
+        self._parked: deque[tuple[Any, str, Callable[[], Coroutine[Any, Any, Outcome]]]] = deque()
         self._gate = None
         if self._gate_dir is not None:
             from udfs.gate import GateSignal
@@ -184,7 +184,7 @@ class InferenceStage(KeyedProcessFunction):
                 yield from self._adopt(bucket, ctx)
             if value is None:  # a tick: only wakes the bucket
                 yield from self._emit(bucket)
-                self._admit_parked(bucket)
+                self._admit_parked()
                 self._ensure_timer(bucket, ctx)
                 return
             self._metrics.records_in.inc()
@@ -195,7 +195,7 @@ class InferenceStage(KeyedProcessFunction):
             return
         yield from self._start(bucket, record)
         yield from self._emit(bucket)
-        self._admit_parked(bucket)
+        self._admit_parked()
         self._ensure_timer(bucket, ctx)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
@@ -208,7 +208,7 @@ class InferenceStage(KeyedProcessFunction):
         if self._timer_at.get(bucket) == timestamp:
             del self._timer_at[bucket]
         yield from self._emit(bucket)
-        self._admit_parked(bucket)
+        self._admit_parked()
         self._ensure_timer(bucket, ctx)
 
     # ------------------------------------------------------------------ the stage
@@ -279,9 +279,11 @@ class InferenceStage(KeyedProcessFunction):
         def call() -> Coroutine[Any, Any, Outcome]:
             return self._call(request, record)
 
-        parked = self._parked.get(bucket)
-        if parked or not (yield from self._slot(bucket)):
-            self._parked.setdefault(bucket, deque()).append((handle, call))
+        if self._parked and not (yield from self._start_parked(bucket)):
+            self._parked.append((bucket, handle, call))  # the budget paused again: in line behind them
+            return
+        if not (yield from self._slot(bucket)):
+            self._parked.append((bucket, handle, call))
             return
         self._runner.submit(bucket, handle, call)
         self._metrics.admitted = self._runner.in_flight
@@ -299,6 +301,7 @@ class InferenceStage(KeyedProcessFunction):
         return True
 
     def _paused(self) -> bool:
+        """Whether the spend budget is paused and a gate is in front; tells the gate on a change."""
         gate = self._gate
         if gate is None:
             return False
@@ -306,15 +309,27 @@ class InferenceStage(KeyedProcessFunction):
         gate.set(paused)
         return paused
 
-    def _admit_parked(self, bucket: Any, *, at_end: bool = False) -> None:
-        """Starts the bucket's parked records, in order, while slots are free and the budget is not
-        paused (`at_end`: paused or not; the calls then wait for the window themselves)."""
-        parked = self._parked.get(bucket)
-        if self._gate is None or (not parked and not self._paused()):
+    def _start_parked(self, bucket: Any) -> Generator[Row, None, bool]:
+        """Starts every parked record, oldest first, waiting for slots as any record does (so a
+        new record behind them is back-pressured as before); False if the budget pauses again
+        first. A parked record may belong to another bucket: starting it touches no keyed state
+        (it is removed under its own bucket when its answer is emitted)."""
+        while self._parked:
+            if not (yield from self._slot(bucket)):
+                return False
+            parked_bucket, handle, call = self._parked.popleft()
+            self._runner.submit(parked_bucket, handle, call)
+        self._metrics.admitted = self._runner.in_flight
+        return True
+
+    def _admit_parked(self, *, at_end: bool = False) -> None:
+        """Starts parked records, oldest first, while slots are free and the budget is not paused
+        (`at_end`: paused or not; the calls then wait for the window themselves). Never waits."""
+        if self._gate is None or (not self._parked and not self._paused()):
             return
         runner = self._runner
-        while parked and runner.has_slot() and (at_end or not self._paused()):
-            handle, call = parked.popleft()
+        while self._parked and runner.has_slot() and (at_end or not self._paused()):
+            bucket, handle, call = self._parked.popleft()
             runner.submit(bucket, handle, call)
         self._metrics.admitted = runner.in_flight
 
@@ -386,7 +401,7 @@ class InferenceStage(KeyedProcessFunction):
     def _flush(self, bucket: Any) -> Iterator[Row]:
         """End of input: every call of `bucket`, waited for and emitted."""
         while self._outstanding.get(bucket, 0) > 0:
-            self._admit_parked(bucket, at_end=True)
+            self._admit_parked(at_end=True)
             self._runner.wait(SLOT_WAIT_S, bucket)
             yield from self._emit(bucket)
 
