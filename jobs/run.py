@@ -27,7 +27,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-from jobs import jars, preflight
+from jobs import gate, jars, preflight
 from jobs.driver import (
     FlinkLog,
     MiniClusterDriver,
@@ -74,6 +74,8 @@ def run_job(
     config = resolve_cache_location(config, state.path)
     preflight.check(config)
     jars.ensure("connector")
+    if config.budget.enabled:
+        gate.ensure()  # the admission gate's jar, built before any JVM starts: a missing javac is one line
     if config.metrics.prometheus_port is not None:
         jars.ensure("metrics")
     archive = GatewayArchive.find() if class_archive else None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kafka import TopicPartition  # type: ignore[import-untyped]
 
-from jobs import jars
+from jobs import gate, jars
 from jobs.cluster_address import target
 from jobs.driver import RestDriver, StopRequest, drive
 from jobs.flink_cli import client_env, run_job_script
@@ -79,6 +79,8 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     preflight.check(config)
     address, env, rest = _target(jobmanager)
     jars.ensure("connector")
+    if config.budget.enabled:
+        gate.ensure()  # the admission gate's jar, built before any JVM starts: a missing javac is one line
     live = rest.live_jobs(config.name)
     if live:
         raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
@@ -149,6 +151,8 @@ def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: s
     preflight.check(config)
     address, env, rest = _target(jobmanager)
     jars.ensure("connector")
+    if config.budget.enabled:
+        gate.ensure()  # the admission gate's jar, built before any JVM starts: a missing javac is one line
     job_id = _live_job(rest, config)
     check_identity(state, config, fresh=False)
     print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")

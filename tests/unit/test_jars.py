@@ -109,3 +109,18 @@ def test_repo_root_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert jars.repo_root() == tmp_path
     with pytest.raises(RuntimeError, match="LLMSTREAM_HOME"):
         jars.jar_dir("broker")
+
+
+def test_the_gate_jar_without_javac_is_one_line_naming_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budgeted job needs the admission gate's jar; where it is not built and no JDK is found,
+    `llmstream run`/`submit` stop before any JVM starts with one line saying what to do."""
+    from jobs import gate
+
+    monkeypatch.setenv("LLMSTREAM_JAR_CACHE", str(tmp_path / "cache"))  # nothing built there
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no java, no javac
+    with pytest.raises(gate.GateBuildError) as err:
+        gate.ensure()
+    message = str(err.value)
+    assert message.startswith("budget: ") and "javac" in message and "\n" not in message
+    assert gate.jar_path().parent == tmp_path / "cache" / "gate"
