@@ -276,7 +276,7 @@ def test_a_budget_paused_for_a_whole_window_never_holds_a_checkpoint(
     run, result = run_budgeted(cluster, setup, records, sampler)
     start, end = sampler.longest_flat_span(n)
     completed, longest_ms = sampler.during(start, end)
-    report(fault_report, f"n. token budget paused for a {window_s:g} s window (checkpoint timeout {timeout_ms} ms)",
+    report(fault_report, f"o. token budget paused for a {window_s:g} s window (checkpoint timeout {timeout_ms} ms)",
            run, result, paced_simulator, notes=f"budget {need / share:.0f} of {need} estimated tokens per window",
            longest_pause_s=round(end - start, 1), checkpoints_in_pause=completed, longest_checkpoint_in_pause_ms=longest_ms)
     assert end - start >= window_s / 3, f"no pause seen (longest stretch without calls {end - start:.1f} s)"
