@@ -63,8 +63,14 @@ def heal(cluster: LocalCluster, taskmanagers: int = 1, timeout: float = 180) -> 
     cluster.start(taskmanagers=taskmanagers, timeout=timeout)
 
     def settled() -> bool:
+        # A TaskManager can die just after the previous test's job was cancelled: Flink's Python
+        # runner sometimes fails its clean-up ("Reference count must not be negative") and that is
+        # fatal to the TaskManager. It leaves the JobManager at once and exits seconds later; a
+        # check that only compared the two counts passed with none left. Start a new one then.
+        if len(cluster.taskmanager_pids()) < taskmanagers:
+            cluster.start(taskmanagers=taskmanagers, timeout=timeout)
         ov = cluster.overview() or {}
-        return bool(ov.get("taskmanagers") == len(cluster.taskmanager_pids())
+        return bool(ov.get("taskmanagers") == len(cluster.taskmanager_pids()) >= taskmanagers
                     and ov.get("slots-available") == ov.get("slots-total"))
 
     wait_until(settled, timeout, interval=1,
