@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 
 from jobs import jars
+from udfs.config import JobConfig
 from udfs.errors import LLMStreamError
 
 GATE_CLASS = "llmstream.AdmissionGate"
@@ -103,6 +104,14 @@ def ensure() -> Path:
                 jar.write(path, path.relative_to(classes).as_posix())
         os.replace(staged, target)
     return target
+
+
+def ensure_for(config: JobConfig) -> None:
+    """Before any JVM starts (`llmstream run`, `submit`, `upgrade`): the gate's jar when the job has
+    a spend budget, so a machine without javac gets one line naming the budget, not a traceback
+    from the job's build."""
+    if config.budget.enabled:
+        ensure()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,8 +74,7 @@ def run_job(
     config = resolve_cache_location(config, state.path)
     preflight.check(config)
     jars.ensure("connector")
-    if config.budget.enabled:
-        gate.ensure()  # the admission gate's jar, built before any JVM starts: a missing javac is one line
+    gate.ensure_for(config)
     if config.metrics.prometheus_port is not None:
         jars.ensure("metrics")
     archive = GatewayArchive.find() if class_archive else None

@@ -79,8 +79,7 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     preflight.check(config)
     address, env, rest = _target(jobmanager)
     jars.ensure("connector")
-    if config.budget.enabled:
-        gate.ensure()  # the admission gate's jar, built before any JVM starts: a missing javac is one line
+    gate.ensure_for(config)
     live = rest.live_jobs(config.name)
     if live:
         raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
@@ -151,8 +150,7 @@ def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: s
     preflight.check(config)
     address, env, rest = _target(jobmanager)
     jars.ensure("connector")
-    if config.budget.enabled:
-        gate.ensure()  # the admission gate's jar, built before any JVM starts: a missing javac is one line
+    gate.ensure_for(config)
     job_id = _live_job(rest, config)
     check_identity(state, config, fresh=False)
     print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")

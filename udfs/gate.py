@@ -11,7 +11,6 @@ exists, and keeps running the task's mails so an unaligned checkpoint completes 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,4 @@ class GateSignal:
             pass  # another subtask's file is still there, or the directory is gone already
 
     def _remove(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self.path.unlink(missing_ok=True)

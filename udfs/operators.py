@@ -279,14 +279,10 @@ class InferenceStage(KeyedProcessFunction):
         def call() -> Coroutine[Any, Any, Outcome]:
             return self._call(request, record)
 
-        if self._parked and not (yield from self._start_parked(bucket)):
-            self._parked.append((bucket, handle, call))  # the budget paused again: in line behind them
-            return
-        if not (yield from self._slot(bucket)):
-            self._parked.append((bucket, handle, call))
-            return
-        self._runner.submit(bucket, handle, call)
-        self._metrics.admitted = self._runner.in_flight
+        # In line behind any parked records, and started with them; it stays parked only while a
+        # paused budget holds the line (a job without a gate never parks: `_slot` just waits).
+        self._parked.append((bucket, handle, call))
+        yield from self._start_parked(bucket)
 
     def _slot(self, bucket: Any) -> Generator[Row, None, bool]:
         """Waits for a free slot, emitting the bucket's finished calls meanwhile: the stage's
@@ -309,26 +305,24 @@ class InferenceStage(KeyedProcessFunction):
         gate.set(paused)
         return paused
 
-    def _start_parked(self, bucket: Any) -> Generator[Row, None, bool]:
-        """Starts every parked record, oldest first, waiting for slots as any record does (so a
-        new record behind them is back-pressured as before); False if the budget pauses again
-        first. A parked record may belong to another bucket: starting it touches no keyed state
-        (it is removed under its own bucket when its answer is emitted)."""
-        while self._parked:
-            if not (yield from self._slot(bucket)):
-                return False
+    def _start_parked(self, bucket: Any) -> Iterator[Row]:
+        """Starts every parked record, oldest first, waiting for slots (the stage's backpressure);
+        stops, leaving the rest parked, while the budget is paused. A parked record may belong to
+        another bucket: starting it touches no keyed state (it is removed under its own bucket
+        when its answer is emitted)."""
+        while self._parked and (yield from self._slot(bucket)):
             parked_bucket, handle, call = self._parked.popleft()
             self._runner.submit(parked_bucket, handle, call)
         self._metrics.admitted = self._runner.in_flight
-        return True
 
     def _admit_parked(self, *, at_end: bool = False) -> None:
         """Starts parked records, oldest first, while slots are free and the budget is not paused
         (`at_end`: paused or not; the calls then wait for the window themselves). Never waits."""
-        if self._gate is None or (not self._parked and not self._paused()):
+        if self._gate is None:
             return
+        paused = self._paused()  # read on every element and timer: it also tells the gate
         runner = self._runner
-        while self._parked and runner.has_slot() and (at_end or not self._paused()):
+        while self._parked and runner.has_slot() and (at_end or not paused):
             bucket, handle, call = self._parked.popleft()
             runner.submit(bucket, handle, call)
         self._metrics.admitted = runner.in_flight
