@@ -18,6 +18,7 @@ from jobs.dev.bench.soak import (
     SoakResult,
     chaos_schedule,
     fault_kinds,
+    fault_traffic,
     segment_slopes,
     slope_per_hour,
 )
@@ -87,3 +88,43 @@ def test_the_report_tells_refused_triggers_from_failed_checkpoints() -> None:
     text = result.markdown()
     assert "1× Checkpoint expired before completing.; 3× refused at trigger, not counted by Flink" in text
     assert "150 / 900 / 1200 ms" in text
+
+
+def test_a_fault_s_traffic_share_quiet_and_rejoin_times() -> None:
+    """Endpoint 1 of two, killed at 10 s for 10 s: it takes 50 requests a second until 11 s, then
+    only a probe at 15 s; after the fault its answers grow again from 21 s."""
+    traffic = []
+    requests, answers = [0, 0], [0, 0]
+    for tenth in range(0, 300, 5):
+        at = tenth / 10
+        step = 0.5
+        requests[0] += int(50 * step)
+        answers[0] += int(50 * step)
+        if at <= 11 or at >= 21:
+            requests[1] += int(50 * step)
+            if at < 10 or at >= 21:
+                answers[1] += int(50 * step)
+        elif at == 15:
+            requests[1] += 1
+        traffic.append((at, list(requests), list(answers)))
+    seen = fault_traffic(traffic, 10.0, 20.0, 1)
+    assert seen["quiet_after_s"] == 1.0  # its last requests are counted by 11 s: then only the probe
+    assert seen["requests_share"] == round(1 / 401, 4)  # 12..20 s: the probe against endpoint 0's 400
+    assert seen["answers_share"] == 0.0
+    assert seen["answering_after_s"] == 1.0
+    assert seen["answers_per_s"] == 50.0  # endpoint 0's, alone
+    assert fault_traffic(traffic, 25.0, 28.0, 0)["quiet_after_s"] is None  # never quiet
+    assert fault_traffic([], 10.0, 20.0, 1) == {"requests_share": None, "answers_share": None, "answers_per_s": None,
+                                                 "quiet_after_s": None, "answering_after_s": None}
+
+
+def test_the_report_gives_each_endpoint_fault_its_traffic() -> None:
+    result = SoakResult(minutes=10, rate_per_s=150, seed=1, faults=["endpoint killed", "broker restart"])
+    result.events = [
+        {"at_s": 100.0, "kind": "endpoint killed", "endpoint": 0, "duration_s": 30.0, "lasted_s": 30.2,
+         "requests_share": 0.0, "answers_share": 0.0, "answers_per_s": 95.5, "quiet_after_s": 0.5,
+         "answering_after_s": 4.0},
+        {"at_s": 200.0, "kind": "broker restart", "endpoint": None, "duration_s": 15.0, "lasted_s": 27.0}]
+    text = result.markdown()
+    assert "| 100 | endpoint killed | 0 | 30 | 0.0% | 0.0% | 95.5 (100) | 0.5 | 4 |" in text, text
+    assert "| 200 | broker restart |  | 27 | – | – | – | – | – |" in text, text

@@ -8,6 +8,12 @@ The faults (a seeded random schedule, `chaos_schedule`; none overlaps another):
 - the TaskManager SIGKILLed and a new one started at once,
 - the broker stopped (clean shutdown) and started again 15 s later on the same ports and data.
 
+Each endpoint fault also gets its traffic (`fault_traffic`, from each endpoint's request and
+answer counts sampled every `TRAFFIC_SAMPLE_S`): the endpoint's share of the requests and of the
+answers while it was down (after the first `SETTLE_FAULT_S`) and the fleet's answers per second
+then, how soon its requests stopped (a circuit opening), and how soon after the fault it answered
+again (a circuit closing).
+
 The model is a simulated fleet of three endpoints (concurrency 16, 8, 4; lognormal latency,
 median 100 ms), the job llmstream's default config with `model.endpoints`. What the report says
 (`soak.md`, `soak.json` in `--out`): produced, answered, dead-lettered, lost and duplicated ids;
@@ -90,6 +96,11 @@ checkpoint-size slopes also skip each TaskManager's first 90 s (JIT, Python work
 SETTLE_S = 120.0
 """No fault starts in the last 120 s of the input: the end counts a job that has recovered."""
 SAMPLE_S = 10.0
+TRAFFIC_SAMPLE_S = 0.5
+"""How often each endpoint's request and answer counts are read (the simulator's control port)."""
+SETTLE_FAULT_S = 2.0
+"""An endpoint fault's shares are counted from this long after it began: how long a circuit may
+take to open (issue 21: within 2 s)."""
 
 
 @dataclass(frozen=True)
@@ -172,8 +183,60 @@ def segment_slopes(samples: Sequence[Sample], value: Callable[[Sample], float | 
     return out
 
 
+Traffic = tuple[float, list[int], list[int]]
+"""(seconds into the soak, requests per endpoint, answers per endpoint), cumulative counts."""
+
+
+def fault_traffic(traffic: Sequence[Traffic], start_s: float, end_s: float, index: int,
+                  settle_s: float = SETTLE_FAULT_S) -> dict[str, float | None]:
+    """What endpoint `index` got while a fault held it (`start_s`..`end_s`), from cumulative counts:
+    its share of all requests and of all answers from `settle_s` after the start to the end, and
+    the fleet's answers per second then; `quiet_after_s`, seconds from the start until its requests
+    stop growing (at most one more within the next second: a probe), None if they never do;
+    `answering_after_s`, seconds from the end until it answers again, None if it did not within
+    the samples."""
+    during = [t for t in traffic if start_s + settle_s <= t[0] <= end_s]
+    requests_share = answers_share = answers_per_s = None
+    if len(during) >= 2:
+        first, last = during[0], during[-1]
+        requests = sum(last[1]) - sum(first[1])
+        answers = sum(last[2]) - sum(first[2])
+        requests_share = (last[1][index] - first[1][index]) / requests if requests else None
+        answers_share = (last[2][index] - first[2][index]) / answers if answers else None
+        answers_per_s = answers / (last[0] - first[0]) if last[0] > first[0] else None
+    quiet_after = None
+    held = [t for t in traffic if start_s <= t[0] <= end_s]
+    for i, (at, requests_now, _) in enumerate(held):
+        if held[-1][0] < at + 1.0:
+            break
+        if all(t[1][index] - requests_now[index] <= 1 for t in held[i:] if t[0] <= at + 1.0):
+            quiet_after = at - start_s
+            break
+    answering_after = None
+    after = [t for t in traffic if t[0] >= end_s]
+    if after:
+        base = after[0][2][index]
+        answering_after = next((t[0] - end_s for t in after if t[2][index] > base), None)
+    return {"requests_share": _round(requests_share, 4), "answers_share": _round(answers_share, 4),
+            "answers_per_s": _round(answers_per_s), "quiet_after_s": _round(quiet_after),
+            "answering_after_s": _round(answering_after)}
+
+
+def remaining_limit_per_s(index: int) -> float:
+    """The fleet's limit (Little's law: slots ÷ mean latency) without endpoint `index`."""
+    return (sum(FLEET) - FLEET[index]) / (SCENARIO.mean_latency_ms / 1000)
+
+
 def _round(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
+
+
+def _pct(share: float | None) -> str:
+    return "–" if share is None else f"{share:.1%}"
+
+
+def _dash(value: float | None) -> str:
+    return "–" if value is None else f"{value:g}"
 
 
 @dataclass
@@ -224,9 +287,7 @@ class SoakResult:
                  f"(over {self.checkpoints.get('seen')} completed checkpoints seen)")]
         if self.error:
             lines.append(f"- error: {self.error}")
-        lines += ["", "| at (s) | fault | endpoint | lasted (s) |", "|---|---|---|---|"]
-        lines += [f"| {e['at_s']:.0f} | {e['kind']} | {'' if e['endpoint'] is None else e['endpoint']} | "
-                  f"{e['lasted_s']:.0f} |" for e in self.events]
+        lines += self._fault_lines()
         for title, rows, unit in (("TaskManager RSS (JVM + Python workers)", self.rss, "MB"),
                                   ("Checkpoint size", self.checkpoint_size, "KB")):
             lines += ["", f"{title}, least-squares slope after each TaskManager's first {WARMUP_S:.0f} s:", "",
@@ -236,6 +297,25 @@ class SoakResult:
                       f"{r['later_slope_per_h']} |" for r in rows]
         return "\n".join(lines) + "\n"
 
+
+    def _fault_lines(self) -> list[str]:
+        """The faults, each endpoint fault with its traffic (`fault_traffic`)."""
+        shares = " / ".join(f"endpoint {i} {limit / sum(FLEET):.1%}" for i, limit in enumerate(FLEET))
+        lines = ["", (f"Each endpoint fault's traffic (`fault_traffic`), from {SETTLE_FAULT_S:g} s into it to its end: "
+                      "the endpoint's share of all requests and of all answers, and the fleet's answers per second "
+                      "(in brackets the other endpoints' limit, slots ÷ mean latency: the input may be lower); "
+                      "seconds until its requests stopped (its circuit open: a probe at most a second after), and "
+                      f"after the fault until it answered again. Shares of the fleet's limit: {shares}."), "",
+                 ("| at (s) | fault | endpoint | lasted (s) | its requests | its answers | fleet answers/s | "
+                  "quiet after (s) | answering again after (s) |"), "|---|---|---|---|---|---|---|---|---|"]
+        for e in self.events:
+            index = e["endpoint"]
+            rate = (f"{_dash(e.get('answers_per_s'))} ({remaining_limit_per_s(int(index)):.0f})"
+                    if index is not None else "–")
+            lines.append(f"| {e['at_s']:.0f} | {e['kind']} | {'' if index is None else index} | {e['lasted_s']:.0f} | "
+                         f"{_pct(e.get('requests_share'))} | {_pct(e.get('answers_share'))} | {rate} | "
+                         f"{_dash(e.get('quiet_after_s'))} | {_dash(e.get('answering_after_s'))} |")
+        return lines
 
     def _failed_reasons(self) -> str:
         """Reasons of the failed checkpoints: each triggered one's, and how many Flink refused at the
@@ -259,6 +339,7 @@ class Soak:
         self.failures = CheckpointSampler(root_pid=0)
         """Keeps the failure reasons of each `/checkpoints` answer given to its `take`."""
         self.job_id: str | None = None
+        self.traffic: list[Traffic] = []
         self._ended = threading.Event()
         self._started = 0.0
 
@@ -295,6 +376,8 @@ class Soak:
             paced.start()
             sampler = threading.Thread(target=self._sample_loop, args=(cluster,), name="soak-sampler", daemon=True)
             sampler.start()
+            traffic = threading.Thread(target=self._traffic_loop, args=(fleet,), name="soak-traffic", daemon=True)
+            traffic.start()
             try:
                 self._apply_faults(chaos_schedule(self.minutes, self.seed, kinds_allowed=self.result.faults), cluster, broker, fleet, paced)
                 paced.finished.wait()
@@ -309,6 +392,7 @@ class Soak:
             finally:
                 self._ended.set()
                 sampler.join(timeout=30)
+                traffic.join(timeout=30)
             self._count(observer, producer.produced, cluster, fleet)
         return self.result
 
@@ -350,6 +434,14 @@ class Soak:
                     fleet.faults(index, {})
             self.result.events.append({**asdict(event), "at_s": round(began, 1),
                                        "lasted_s": round(self._elapsed() - began, 1)})
+
+    def _traffic_loop(self, fleet: SpawnedFleet) -> None:
+        while not self._ended.is_set():
+            with contextlib.suppress(Exception):
+                stats = fleet.endpoint_stats()
+                self.traffic.append((round(self._elapsed(), 2), [int(s["requests_total"]) for s in stats],
+                                     [int(s["served"]) for s in stats]))
+            self._ended.wait(TRAFFIC_SAMPLE_S)
 
     def _sample_loop(self, cluster: LocalCluster) -> None:
         while not self._ended.is_set():
@@ -409,6 +501,10 @@ class Soak:
                               "failed_untriggered": summary.get("failed_untriggered"), "seen": len(durations),
                               "p50_ms": _round(percentile(durations, 50), 0), "p99_ms": _round(percentile(durations, 99), 0),
                               "max_ms": durations[-1] if durations else None}
+        for event in result.events:
+            if event["endpoint"] is not None:
+                event.update(fault_traffic(self.traffic, event["at_s"], event["at_s"] + event["lasted_s"],
+                                           int(event["endpoint"])))
         result.rss = segment_slopes(self.samples, lambda s: s.taskmanager_rss_mb)
         result.checkpoint_size = segment_slopes(self.samples, lambda s: s.checkpoint_kb)
 
