@@ -409,7 +409,7 @@ class Outcome:
 def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress: GroupProgress | None = None,
           targets: dict[TopicPartition, int] | None = None, figures: RunFigures | None = None,
           progress_every_s: float = 0.0, stop_timeout_s: float = 60.0, cancel_on_timeout: bool = True,
-          report: Callable[[str], None] = print) -> Outcome:
+          on_stop: Callable[[], None] | None = None, report: Callable[[str], None] = print) -> Outcome:
     """Watches the job until it ends.
 
     ``stop.savepoint`` set: stop with a savepoint; ``stop.cancel`` set: cancel. With ``targets`` the
@@ -417,7 +417,8 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
     draining savepoint. A stop without a savepoint after ``stop_timeout_s`` cancels the job, or with
     ``cancel_on_timeout`` false raises a `ClusterError` (the job left running). Every
     ``progress_every_s`` (0: never) a progress line: the compact status (``figures``), or
-    "starting" until there are figures.
+    "starting" until there are figures. ``on_stop`` is called once, as a stop with a savepoint
+    starts (`jobs.gate.open_for_stop`).
     """
     stopper = SavepointStop(driver, savepoints_uri)
     started, last_report, last_check, last_failures = time.monotonic(), 0.0, 0.0, 0.0
@@ -430,12 +431,16 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
         if stop.cancel.is_set():
             stopper.cancel()
         elif stop.savepoint.is_set() and not stopper.started:
+            if on_stop is not None:
+                on_stop()
             stopper.start(drain=False, timeout_s=stop_timeout_s)
         elif targets is not None and progress is not None and not stopper.started and now - last_check >= 0.5:
             last_check = now
             with contextlib.suppress(Exception):
                 if progress.reached(targets):
                     report("llmstream: backfill input committed; stopping with a draining savepoint")
+                    if on_stop is not None:
+                        on_stop()
                     stopper.start(drain=True, timeout_s=stop_timeout_s)
         stopper.poll()
         if stopper.timed_out:

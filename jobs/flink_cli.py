@@ -65,14 +65,16 @@ def python_jar() -> Path:
 
 
 def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Mapping[str, str],
-                   savepoint: str | None = None, state_dir: str | None = None, timeout: float = 180.0) -> str:
+                   savepoint: str | None = None, state_dir: str | None = None, leave_behind: bool = False,
+                   timeout: float = 180.0) -> str:
     """Runs ``bin/flink run -d ... -py jobs/inference_job.py --config FILE``; returns the job id.
 
     ``-pyexec``/``-pyclientexec`` are this interpreter, so the client and the Python workers
     use the same venv; the job ships ``udfs/`` and the connector jar itself. The cluster must
     have flink-python on its classpath (`write_lib_dir`; the docker-compose image does too),
     because the job's own ``pipeline.jars`` replaces the list ``flink run -py`` would ship it in.
-    ``savepoint`` (``-s``) resumes from a savepoint or a retained checkpoint; ``state_dir`` is
+    ``savepoint`` (``-s``) resumes from a savepoint or a retained checkpoint, ``leave_behind``
+    (``-n``) dropping its state for operators the job lacks (`jobs.gate.left_behind`); ``state_dir`` is
     where the job keeps its checkpoints and savepoints (default: from the job config).
     """
     config = Path(config_path).expanduser().resolve()
@@ -80,6 +82,8 @@ def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Ma
            "-pyexec", sys.executable, "-pyclientexec", sys.executable]
     if savepoint:
         cmd += ["-s", savepoint]
+        if leave_behind:
+            cmd += ["-n"]
     cmd += ["-py", str(jars.repo_root() / JOB_SCRIPT), "--config", str(config)]
     if state_dir:
         cmd += ["--state-dir", state_dir]

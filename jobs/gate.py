@@ -1,7 +1,8 @@
 """The admission gate's jar: `pom-free/gate/*.java`, compiled here with javac.
 
 The gate is a small Java operator chained in front of the inference stage (`jobs/pipeline.py`
-puts it there when the job has a spend budget): while the stage says it admits nothing, the
+puts it there when the job has a spend budget, or a fleet with unaligned checkpoints and a jar
+or a javac here: `gate_setting`): while the stage says it admits nothing, the
 gate stops taking input but keeps running the task's mails, so an unaligned checkpoint still
 completes (the class's Javadoc says how); a gated job's ticks come from `Ticks.java` (a FLIP-27
 source's generator: the SQL datagen source would hold every checkpoint behind a closed gate).
@@ -14,18 +15,23 @@ a changed source or another Flink builds a new jar. `make jars` builds it ahead 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 import zipfile
 from pathlib import Path
 
 from jobs import jars
+from jobs.operator_ids import holds_operator
 from udfs.config import JobConfig
 from udfs.errors import LLMStreamError
+from udfs.gate import STOPPING
 
 GATE_CLASS = "llmstream.AdmissionGate"
 TICKS_CLASS = "llmstream.Ticks"
@@ -33,6 +39,8 @@ CHECK_MS = 5
 """How often the gate looks at the stage's pause file while records flow (one stat call)."""
 IDLE_SLEEP_MS = 5
 """How long the closed gate sleeps when the task has no mail to run."""
+TICKS_UID = "inference-ticks-gated"
+"""The uid of a gated job's ticks: a FLIP-27 source, so its snapshots hold state for it."""
 
 
 class GateBuildError(LLMStreamError, RuntimeError):
@@ -62,7 +70,7 @@ def jar_path() -> Path:
     return jars.cache_root() / "gate" / f"llmstream-gate-{digest.hexdigest()[:12]}.jar"
 
 
-def _javac() -> str:
+def _javac(setting: str = "budget") -> str:
     java_home = os.environ.get("JAVA_HOME")
     candidates = [Path(java_home) / "bin" / "javac"] if java_home else []
     found = shutil.which("javac")
@@ -75,19 +83,20 @@ def _javac() -> str:
         if candidate.is_file():
             return str(candidate)
     raise GateBuildError(
-        f"budget: the admission gate's jar ({jar_path().name}) is not built and no javac was found "
+        f"{setting}: the admission gate's jar ({jar_path().name}) is not built and no javac was found "
         "(JAVA_HOME, PATH): run `make jars` where a JDK is installed, or install one "
         "(apt-get install openjdk-17-jdk-headless)")
 
 
-def ensure() -> Path:
-    """The gate's jar, compiled first if this source and classpath have none yet."""
+def ensure(setting: str = "budget") -> Path:
+    """The gate's jar, compiled first if this source and classpath have none yet. `setting`:
+    what needs it, named first in an error."""
     if not sources():
-        raise GateBuildError(f"budget: the admission gate's sources are missing from {jars.repo_root() / 'pom-free' / 'gate'}")
+        raise GateBuildError(f"{setting}: the admission gate's sources are missing from {jars.repo_root() / 'pom-free' / 'gate'}")
     target = jar_path()
     if target.is_file():
         return target
-    javac = _javac()
+    javac = _javac(setting)
     classpath = os.pathsep.join(str(jar) for jar in _flink_jars())
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="llmstream-gate-") as scratch:
@@ -96,7 +105,7 @@ def ensure() -> Path:
                                *map(str, sources())], capture_output=True, text=True, check=False)
         if done.returncode != 0:
             first = (done.stderr or done.stdout).strip().splitlines()
-            raise GateBuildError(f"budget: compiling the admission gate failed: {first[0] if first else done.returncode}")
+            raise GateBuildError(f"{setting}: compiling the admission gate failed: {first[0] if first else done.returncode}")
         staged = target.parent / f".{target.name}.{os.getpid()}.tmp"  # renamed into place: never half a jar
         with zipfile.ZipFile(staged, "w", zipfile.ZIP_DEFLATED) as jar:
             jar.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: llmstream jobs/gate.py\n\n")
@@ -107,11 +116,97 @@ def ensure() -> Path:
 
 
 def ensure_for(config: JobConfig) -> None:
-    """Before any JVM starts (`llmstream run`, `submit`, `upgrade`): the gate's jar when the job has
-    a spend budget, so a machine without javac gets one line naming the budget, not a traceback
-    from the job's build."""
+    """Before any JVM starts (`llmstream run`, `submit`, `upgrade`): the gate's jar when the job
+    needs one, so a machine without javac gets one line naming the setting, not a traceback from
+    the job's build."""
+    setting = gate_setting(config)
+    if setting is not None:
+        ensure(setting)
+
+
+def _buildable() -> bool:
+    try:
+        return jar_path().is_file() or bool(sources() and _javac())
+    except GateBuildError:
+        return False
+
+
+def gate_setting(config: JobConfig) -> str | None:
+    """What puts the admission gate (and the gated ticks) in front of the job's stage, or None.
+
+    `budget`: a spend budget pauses for up to a window; it needs the gate (and unaligned
+    checkpoints, checked at load). `model.endpoints`: a fleet whose endpoints are all down waits
+    for a cooldown (up to `model.circuit.max_cooldown_s`); the gate keeps checkpoints going
+    meanwhile when checkpoints are unaligned and the gate's jar is here or can be built. Without
+    them the fleet runs as before: a checkpoint then waits for the cooldown."""
     if config.budget.enabled:
-        ensure()
+        return "budget"
+    if config.model.routed and config.python.unaligned_checkpoints and _buildable():
+        return "model.endpoints"
+    return None
+
+
+GATE_DIR_SWEEP_S = 86_400.0
+"""Empty gate directories untouched this long are removed when a new gated job is built."""
+
+
+def job_directory() -> str:
+    """Where this job's inference subtasks and their gates meet: a fresh directory name under the
+    temporary directory of the host (a Python worker runs on its TaskManager's host).
+
+    A job's stages remove their directory when they close; a killed one leaves it, empty. Those
+    older than a day are swept here; a live job whose empty directory goes with them makes it
+    again when it next pauses (`udfs.gate.GateSignal.set`)."""
+    root = Path(tempfile.gettempdir()) / "llmstream-gate"
+    cutoff = time.time() - GATE_DIR_SWEEP_S
+    with contextlib.suppress(OSError):
+        for old in root.iterdir():
+            with contextlib.suppress(OSError):
+                if old.stat().st_mtime < cutoff:
+                    old.rmdir()  # only if empty
+    return str(root / uuid.uuid4().hex)
+
+
+def open_for_stop(directory: str | None) -> None:
+    """Tells the job's stages that a stop with a savepoint is under way: a savepoint is aligned,
+    and its barrier waits in the input a closed gate does not read, so while it is there a
+    paused stage opens its gate and parks what comes in (a few buffers' worth: the sources
+    stop at the barrier). Only where this host runs the job's stages (`llmstream run`)."""
+    if directory is None:
+        return
+    with contextlib.suppress(OSError):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / STOPPING).touch()
+
+
+def forget(directory: str | None) -> None:
+    """After the job: removes the stop mark and the directory, if nothing else is in it."""
+    if directory is None:
+        return
+    with contextlib.suppress(OSError):
+        (Path(directory) / STOPPING).unlink(missing_ok=True)
+        Path(directory).rmdir()
+
+
+def gated(config: JobConfig) -> bool:
+    """Whether the job runs with the admission gate (and the gated ticks) in front of its stage."""
+    return gate_setting(config) is not None
+
+
+def left_behind(config: JobConfig, restore: str | None) -> str | None:
+    """Why a restore of `restore` must allow state with no operator to go to, or None.
+
+    A gated job's ticks come from a FLIP-27 source (`TICKS_UID`), whose snapshots hold its
+    enumerator's and readers' state; a job without the gate has no such operator, and Flink
+    refuses the snapshot unless told to leave that state behind. Only ticks are lost (which
+    slot to wake next), so a run that drops the gate (its budget or its fleet) is allowed to;
+    any other unclaimed state still stops the restore. The other way (a gate added) needs
+    nothing: the SQL ticks keep no state."""
+    if restore is None or gated(config) or not holds_operator(restore, TICKS_UID):
+        return None
+    return ("the snapshot was taken with the admission gate (a spend budget, budget.*, or a fleet, "
+            "model.endpoints) and this config has none: the state of the gate's tick source (which slot "
+            "to wake next, nothing else) is left behind")
 
 
 def main(argv: list[str] | None = None) -> int:

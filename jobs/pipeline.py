@@ -15,8 +15,6 @@ the output (`udfs/records.py`).
 from __future__ import annotations
 
 import sys
-import tempfile
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from pyflink.datastream import (
 from pyflink.java_gateway import get_gateway
 from pyflink.table import StreamTableEnvironment, Table
 
-from jobs import jars, key_groups
+from jobs import gate, jars, key_groups
 from jobs.state import StateDir
 from udfs import kafka_security
 from udfs.config import JobConfig
@@ -162,12 +160,14 @@ def local_cluster_options(config: JobConfig, rest_port: int) -> tuple[dict[str, 
 
 
 def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateDir | None = None,
-                        restore_from: str | None = None, local_rest_port: int | None = None) -> Configuration:
+                        restore_from: str | None = None, leave_behind: bool = False,
+                        local_rest_port: int | None = None) -> Configuration:
     """Settings that must be in place before the environment exists.
 
     `state` is the job's state directory: checkpoints are retained there on cancellation
     (and survive a killed process), savepoints go there, and the next run resumes from the
-    newest (`jobs/state.py`). `restore_from` is the snapshot this run restores.
+    newest (`jobs/state.py`). `restore_from` is the snapshot this run restores; `leave_behind`:
+    state it holds for operators this job lacks is dropped (`jobs.gate.left_behind`).
     `local_rest_port` is given for a local mini cluster only (`local_cluster_options`).
     """
     conf = Configuration()
@@ -200,16 +200,18 @@ def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateD
         conf.set_string("execution.checkpointing.num-retained", "2")
     if restore_from:
         conf.set_string("execution.state-recovery.path", restore_from)
+        if leave_behind:
+            conf.set_string("execution.state-recovery.ignore-unclaimed-state", "true")
     return conf
 
 
 def create_environment(config: JobConfig, jar_urls: list[str], *, state: StateDir | None = None,
-                       restore_from: str | None = None, local_rest_port: int | None = None
-                       ) -> StreamExecutionEnvironment:
+                       restore_from: str | None = None, leave_behind: bool = False,
+                       local_rest_port: int | None = None) -> StreamExecutionEnvironment:
     """A stream environment configured for this job (mini cluster or cluster client)."""
     env = StreamExecutionEnvironment.get_execution_environment(
         flink_configuration(config, jar_urls, state=state, restore_from=restore_from,
-                            local_rest_port=local_rest_port))
+                            leave_behind=leave_behind, local_rest_port=local_rest_port))
     env.set_parallelism(config.parallelism.default)
     checkpoints = config.checkpointing
     env.enable_checkpointing(checkpoints.interval_ms, CheckpointingMode.EXACTLY_ONCE)
@@ -392,22 +394,11 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
 GATE_UID = "admission-gate"
 
 
-def gate_directory() -> str:
-    """Where this job's inference subtasks and their gates meet: a fresh directory name under the
-    temporary directory of the host (a Python worker runs on its TaskManager's host)."""
-    return str(Path(tempfile.gettempdir()) / "llmstream-gate" / uuid.uuid4().hex)
-
-
-GATED_TICKS_UID = "inference-ticks-gated"
-
-
 def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any) -> DataStream:
     """The ticks of a gated job (`pom-free/gate/Ticks.java`): the same slots, one after another, at
     the same rate, from Flink's FLIP-27 `DataGeneratorSource` instead of the SQL datagen source,
     whose legacy source thread would hold every checkpoint while a closed gate back-pressures it.
     Adds the gate's jar to the job (`jobs/gate.py` builds it)."""
-    from jobs import gate
-
     env.add_jars(gate.ensure().as_uri())
     gateway = get_gateway()
     jvm = gateway.jvm
@@ -420,7 +411,7 @@ def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any
         row_type)
     j_stream = env._j_stream_execution_environment.fromSource(
         source, jvm.org.apache.flink.api.common.eventtime.WatermarkStrategy.noWatermarks(), "ticks")
-    j_stream.uid(GATED_TICKS_UID).setParallelism(1)
+    j_stream.uid(gate.TICKS_UID).setParallelism(1)
     return DataStream(j_stream)
 
 
@@ -429,8 +420,6 @@ def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any)
     keyed again as it was: the gate only forwards, so its output keeps the keyBy's partitioning
     (`reinterpretAsKeyedStream`) and the gate is chained into the stage's task. The gate's jar is
     in the job already (`gated_ticks`)."""
-    from jobs import gate
-
     jvm = get_gateway().jvm
     operator = getattr(jvm, gate.GATE_CLASS)(gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS)
     gated = j_keyed.transform("inference admission gate", j_keyed.getType(), operator)
@@ -439,8 +428,9 @@ def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any)
         gated, jvm.KeyByKeySelector(), key_type)
 
 
-def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
-    """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it."""
+def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | None:
+    """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it.
+    Returns the admission gate's directory when the job has one (`jobs.gate.open_for_stop`)."""
     t_env = StreamTableEnvironment.create(env)
     # The planner names its operators' uids from a process-wide counter (`<id>_...`), so a job
     # built twice, or after a change elsewhere in the graph, would not find its state again.
@@ -464,8 +454,9 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
     inference_parallelism = config.parallelism.of("inference")
     if config.python.unaligned_checkpoints:
         env.get_checkpoint_config().enable_unaligned_checkpoints()
-    # A spend budget pauses the stage for up to a window: the gate keeps checkpoints going meanwhile.
-    gate_dir = gate_directory() if config.budget.enabled else None
+    # A spend budget pauses the stage for up to a window, a fleet with every endpoint down for a
+    # cooldown: the gate keeps checkpoints going meanwhile (`jobs/gate.py`).
+    gate_dir = gate.job_directory() if gate.gated(config) else None
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
                            ordering=config.ordering, gate_dir=gate_dir)
     outgoing = (
@@ -476,3 +467,4 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> None:
     statements = t_env.create_statement_set()
     statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
     statements.attach_as_datastream()
+    return gate_dir

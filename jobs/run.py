@@ -92,6 +92,9 @@ def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: Gatew
         check_identity(state, config, fresh=options.fresh)
         restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
         report(f"llmstream: {how}")  # before the JVM starts: a run killed while it starts has said so
+        leave_behind = gate.left_behind(config, restore)
+        if leave_behind:
+            report(f"llmstream: {leave_behind}")
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
         stack.enter_context(stop_on_signals(stop, report))
         stack.enter_context(quiet_worker_shutdown())
@@ -99,8 +102,9 @@ def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: Gatew
         rest_port = config.metrics.rest_port or free_port()
         with flink_log_dir(state), _archive_applied(archive, state):
             env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
-                                     local_rest_port=rest_port)
-        build_pipeline(env, config)
+                                     leave_behind=leave_behind is not None, local_rest_port=rest_port)
+        gate_dir = build_pipeline(env, config)
+        stack.callback(gate.forget, gate_dir)
         flink_log = FlinkLog.of_this_jvm()
         job_client = env.execute_async(config.name)
         local_run = LocalRun.starting(config, str(job_client.get_job_id()), rest_port)
@@ -120,7 +124,8 @@ def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: Gatew
         driver = MiniClusterDriver(job_client, FlinkRest(local_run.rest_url), flink_log)
         outcome = drive(driver, stop, savepoints_uri=state.savepoints_uri, progress=progress,
                         targets=targets, figures=RunFigures(observer, local_run, state),
-                        progress_every_s=progress_every_s, stop_timeout_s=stop_timeout_s, report=report)
+                        progress_every_s=progress_every_s, stop_timeout_s=stop_timeout_s,
+                        on_stop=lambda: gate.open_for_stop(gate_dir), report=report)
         state_name = _conclude(outcome, progress, state, report)
         if outcome.state == "FAILED" and flink_log is not None:
             report(f"llmstream: Flink's log of this run: {flink_log.path}")

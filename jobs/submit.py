@@ -87,8 +87,12 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     check_identity(state, config, fresh=options.fresh)
     restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
     print(f"llmstream: {how}")
+    leave_behind = gate.left_behind(config, restore)
+    if leave_behind:
+        print(f"llmstream: {leave_behind}")
     targets = _end_offsets(config) if options.until_end else None
-    job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location)
+    job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location,
+                            leave_behind=leave_behind is not None)
     print(f"llmstream: submitted job {config.name} as {job_id}")
     print(f"llmstream: web UI {rest.rest_url}/#/job/running/{job_id}/overview")
     if targets is not None:
@@ -156,8 +160,12 @@ def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: s
     print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")
     savepoint = _stop_when_running(rest, job_id, state, drain=False)
     print(f"llmstream: savepoint {savepoint}; resubmitting with {path}")
+    leave_behind = gate.left_behind(config, savepoint)
+    if leave_behind:
+        print(f"llmstream: {leave_behind}")
     try:
-        new_id = run_job_script(path, address, env=env, savepoint=savepoint, state_dir=state.location)
+        new_id = run_job_script(path, address, env=env, savepoint=savepoint, state_dir=state.location,
+                                leave_behind=leave_behind is not None)
     except ClusterError as err:
         raise ClusterError(f"{err}; the job is stopped: `llmstream submit` resumes it from {savepoint}") from None
     print(f"llmstream: upgraded: job {config.name} runs as {new_id}, restored from {savepoint}")

@@ -153,7 +153,7 @@ class InferenceClient:
         self.metrics = metrics if metrics is not None else InferenceMetrics()
         self.routes: list[Route] = []
         self.fleet: Fleet | None = None
-        if config.model.endpoints is not None or config.model.fallback is not None:
+        if config.model.routed:
             self._open_fleet(config, subtasks)  # sets transport and url: the first endpoint's
         else:
             self.transport = Transport(config, self.metrics)
@@ -209,6 +209,18 @@ class InferenceClient:
     def session(self) -> aiohttp.ClientSession | None:
         """The HTTP session, once the first call created it."""
         return self.transport.session
+
+    @property
+    def pause_reason(self) -> str | None:
+        """Why no call can start before a spend-budget window, or every endpoint's cooldown or
+        Retry-After, ends (a fleet's `stalled`); None when calls can start. The stage parks new
+        records and closes its admission gate meanwhile (`udfs/operators.py`). Read from
+        Flink's thread; reads only."""
+        if self.budget.paused:
+            return "the spend budget is paused"
+        if self.fleet is not None and self.fleet.stalled:
+            return "every endpoint's circuit is open or paused by Retry-After"
+        return None
 
     def _on_budget_pause(self, paused: bool) -> None:
         self.metrics.budget_paused = paused

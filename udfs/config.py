@@ -328,6 +328,11 @@ class ModelConfig:
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     fallback: FallbackConfig | None = None
 
+    @property
+    def routed(self) -> bool:
+        """Calls go through a fleet's routing (`udfs/fleet.py`): `endpoints` or a `fallback`."""
+        return self.endpoints is not None or self.fallback is not None
+
     def validate(self, path: str) -> None:
         _require((self.endpoint is None) != (self.endpoints is None), _join(path, "endpoint"),
                  "give exactly one of model.endpoint and model.endpoints"

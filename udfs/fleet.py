@@ -267,6 +267,18 @@ class Fleet:
             endpoint.circuit.on_neutral()
         self._wake(all_=outcome is not Outcome.SUCCESS or endpoint.circuit.state is CircuitState.CLOSED)
 
+    @property
+    def stalled(self) -> bool:
+        """Calls wait and no endpoint may take one before a cooldown or a `Retry-After` ends:
+        every circuit open (a probe out, or none due yet) or paused. Endpoints that are only
+        full do not stall the fleet: a slot frees within a call's latency. The inference stage
+        reads this from Flink's thread to close its admission gate (`udfs/gate.py`): reads only."""
+        if not self._waiters:
+            return False
+        now = self._clock()
+        return not any(now >= e.paused_until and (e.circuit.state is CircuitState.CLOSED or e.circuit.may_probe(now))
+                       for e in self.endpoints)
+
     # ------------------------------------------------------------------ waiting
 
     async def acquire(self, avoid: Iterable[int] = (), attempt: int = 1) -> Endpoint:

@@ -129,9 +129,10 @@ class InferenceStage(KeyedProcessFunction):
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
 
     `capacity` bounds the calls in flight per subtask (`async.capacity`). `gate_dir`: the
-    job has a spend budget and an admission gate in front (`udfs/gate.py`); while the budget is
-    paused the stage parks what it cannot start (it is in state already) instead of waiting for
-    a slot inside the bundle, and tells the gate to stop its input.
+    job has an admission gate in front (`udfs/gate.py`: a spend budget, or a fleet); while no
+    call can start before a window or a cooldown ends (`InferenceClient.pause_reason`) the stage
+    parks what it cannot start (it is in state already) instead of waiting for a slot inside
+    the bundle, and tells the gate to stop its input.
     """
 
     def __init__(self, config: JobConfig, gate_dir: str | None = None) -> None:
@@ -280,14 +281,14 @@ class InferenceStage(KeyedProcessFunction):
             return self._call(request, record)
 
         # In line behind any parked records, and started with them; it stays parked only while a
-        # paused budget holds the line (a job without a gate never parks: `_slot` just waits).
+        # pause holds the line (a job without a gate never parks: `_slot` just waits).
         self._parked.append((bucket, handle, call))
         yield from self._start_parked(bucket)
 
     def _slot(self, bucket: Any) -> Generator[Row, None, bool]:
         """Waits for a free slot, emitting the bucket's finished calls meanwhile: the stage's
-        backpressure. False at once while the spend budget is paused and a gate is in front:
-        no slot frees before the window rolls over, so the record is parked instead."""
+        backpressure. False at once while the client is paused and a gate is in front: no slot
+        frees before a budget window or a cooldown ends, so the record is parked instead."""
         runner = self._runner
         while not runner.has_slot():
             if self._paused():
@@ -297,17 +298,18 @@ class InferenceStage(KeyedProcessFunction):
         return True
 
     def _paused(self) -> bool:
-        """Whether the spend budget is paused and a gate is in front; tells the gate on a change."""
+        """Whether the client is paused (budget or fleet) and a gate is in front; tells the gate
+        on a change."""
         gate = self._gate
         if gate is None:
             return False
-        paused = bool(self._client.budget.paused)
-        gate.set(paused)
-        return paused
+        reason = self._client.pause_reason
+        gate.set(reason)
+        return reason is not None
 
     def _start_parked(self, bucket: Any) -> Iterator[Row]:
         """Starts every parked record, oldest first, waiting for slots (the stage's backpressure);
-        stops, leaving the rest parked, while the budget is paused. A parked record may belong to
+        stops, leaving the rest parked, while the client is paused. A parked record may belong to
         another bucket: starting it touches no keyed state (it is removed under its own bucket
         when its answer is emitted)."""
         while self._parked and (yield from self._slot(bucket)):
@@ -316,7 +318,7 @@ class InferenceStage(KeyedProcessFunction):
         self._metrics.admitted = self._runner.in_flight
 
     def _admit_parked(self, *, at_end: bool = False) -> None:
-        """Starts parked records, oldest first, while slots are free and the budget is not paused
+        """Starts parked records, oldest first, while slots are free and the client is not paused
         (`at_end`: paused or not; the calls then wait for the window themselves). Never waits."""
         if self._gate is None:
             return

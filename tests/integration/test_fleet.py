@@ -119,3 +119,47 @@ def test_a_fleet_routes_around_dead_and_failing_endpoints_and_falls_back(
     assert {b["endpoint"].rsplit("/chat", 1)[0] for b in bodies} <= set(urls)
     print(f"fleet: {result}, failing share {failing_share:.2%} of {sum(window)}, rejoined in {rejoined_s:.1f} s, "
           f"models {dict(by_model)}, requests {_requests(fleet)}")
+
+
+def test_every_endpoint_down_never_holds_a_checkpoint(
+        cluster: LocalCluster, tmp_path: Path, kafka_broker: local_kafka.LocalBroker) -> None:
+    """Both endpoints of a fleet without a fallback killed: the calls out wait for a probe (the
+    cooldown doubles up to 30 s), the stage parks the rest and its admission gate stops the
+    input (`jobs/gate.py`), so checkpoints keep completing within a 10 s checkpoint timeout that
+    a wait in the bundle would exceed (a failed checkpoint is a failover here). Revived, every
+    id comes out once, none dead-lettered, and the job never restarted."""
+    fleet = spawn_fleet((8, 8), ["--latency", "fixed:40", "--seed", "11"])
+    try:
+        model = {"endpoint": None,
+                 "endpoints": [{"url": url, "max_concurrency": 8, "name": f"e{i}"} for i, url in enumerate(fleet.urls)],
+                 "circuit": {"failures": 3, "cooldown_s": 4.0, "max_cooldown_s": 30.0}}
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, fleet.urls[0], name="fleet-down", model=model,
+                         async_={"capacity": 16, "record_deadline_s": 900.0},
+                         checkpointing={"timeout_ms": 10_000})
+        run = start_run(cluster, setup, "down", 4000)
+        run.wait_mid_stream(0.05, timeout=180)
+        for index in (0, 1):
+            fleet.kill(index)
+        killed_ms = time.time() * 1000
+        before = cluster.completed_checkpoints(run.job_id)
+        wait_until(lambda: (run.not_failed(), cluster.completed_checkpoints(run.job_id) >= before + 5)[-1],
+                   timeout=240, interval=0.5, message="five checkpoints completed with every endpoint down")
+        history = [c for c in cluster.checkpoint_stats(run.job_id).get("history", [])
+                   if c.get("trigger_timestamp", 0) >= killed_ms]
+        down_for_s = time.time() - killed_ms / 1000
+        served_while_down = run.reader.unique_ids()
+        for index in (0, 1):
+            fleet.revive(index)
+        assert run.reader.unique_ids() < len(run.ids), "the input ran out before the endpoints came back"
+        result = run.finish(timeout=600)
+    finally:
+        fleet.stop()
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
+    assert run.restarts() == 0
+    completed = [c for c in history if c.get("status") == "COMPLETED"]
+    assert completed, history
+    longest = max(int(c["end_to_end_duration"]) for c in completed)
+    print(f"every endpoint down {down_for_s:.1f} s: {len(completed)} checkpoints completed in it, "
+          f"the longest {longest} ms, {len(history) - len(completed)} not completed; "
+          f"{served_while_down} ids committed at revival; {result}")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jobs import kafka_admin
 from jobs import submit as submit_mod
@@ -60,12 +61,12 @@ def _record(fault_report: FaultReport, name: str, result: Tally, *, started: flo
 class LocalRun:
     """``llmstream run`` as a user starts it, in its own process group (the JVM included)."""
 
-    def __init__(self, config_path: Path, log_path: Path, *extra: str) -> None:
+    def __init__(self, config_path: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jobs.cli", "run", "--config", str(config_path), "--progress-every", "2", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=SHELL_ENV,
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**SHELL_ENV, **(env or {})},
             start_new_session=True, text=True)
 
     def output(self) -> str:
@@ -148,6 +149,53 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
     check_exactly_once(result)
     # The first run has nothing to resume from; a run killed before its first checkpoint leaves none.
     assert resumed >= (2 * len(kinds)) // 3, f"only {resumed} of {len(kinds)} runs resumed from a snapshot: {outcomes}"
+
+
+def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_without_it_resumes(
+        kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport) -> None:
+    """A budget of one call an hour: the stage pauses and its admission gate holds the input
+    back. A savepoint's barrier is aligned and waits behind that input, so Ctrl-C opens the gate
+    for the stop (`jobs.gate.open_for_stop`; the stage parks what comes in) and the run stops
+    with a savepoint instead of cancelling after `--stop-timeout`. A run without the budget then
+    restores it, leaving the gated ticks' state behind, and answers every id once."""
+    sim = simulator.spawn(["--latency", "fixed:40", "--seed", "5"])
+    try:
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="paused-stop",
+                         async_={"capacity": 4}, budget={"max_tokens_per_hour": 1, "window_s": 3600})
+        records = unique_records(300, "ps")
+        kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+        started = time.monotonic()
+        tmp = tmp_path / "tmp"  # this run's own gate directories
+        tmp.mkdir()
+        paused = LocalRun(setup.path, tmp_path / "paused.log", "--stop-timeout", "120", env={"TMPDIR": str(tmp)})
+        wait_until(lambda: any(tmp.glob("llmstream-gate/*/*.closed")) or paused.process.poll() is not None,
+                   timeout=240, message="the budget to pause and the gate to close")
+        assert paused.process.poll() is None, paused.output()[-3000:]
+        paused.signal_group(signal.SIGINT)
+        code = paused.wait(timeout=300)
+        out = paused.output()
+        assert code == 0, out[-3000:]
+        assert "no savepoint in time" not in out and "resumes from savepoint" in out, out[-3000:]
+        assert not list(tmp.glob("llmstream-gate/*")), "the run left its gate directory"
+
+        data = yaml.safe_load(setup.path.read_text())
+        data["budget"] = {**data["budget"], "max_tokens_per_hour": None}
+        plain = setup.path.with_name("paused-stop-plain.yaml")
+        plain.write_text(yaml.safe_dump(data, sort_keys=False))
+        rest = LocalRun(plain, tmp_path / "plain.log", "--until-end")
+        code = rest.wait(timeout=600)
+        out = rest.output()
+        assert code == 0, out[-3000:]
+        assert "resuming from savepoint" in out and "left behind" in out, out[-3000:]
+        served = int(sim.stats()["served"])
+    finally:
+        sim.stop()
+    result = final_tally(setup, [k.decode() for k, _ in records])
+    _record(fault_report, "r5. llmstream run: Ctrl-C while the budget is paused, then a run without the budget",
+            result, started=started, restarts=0, notes="stopped with a savepoint during the pause",
+            calls_per_record=round(served / len(records), 3))
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
 
 
 # ---------------------------------------------------------------------- the cluster path
@@ -275,6 +323,52 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
             started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
     check_exactly_once(result)
+
+
+def test_upgrades_that_add_and_remove_a_spend_budget_resume_from_state(
+        cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
+    """A budget adds the admission gate and moves the ticks to a FLIP-27 source (`jobs/gate.py`),
+    whose snapshots hold state the job without a budget has no operator for: `llmstream upgrade`
+    to a budget, then away from it, each with calls in flight, then a backfill. Every id once,
+    and the upgrade that drops the budget says what it leaves behind."""
+    sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="budget-switch", partitions=2,
+                     async_={"capacity": 8}, parallelism={"default": 1})
+    run = ClusterRun(cluster, setup, 2400, "switch")
+    run.produce(slice(0, 2400))
+    run.submit(capsys)
+    run.wait_output(300)
+
+    data = yaml.safe_load(setup.path.read_text())
+    data["budget"] = {**(data.get("budget") or {}), "max_tokens_per_hour": 1e9}  # gated, never binding
+    budgeted = setup.path.with_name("budget-switch-budgeted.yaml")
+    budgeted.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert submit_mod.upgrade(str(budgeted), jobmanager=cluster.address) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "left behind" not in out, out
+    job = run.live_job()
+    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    assert any("admission gate" in name for name in cluster.vertex_parallelism(job)), cluster.vertex_parallelism(job)
+    run.wait_output(900)
+
+    assert submit_mod.upgrade(str(setup.path), jobmanager=cluster.address) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "budget" in out and "left behind" in out, out
+    job = run.live_job()
+    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    run.wait_output(1500)
+
+    assert submit_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
+    capsys.readouterr()
+    out = run.backfill(capsys)
+    assert "resuming from savepoint" in out, out
+    result = final_tally(setup, run.ids)
+    _record(fault_report, "r4. cluster: upgrade to a spend budget and back (gate and ticks added, removed)", result,
+            started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
+            calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
+    check_exactly_once(result)
+    assert run.restarts() == 0
 
 
 def test_cluster_jobmanager_sigkill_then_a_new_cluster_resumes(

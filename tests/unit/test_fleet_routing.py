@@ -168,6 +168,54 @@ def test_all_open_waits_then_a_probe_goes() -> None:
     asyncio.run(scenario())
 
 
+def test_stalled_only_while_calls_wait_for_a_cooldown_or_a_pause() -> None:
+    """`stalled` closes the stage's admission gate: true while calls wait and no endpoint may take
+    one before a Retry-After or a cooldown ends (every one paused, open or probing); never for
+    a fleet that is only full, nor for one that nobody waits on."""
+    clock = FakeClock()
+
+    async def paused_not_full() -> None:
+        f = fleet(EndpointSpec("a", capacity=1), EndpointSpec("b", capacity=1), clock=clock)
+        held = [await f.acquire(), await f.acquire()]
+        waiter = asyncio.ensure_future(f.acquire())
+        await asyncio.sleep(0)
+        assert not f.stalled  # full, not down: a slot frees within a call
+        f.release(held[0], Outcome.OVERLOAD, retry_after_s=30.0)
+        await asyncio.sleep(0)
+        assert not waiter.done() and not f.stalled  # a is paused, b only full
+        f.release(held[1], Outcome.OVERLOAD, retry_after_s=30.0)
+        await asyncio.sleep(0)
+        assert not waiter.done() and f.stalled  # both paused
+        clock.advance(30.0)
+        assert not f.stalled
+        waiter.cancel()
+
+    async def every_circuit_open() -> None:
+        f = fleet(EndpointSpec("a", capacity=4), EndpointSpec("b", capacity=4), clock=clock)
+        for e in f.endpoints:
+            for _ in range(3):
+                f.release(f._take(e, "route"), Outcome.FAILURE)
+        assert not f.stalled  # every circuit open, but nobody waits
+        waiting = asyncio.ensure_future(f.acquire())
+        await asyncio.sleep(0)
+        assert f.stalled
+        clock.advance(5.0)
+        assert not f.stalled  # due for probes: the next look sends one
+        f.wake_all()
+        await asyncio.sleep(0)
+        probes = [waiting.result(), await f.acquire()]  # one probe per endpoint
+        assert sorted(p.label for p in probes) == ["a", "b"]
+        third = asyncio.ensure_future(f.acquire())
+        await asyncio.sleep(0)
+        assert not third.done() and f.stalled  # both probing
+        f.release(probes[0], Outcome.SUCCESS, latency_s=0.01)
+        await asyncio.sleep(0)
+        assert third.done() and not f.stalled
+
+    asyncio.run(paused_not_full())
+    asyncio.run(every_circuit_open())
+
+
 def test_acquire_waits_for_a_free_slot_fifo() -> None:
     clock = FakeClock()
     f = fleet(EndpointSpec("a", capacity=1), clock=clock)

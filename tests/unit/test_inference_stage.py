@@ -417,6 +417,63 @@ def test_a_paused_budget_parks_records_closes_the_gate_and_resumes_by_itself(
     assert not h.function._parked
 
 
+def test_a_stop_with_a_savepoint_opens_a_paused_gate_and_the_stage_parks_what_comes(
+        sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
+    """A savepoint's barrier is aligned: it waits behind the input a closed gate holds back. Once
+    `llmstream run` marks the stop (`jobs.gate.open_for_stop`), a paused stage opens its gate
+    and parks what arrives (it is in state, so the savepoint holds it), starting nothing."""
+    from jobs import gate
+
+    h = Harness(job_config(sim.url, capacity=2, budget={"max_tokens_per_hour": 1, "window_s": 10}),
+                gate_dir=str(tmp_path))
+    harnesses.append(h)
+    h.function._client.budget._clock = lambda: 1_000_005.0  # mid-window, and it never rolls over
+    pause_file = tmp_path / "0.closed"
+    feed(h, range(6), buckets=1)
+    assert pause_file.exists()
+    parked = len(h.function._parked)
+    gate.open_for_stop(str(tmp_path))
+    wait_until(lambda: (h.fire_due_processing_timers(), not pause_file.exists())[-1], 30, 0.05,
+               "the gate opened for the stop")
+    feed(h, range(6, 9), buckets=1)  # returns at once: parked, not started
+    assert len(h.function._parked) == parked + 3 and not pause_file.exists()
+    assert len(h.state.snapshot()[0]) + len(h.bodies("out")) == 9
+    gate.forget(str(tmp_path))  # after the job
+    assert not (tmp_path / "stopping").exists()
+
+
+def test_a_fleet_with_every_circuit_open_parks_records_and_closes_the_gate(
+        sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
+    """Every endpoint of a fleet failing: its circuit opens, the calls wait for a probe, and the
+    stage parks what finds no slot and closes the gate instead of waiting in the bundle (a
+    cooldown can last `max_cooldown_s`); when the endpoint answers again, every record is
+    answered once, none dead-lettered, and the pause file is gone."""
+    sim.admin({"error_rate": 1.0, "error_status": 500})
+    h = Harness(job_config(sim.url, capacity=2,
+                           model={"endpoint": None, "model": "sim", "max_tokens": 8,
+                                  "endpoints": [{"url": sim.url, "name": "only"}],
+                                  "circuit": {"failures": 1, "cooldown_s": 0.2, "max_cooldown_s": 0.4}},
+                           retry={"max_attempts": 1000, "initial_backoff_s": 0.001, "max_backoff_s": 0.005}),
+                gate_dir=str(tmp_path))
+    harnesses.append(h)
+    pause_file = tmp_path / "0.closed"
+    feed(h, range(6), buckets=1)  # returns: what finds no slot is parked
+    assert pause_file.exists()
+    assert h.function._parked, "records beyond the waiting calls are parked"
+    sim.admin({})
+
+    def answered() -> bool:
+        h.fire_due_processing_timers()
+        h.tick(0)
+        return len(h.bodies("out")) >= 6
+
+    wait_until(answered, 60, 0.05, "every record answered once the endpoint is back")
+    wait_until(lambda: (h.fire_due_processing_timers(), not pause_file.exists())[-1], 30, 0.05,
+               "the pause file removed")
+    assert Counter(b["id"] for b in h.bodies("out")) == Counter({f"id-{i}": 1 for i in range(6)})
+    assert h.bodies("dlq") == [] and h.state.snapshot() == {} and not h.function._parked
+
+
 def test_without_a_gate_a_paused_budget_still_waits_in_the_bundle(
         sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
     """No gate (no `gate_dir`): the stage keeps its old backpressure, waiting for a slot."""

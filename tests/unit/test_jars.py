@@ -124,3 +124,32 @@ def test_the_gate_jar_without_javac_is_one_line_naming_the_budget(tmp_path: Path
     message = str(err.value)
     assert message.startswith("budget: ") and "javac" in message and "\n" not in message
     assert gate.jar_path().parent == tmp_path / "cache" / "gate"
+
+
+def test_a_fleet_gets_the_gate_only_where_it_can_be_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget needs the gate; a fleet takes it when checkpoints are unaligned and the jar is
+    built or buildable here, and otherwise runs as before (a checkpoint then waits for a
+    cooldown) instead of refusing to start on a machine with a JRE only."""
+    import dataclasses
+
+    from jobs import gate
+    from tests.support.configs import job_config
+    from udfs.config import BudgetConfig, EndpointConfig
+
+    monkeypatch.setenv("LLMSTREAM_JAR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no javac
+    single = job_config("http://127.0.0.1:9/v1")
+    fleet = dataclasses.replace(single, model=dataclasses.replace(
+        single.model, endpoint=None, endpoints=[EndpointConfig(url="http://127.0.0.1:9/v1")]))
+    aligned = dataclasses.replace(fleet, python=dataclasses.replace(fleet.python, unaligned_checkpoints=False))
+    budgeted = dataclasses.replace(single, budget=BudgetConfig(max_tokens_per_hour=1000.0))
+    assert gate.gate_setting(single) is None
+    assert gate.gate_setting(fleet) is None  # nothing to build it with
+    assert gate.gate_setting(budgeted) == "budget"  # and `ensure_for` says what is missing
+    with pytest.raises(gate.GateBuildError, match="^budget: "):
+        gate.ensure_for(budgeted)
+    gate.jar_path().parent.mkdir(parents=True)
+    gate.jar_path().touch()  # built before (`make jars`, the image)
+    assert gate.gate_setting(fleet) == "model.endpoints"
+    assert gate.gate_setting(aligned) is None  # an aligned barrier would wait behind a closed gate
