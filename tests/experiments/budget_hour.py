@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import requests
 import yaml
@@ -33,25 +32,13 @@ import yaml
 from jobs import kafka_admin
 from tests.integration.helpers import (
     check_exactly_once,
+    estimated_tokens,
     final_tally,
     make_job,
     unique_records,
 )
-from udfs.prompts import build_payload, input_tokens
-from udfs.records import Request, SourceRef
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def estimated_tokens(config: Any, records: list[tuple[bytes, bytes]]) -> int:
-    total = 0
-    for key, value in records:
-        body = json.loads(value)
-        request = Request(id=body["id"], key=key, source=SourceRef("t", 0, 0), prompt=body["prompt"],
-                          params=body["params"], fields=body)
-        payload = build_payload(request, config.model)
-        total += input_tokens(payload) + int(payload.get("max_tokens") or 0)
-    return total
 
 
 class Watch(threading.Thread):

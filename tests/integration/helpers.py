@@ -33,6 +33,7 @@ from jobs.dev.simulator import SpawnedSimulator
 from jobs.flink_rest import TERMINAL_STATES, FlinkRest
 from tests.support.waiting import wait_until
 from udfs.config import JobConfig, config_from_dict, load_config, to_dict
+from udfs.prompts import build_payload, input_tokens
 
 JobConfigFactory = Callable[..., JobConfig]
 """The `job_config` fixture: job configs on fresh uuid topics against the shared simulator."""
@@ -164,6 +165,20 @@ def write_config(config: JobConfig, directory: Path) -> Path:
 BAD_RECORDS: list[tuple[bytes, bytes]] = [(b"bad-1", b'{"id": "x" "prompt": 1}'), (b"bad-2", b"[1, 2]"),
                                           (b"bad-3", b'{"id": "b3"}')]
 """Three records the decode stage dead-letters: invalid_json, not_an_object, missing_field."""
+
+
+def estimated_tokens(config: JobConfig, records: list[tuple[bytes, bytes]]) -> int:
+    """What the client charges the budget up front for these records (prompt estimate + max_tokens)."""
+    from udfs.records import Request, SourceRef
+
+    total = 0
+    for key, value in records:
+        body = json.loads(value)
+        request = Request(id=body["id"], key=key, source=SourceRef("t", 0, 0), prompt=body["prompt"],
+                          params=body["params"], fields=body)
+        payload = build_payload(request, config.model)
+        total += input_tokens(payload) + int(payload.get("max_tokens") or 0)
+    return total
 
 
 def unique_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:

@@ -28,13 +28,12 @@ from tests.integration.helpers import (
     JobSetup,
     Tally,
     check_exactly_once,
+    estimated_tokens,
     make_job,
     unique_records,
 )
 from tests.redis_server import RedisServer
 from tests.support.runs import RECORDS, Run, start_records, start_run
-from udfs.config import JobConfig
-from udfs.prompts import build_payload, input_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -130,20 +129,6 @@ def test_exact_repeats_are_answered_once(
 
 
 # ---------------------------------------------------------------------- spend budget
-
-
-def estimated_tokens(config: JobConfig, records: list[tuple[bytes, bytes]]) -> int:
-    """What the client charges the budget up front for these records (prompt estimate + max_tokens)."""
-    from udfs.records import Request, SourceRef
-
-    total = 0
-    for key, value in records:
-        body = json.loads(value)
-        request = Request(id=body["id"], key=key, source=SourceRef("t", 0, 0), prompt=body["prompt"],
-                          params=body["params"], fields=body)
-        payload = build_payload(request, config.model)
-        total += input_tokens(payload) + int(payload.get("max_tokens") or 0)
-    return total
 
 
 class ServedSampler(threading.Thread):
