@@ -43,7 +43,7 @@ from jobs.observe import Observer, RunFigures
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
 from jobs.ports import free_port
 from jobs.python_worker_shutdown import quiet_worker_shutdown
-from jobs.state import LocalRun, StateDir, check_identity, resume_point
+from jobs.state import LocalRun, StateDir, check_identity, restore_refused, resume_point
 from jobs.state_location import checked_state_dir
 from udfs.cache import resolve_cache_location
 from udfs.config import JobConfig
@@ -106,7 +106,13 @@ def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: Gatew
         gate_dir = build_pipeline(env, config)
         stack.callback(gate.forget, gate_dir)
         flink_log = FlinkLog.of_this_jvm()
-        job_client = env.execute_async(config.name)
+        try:
+            job_client = env.execute_async(config.name)
+        except Exception as err:  # py4j's Java error: one line when it is Flink refusing the snapshot
+            refused = restore_refused(err, restore, options.from_savepoint, options.state_dir)
+            if refused is not None:
+                raise refused from None
+            raise
         local_run = LocalRun.starting(config, str(job_client.get_job_id()), rest_port)
         stack.callback(local_run.ended, state)
         local_run.record(state)

@@ -222,6 +222,24 @@ def resume_point(state: StateDir, *, fresh: bool, explicit: str | None = None) -
     return snapshots[0].uri, f"resuming from {snapshots[0].describe()} in {state.location}"
 
 
+_REFUSED = re.compile(r"Failed to rollback to checkpoint/savepoint (\S+?)\.? (.+?)(?: If you want to allow|\n|$)")
+
+
+def restore_refused(error: BaseException | str, restore: str | None, options_from: str | None,
+                    state_dir: str | None) -> ConfigError | None:
+    """Flink's refusal of the snapshot a run restores (it does not fit the job: state for an
+    operator the job lacks, another max parallelism...) as one line naming where the snapshot
+    came from (`--from-savepoint`, else the state directory), or None for any other error."""
+    if restore is None:
+        return None
+    match = _REFUSED.search(str(error))
+    if match is None:
+        return None
+    where = "--from-savepoint" if options_from else ("--state-dir" if state_dir else "checkpointing.directory")
+    return ConfigError(where, f"Flink refused to restore {restore}: {match.group(2).strip()} "
+                              "(pass --fresh to start from the consumer group's offsets instead)")
+
+
 RUN_FILE = "run.json"
 
 

@@ -13,6 +13,7 @@ from jobs.state import (
     StateDirError,
     check_identity,
     default_state_dir,
+    restore_refused,
     resume_point,
 )
 from udfs.config import load_config, with_overrides
@@ -105,3 +106,25 @@ def test_state_of_another_input_is_refused_unless_fresh(tmp_path: Path) -> None:
     assert "another-group" in str(err.value) and "--fresh" in str(err.value)
     check_identity(state, other, fresh=True)
     check_identity(state, other, fresh=False)
+
+
+REFUSAL = ("An error occurred while calling o64.executeAsync.\n: org.apache.flink.util.FlinkException: Failed to "
+           "execute job 'llmstream-off'.\n\tat org.apache.flink...\nCaused by: java.lang.IllegalStateException: "
+           "Failed to rollback to checkpoint/savepoint file:/s/savepoints/savepoint-9a0332-2e134deb788d. Cannot map "
+           "checkpoint/savepoint state for operator da122bb625c521cc69b62ee23652c204 to the new program, because the "
+           "operator is not available in the new program. If you want to allow to skip this, you can set the "
+           "--allowNonRestoredState option on the CLI.\n\tat org.apache.flink...")
+"""The start of what `env.execute_async` raised when Flink refused a savepoint (2026-12-02)."""
+
+
+def test_a_refused_restore_is_one_line_naming_where_the_snapshot_came_from() -> None:
+    given = restore_refused(RuntimeError(REFUSAL), "/s/savepoints/savepoint-9a0332-2e134deb788d", "/s/sp", None)
+    assert given is not None and given.key == "--from-savepoint"
+    message = str(given)
+    assert "\n" not in message and "Cannot map checkpoint/savepoint state for operator" in message
+    assert "If you want" not in message and "--fresh" in message
+    newest = restore_refused(REFUSAL, "file:/s/chk-3", None, None)
+    assert newest is not None and newest.key == "checkpointing.directory"
+    assert restore_refused(REFUSAL, "file:/s/chk-3", None, "/s").key == "--state-dir"  # type: ignore[union-attr]
+    assert restore_refused(REFUSAL, None, None, None) is None  # nothing was restored: not this
+    assert restore_refused(RuntimeError("Failed to execute job: NoResourceAvailable"), "/s/sp", None, None) is None
