@@ -10,10 +10,8 @@ stores the ids of every operator it has state for, as 16 raw bytes each.
 
 from __future__ import annotations
 
-from pathlib import Path
-from urllib.parse import urlparse
+from jobs.state import METADATA, local_path
 
-METADATA = "_metadata"
 _MASK = (1 << 64) - 1
 _C1 = 0x87C37B91114253D5
 _C2 = 0x4CF5AD432745937F
@@ -73,12 +71,8 @@ def holds_operator(snapshot: str, uid: str) -> bool:
     """Whether the snapshot at `snapshot` (its directory, as a path or a ``file:`` URI) lists the
     operator `uid`. False when it cannot be read here (another file system, gone): Flink then
     decides, and says so itself."""
-    parsed = urlparse(snapshot)
-    if parsed.scheme == "file":
-        directory = Path(parsed.path)
-    elif parsed.scheme == "" or (len(parsed.scheme) == 1 and snapshot[1:3] in (":\\", ":/")):
-        directory = Path(snapshot).expanduser()
-    else:
+    directory = local_path(snapshot)
+    if directory is None:
         return False
     metadata = directory / METADATA if directory.is_dir() else directory
     try:

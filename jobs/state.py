@@ -81,7 +81,8 @@ def default_state_dir(job_name: str) -> Path:
     return jars.repo_root() / "var" / "state" / (_UNSAFE.sub("_", job_name).strip("._") or "job")
 
 
-def _local_path(location: str) -> Path | None:
+def local_path(location: str) -> Path | None:
+    """The local directory a path or ``file:`` URI names; None for another file system."""
     parsed = urlparse(location)
     if parsed.scheme == "file":
         return Path(parsed.path)
@@ -95,7 +96,7 @@ class StateDir:
 
     def __init__(self, location: str | Path) -> None:
         self.location = str(location)
-        self.path = _local_path(self.location)
+        self.path = local_path(self.location)
         self.uri = self.path.as_uri() if self.path is not None else self.location.rstrip("/")
 
     @classmethod
