@@ -41,14 +41,15 @@ from jobs.jvm_archive import GatewayArchive
 from jobs.kafka_admin import GroupProgress
 from jobs.observe import Observer, RunFigures
 from jobs.pipeline import RunOptions, build_pipeline, create_environment
-from jobs.ports import free_port
+from jobs.ports import free_port, port_in_use
 from jobs.python_worker_shutdown import quiet_worker_shutdown
 from jobs.state import LocalRun, StateDir, check_identity, restore_refused, resume_point
 from jobs.state_location import checked_state_dir
 from udfs.cache import resolve_cache_location
 from udfs.config import JobConfig
+from udfs.errors import ConfigError
 
-__all__ = ["StopRequest", "exit_code", "run_job"]
+__all__ = ["StopRequest", "check_local_ports", "exit_code", "run_job"]
 
 
 def run_job(
@@ -73,6 +74,7 @@ def run_job(
     # The local result cache lives beside the job's snapshots (the workers get this path pickled).
     config = resolve_cache_location(config, state.path)
     preflight.check(config)
+    check_local_ports(config)
     jars.ensure("connector")
     gate.ensure_for(config)
     if config.metrics.prometheus_port is not None:
@@ -83,6 +85,17 @@ def run_job(
     if archive is not None:
         archive.save(report)
     return state_name
+
+
+def check_local_ports(config: JobConfig) -> None:
+    """The mini cluster's fixed ports must be free: Flink would fail with a Java traceback on a
+    taken REST port and, worse, run without its Prometheus endpoint on a taken metrics port
+    (it logs the bind error and goes on), so a scrape would find nothing or another process."""
+    for setting, port in (("metrics.prometheus_port", config.metrics.prometheus_port),
+                          ("metrics.rest_port", config.metrics.rest_port)):
+        if port is not None and port_in_use(port):
+            raise ConfigError(setting, f"port {port} on 127.0.0.1 is taken (another run or service holds it); "
+                                       "choose a free one or leave it unset")
 
 
 def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: GatewayArchive | None, *,

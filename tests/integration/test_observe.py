@@ -12,7 +12,7 @@ import os
 import subprocess
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from tests.integration.helpers import (
     write_config,
 )
 from tests.support.prometheus import parse_prometheus, total
-from tests.support.waiting import wait_until
+from tests.support.waiting import Hopeless, wait_until
 from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -77,9 +77,22 @@ def running(config: JobConfig) -> Iterator[dict[str, Any]]:
     finally:
         stop.savepoint.set()
         thread.join(timeout=180)
-        assert not thread.is_alive(), "the job did not stop within 180 s"
+        assert not thread.is_alive(), "the job did not stop within 180 s; it said: " + " | ".join(outcome["lines"][-5:])
     assert "error" not in outcome, outcome.get("error")
     assert outcome["state"] == "FINISHED", outcome["lines"][-5:]
+
+
+def still_running(outcome: dict[str, Any]) -> None:
+    """Ends a wait at once, with what the run said, when the run's thread has ended: a run that
+    failed at start would otherwise look like a metrics endpoint that never answered."""
+    if not outcome["thread"].is_alive():
+        raise Hopeless(f"the run ended early ({outcome.get('error') or outcome.get('state')}); "
+                             "it said: " + " | ".join(outcome["lines"][-5:]))
+
+
+def said(outcome: dict[str, Any], what: str) -> Callable[[], str]:
+    """A wait's message naming ``what`` and the run's last lines at the timeout."""
+    return lambda: f"{what}; the run said: " + " | ".join(outcome["lines"][-5:])
 
 
 def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobConfigFactory, fast_simulator) -> None:  # type: ignore[no-untyped-def]
@@ -91,16 +104,17 @@ def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobC
     url = f"http://127.0.0.1:{port}/metrics"
     prefix = "flink_taskmanager_job_task_operator_llmstream_"
     try:
-        with running(config):
+        with running(config) as outcome:
             def worked() -> dict[str, list[tuple[dict[str, str], float]]] | None:
+                still_running(outcome)
                 samples = parse_prometheus(requests.get(url, timeout=5).text)
                 done = (total(samples, prefix + "records_in") >= len(records)
                         and total(samples, prefix + "latency_count") >= 600
                         and total(samples, "flink_jobmanager_job_numberOfCompletedCheckpoints") >= 1)
                 return samples if done else None
 
-            samples = wait_until(worked, timeout=180, message="every record counted and a checkpoint completed",
-                                 ignoring=(Exception,))
+            samples = wait_until(worked, timeout=180, message=said(outcome, "every record counted and a checkpoint "
+                                                                   "completed"), ignoring=(Exception,))
     finally:
         fast_simulator.configure({"latency": "fixed:5"})
 
@@ -152,6 +166,7 @@ def test_status_json_agrees_with_the_simulator_and_the_topics(  # type: ignore[n
     try:
         with running(config) as outcome:
             def caught_up() -> dict[str, Any] | None:
+                still_running(outcome)
                 figures = _status_json(config_file)
                 seen.append(figures)
                 calls = fast_simulator.stats()["requests_total"]

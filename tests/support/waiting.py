@@ -18,6 +18,11 @@ T = TypeVar("T")
 METRICS_SETTLE_S = 2.0
 """How long a restart count waits for the REST API's metric store to catch up (`FlinkRest.num_restarts`)."""
 
+class Hopeless(AssertionError):
+    """Raised by a condition that can no longer come true (e.g. the run it waits on has ended):
+    ends the wait at once even when ``ignoring`` would swallow an AssertionError."""
+
+
 Message = str | Callable[[], str]
 """What was awaited, or a function that says it at the timeout (e.g. with the logs of that moment)."""
 
@@ -32,7 +37,8 @@ def wait_until(condition: Callable[[], T | None], timeout: float, interval: floa
     The condition is called at least once, and its last call is at or after the deadline, so a
     slow machine's late answer still counts. Exceptions of the ``ignoring`` types count as "not
     yet" (e.g. an endpoint that is not up); the last one is named in the timeout message. Any
-    other exception, an assertion in the condition included, ends the wait at once.
+    other exception, an assertion in the condition included, ends the wait at once, and so does
+    a `Hopeless` whatever ``ignoring`` says.
     """
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -41,6 +47,8 @@ def wait_until(condition: Callable[[], T | None], timeout: float, interval: floa
             value = condition()
             if value:
                 return value
+        except Hopeless:
+            raise
         except ignoring as err:
             last_error = err
         if time.monotonic() >= deadline:

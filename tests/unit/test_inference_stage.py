@@ -61,7 +61,10 @@ def test_capacity_bounds_calls_in_flight(make_sim: Callable[..., ThreadedSimulat
 
 
 def test_results_are_emitted_by_the_processing_time_timer_when_no_input_comes(
-        sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    # An answer slower than the element's own work: an instant one can be back (and emitted by
+    # the element itself, leaving no timer) when a busy machine pauses this thread for a moment.
+    sim = make_sim(latency="fixed:500")
     h = Harness(job_config(sim.url))
     harnesses.append(h)
     h.element(1, record(1), offset=1)
