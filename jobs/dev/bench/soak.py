@@ -369,7 +369,7 @@ class Soak:
             self.job_id = cluster.submit(config_path)
             cluster.wait_for_job_state(self.job_id, "RUNNING", timeout=180)
             stack.callback(self._cancel, cluster)
-            producer = InputProducer(broker.bootstrap_servers, topics.input)
+            producer = InputProducer(broker.bootstrap_servers, topics.input, delivery_timeout_s=600)
             stack.callback(producer.close)
             paced = PacedProducer(producer, self.rate, self.minutes * 60)
             self._started = time.monotonic()

@@ -50,12 +50,16 @@ class InputProducer:
     """Produces input records and remembers each id's offset, so losses can be told apart
     from records the approach never reached (see `measure.Outcome`)."""
 
-    def __init__(self, bootstrap: str, topic: str, *, keys: int = 0) -> None:
+    def __init__(self, bootstrap: str, topic: str, *, keys: int = 0, delivery_timeout_s: float = 120.0) -> None:
+        """`delivery_timeout_s`: how long a record may wait for the broker (retried meanwhile, the
+        producer is idempotent); the soak, whose broker restarts take up to ~2 min under load,
+        gives it 10 minutes."""
         self.topic = topic
         self.keys = keys  # a keyed scenario's distinct keys (`keyed_request_record`); 0: the key is the id
         self.offsets: dict[str, int] = {}
+        self.delivery_timeout_s = delivery_timeout_s
         self._producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
-                                       batch_size=64 * 1024)
+                                       batch_size=64 * 1024, delivery_timeout_ms=int(delivery_timeout_s * 1000))
         self._futures: list[tuple[str, Any]] = []
         self._next = 0
 
@@ -110,7 +114,9 @@ class PacedProducer(threading.Thread):
                 if elapsed >= self.seconds:
                     break
                 self._stop_event.wait(0.02)
-            self.producer.settle()
+            # As long as a record may take to be delivered: a broker restarting at the end of the
+            # input (the soak) holds the last records back, it does not fail them.
+            self.producer.settle(timeout_s=self.producer.delivery_timeout_s + 30)
         except BaseException as err:  # noqa: BLE001 - reported by the harness
             self.error = err
         finally:
