@@ -1,8 +1,8 @@
 """The admission gate's jar: `pom-free/gate/*.java`, compiled here with javac.
 
 The gate is a small Java operator chained in front of the inference stage (`jobs/pipeline.py`
-puts it there when the job has a spend budget, or a fleet with unaligned checkpoints and a jar
-or a javac here: `gate_setting`): while the stage says it admits nothing, the
+puts it there when the job has a spend budget, or a fleet or a rate limit with unaligned
+checkpoints and a jar or a javac here: `gate_setting`): while the stage says it admits nothing, the
 gate stops taking input but keeps running the task's mails, so an unaligned checkpoint still
 completes (the class's Javadoc says how); a gated job's ticks come from `Ticks.java` (a FLIP-27
 source's generator: the SQL datagen source would hold every checkpoint behind a closed gate).
@@ -138,11 +138,20 @@ def gate_setting(config: JobConfig) -> str | None:
     checkpoints, checked at load). `model.endpoints`: a fleet whose endpoints are all down waits
     for a cooldown (up to `model.circuit.max_cooldown_s`); the gate keeps checkpoints going
     meanwhile when checkpoints are unaligned and the gate's jar is here or can be built. Without
-    them the fleet runs as before: a checkpoint then waits for the cooldown."""
+    them the fleet runs as before: a checkpoint then waits for the cooldown. `rate_limit`: a
+    binding requests- or tokens-per-minute limit queues calls for as long as the stage has slots
+    (a slot a second at 60 a minute), and a 429's Retry-After holds every call; under the same
+    conditions as a fleet, the gate stops the input while either wait is over a second
+    (`udfs.client.PAUSE_AFTER_S`). A job with neither a budget, a fleet nor a rate limit has no
+    gate: a Retry-After then holds a checkpoint for up to `retry.max_retry_after_s`."""
     if config.budget.enabled:
         return "budget"
-    if config.model.routed and config.python.unaligned_checkpoints and _buildable():
+    gateable = config.python.unaligned_checkpoints and _buildable()
+    if config.model.routed and gateable:
         return "model.endpoints"
+    limits = config.rate_limit
+    if (limits.requests_per_minute is not None or limits.tokens_per_minute is not None) and gateable:
+        return "rate_limit"
     return None
 
 
@@ -204,8 +213,8 @@ def left_behind(config: JobConfig, restore: str | None) -> str | None:
     nothing: the SQL ticks keep no state."""
     if restore is None or gated(config) or not holds_operator(restore, TICKS_UID):
         return None
-    return ("the snapshot was taken with the admission gate (a spend budget, budget.*, or a fleet, "
-            "model.endpoints) and this config has none: the state of the gate's tick source (which slot "
+    return ("the snapshot was taken with the admission gate (a spend budget, budget.*, a fleet, "
+            "model.endpoints, or rate_limit.*) and this config has none: the state of the gate's tick source (which slot "
             "to wake next, nothing else) is left behind")
 
 

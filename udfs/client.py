@@ -82,6 +82,11 @@ log = logging.getLogger(__name__)
 Entry = tuple[Request, dict[str, Any]]
 """A record and the request body made of it: what a micro-batch collects."""
 
+PAUSE_AFTER_S = 1.0
+"""A wait at the rate limit or for a Retry-After longer than this is a pause (`pause_reason`): the
+stage parks new records behind the admission gate instead of waiting for a slot in its bundle.
+Shorter waits are pacing, as the stage's own backpressure has always been."""
+
 
 def _epoch_ms() -> int:
     return time.time_ns() // 1_000_000
@@ -159,6 +164,7 @@ class InferenceClient:
             self.transport = Transport(config, self.metrics)
             self.url = self.transport.url
         self.retry = RetryPolicy(config.retry)
+        self._retry_after_until = 0.0  # monotonic: the one server's latest Retry-After ends
         self.rate_limiter = RateLimiter(config.rate_limit, subtasks)
         self.concurrency = AdaptiveConcurrency(
             config.async_.capacity, config.rate_limit.min_concurrency,
@@ -212,14 +218,20 @@ class InferenceClient:
 
     @property
     def pause_reason(self) -> str | None:
-        """Why no call can start before a spend-budget window, or every endpoint's cooldown or
-        Retry-After, ends (a fleet's `stalled`); None when calls can start. The stage parks new
-        records and closes its admission gate meanwhile (`udfs/operators.py`). Read from
-        Flink's thread; reads only."""
+        """Why no new call can start for a while: a spend-budget window, every endpoint's
+        cooldown or Retry-After (a fleet's `stalled`), the one server's Retry-After, or the
+        calls already queued at the rate limit taking longer than `PAUSE_AFTER_S` to be let
+        through; None when calls can start. The stage parks new records and closes its admission
+        gate meanwhile (`udfs/operators.py`), rather than waiting for a slot inside a bundle that
+        a checkpoint waits for. Read from Flink's thread; reads only."""
         if self.budget.paused:
             return "the spend budget is paused"
         if self.fleet is not None and self.fleet.stalled:
             return "every endpoint's circuit is open or paused by Retry-After"
+        if self.fleet is None and self._retry_after_until - time.monotonic() > PAUSE_AFTER_S:
+            return "the model server asked to wait (Retry-After)"
+        if self.rate_limiter.wait_s > PAUSE_AFTER_S:
+            return "the calls queued at rate_limit take longer than a second to be let through"
         return None
 
     def _on_budget_pause(self, paused: bool) -> None:
@@ -410,9 +422,11 @@ class InferenceClient:
             sent = attempts.sending()
             try:
                 body = await self.transport.post(payload, label, number)
-            except RateLimited:
+            except RateLimited as err:
                 self.concurrency.on_overload()
                 self.metrics.concurrency_limit = self.concurrency.limit
+                if err.retry_after_s is not None:  # every call waits that long: the stage parks new records
+                    self._retry_after_until = max(self._retry_after_until, time.monotonic() + err.retry_after_s)
                 raise
             self.concurrency.on_success(time.perf_counter() - sent)
             self.metrics.concurrency_limit = self.concurrency.limit

@@ -2,7 +2,8 @@
 
 While a spend budget is paused, or every endpoint of a fleet is down or paused, no call can
 start, and a stage that waited for a free slot inside its bundle would hold every checkpoint
-until the window rolls over (up to an hour) or a cooldown ends (up to `max_cooldown_s`).
+until the window rolls over (up to an hour) or a cooldown ends (up to `max_cooldown_s`); a
+Retry-After or a binding rate limit holds it for seconds to minutes.
 Instead the stage keeps what it cannot start in its keyed state and says "paused" with a
 file, `<directory>/<subtask>.closed`; the Java gate chained in front of it (same subtask, same
 host: a Python worker always runs beside its TaskManager) stops taking input while the file

@@ -129,7 +129,7 @@ class InferenceStage(KeyedProcessFunction):
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
 
     `capacity` bounds the calls in flight per subtask (`async.capacity`). `gate_dir`: the
-    job has an admission gate in front (`udfs/gate.py`: a spend budget, or a fleet); while no
+    job has an admission gate in front (`udfs/gate.py`: a spend budget, a fleet or a rate limit); while no
     call can start before a window or a cooldown ends (`InferenceClient.pause_reason`) the stage
     parks what it cannot start (it is in state already) instead of waiting for a slot inside
     the bundle, and tells the gate to stop its input.
@@ -298,8 +298,8 @@ class InferenceStage(KeyedProcessFunction):
         return True
 
     def _paused(self) -> bool:
-        """Whether the client is paused (budget or fleet) and a gate is in front; tells the gate
-        on a change."""
+        """Whether the client is paused (budget, fleet, Retry-After or rate limit) and a gate is
+        in front; tells the gate on a change."""
         gate = self._gate
         if gate is None:
             return False

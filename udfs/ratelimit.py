@@ -46,6 +46,14 @@ class TokenBucket:
         self._tokens = burst
         self._updated = clock()
         self._queue = asyncio.Lock()
+        self._owed = 0.0  # tokens the callers waiting in `acquire` still need
+
+    @property
+    def wait_s(self) -> float:
+        """How long the callers waiting now will take to be served: the wait a new caller would
+        start behind. Reads only, so another thread may ask (the stage's, `InferenceClient.pause_reason`)."""
+        available = min(self.burst, self._tokens + (self._clock() - self._updated) * self.rate_per_s)
+        return max(0.0, self._owed - available) / self.rate_per_s
 
     @property
     def tokens(self) -> float:
@@ -60,13 +68,17 @@ class TokenBucket:
     async def acquire(self, n: float = 1) -> float:
         """Takes `n` tokens, waiting first if needed; returns the seconds waited."""
         started = self._clock()
-        async with self._queue:
-            need = min(n, self.burst)
-            self._refill()
-            while self._tokens < need - _EPSILON:
-                await self._sleep((need - self._tokens) / self.rate_per_s)
+        need = min(n, self.burst)
+        self._owed += need
+        try:
+            async with self._queue:
                 self._refill()
-            self._tokens -= n
+                while self._tokens < need - _EPSILON:
+                    await self._sleep((need - self._tokens) / self.rate_per_s)
+                    self._refill()
+                self._tokens -= n
+        finally:
+            self._owed -= need
         return self._clock() - started
 
     def adjust(self, delta: float) -> None:
@@ -99,6 +111,11 @@ class RateLimiter:
     @property
     def enabled(self) -> bool:
         return self.requests is not None or self.tokens is not None
+
+    @property
+    def wait_s(self) -> float:
+        """The longer of the two buckets' waits (`TokenBucket.wait_s`); 0 without limits."""
+        return max((b.wait_s for b in (self.requests, self.tokens) if b is not None), default=0.0)
 
     async def acquire(self, estimated_tokens: int) -> float:
         """Waits for one request and `estimated_tokens` tokens; returns the seconds waited."""

@@ -477,6 +477,54 @@ def test_a_fleet_with_every_circuit_open_parks_records_and_closes_the_gate(
     assert h.bodies("dlq") == [] and h.state.snapshot() == {} and not h.function._parked
 
 
+def drain_gated(h: Harness, n: int, pause_file: Any, timeout_s: float = 60) -> None:
+    """Timers and ticks until `n` records are answered and the pause file is gone: what a gated
+    stage does while its gate holds the input back."""
+    def answered() -> bool:
+        h.fire_due_processing_timers()
+        h.tick(0)
+        return len(h.bodies("out")) >= n
+
+    wait_until(answered, timeout_s, 0.05, f"{n} records answered")
+    wait_until(lambda: (h.fire_due_processing_timers(), not pause_file.exists())[-1], 30, 0.05,
+               "the pause file removed")
+
+
+def test_a_binding_rate_limit_parks_records_and_closes_the_gate(
+        sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
+    """At 120 requests a minute (2 a second) with 6 slots, 4 calls queue at the rate limit for 2 s:
+    over `PAUSE_AFTER_S`, so what finds no slot is parked and the gate closed instead of waiting
+    in the bundle; the limit then lets every record through once, at its pace."""
+    h = Harness(job_config(sim.url, capacity=6, rate_limit={"requests_per_minute": 120}), gate_dir=str(tmp_path))
+    harnesses.append(h)
+    pause_file = tmp_path / "0.closed"
+    started = time.monotonic()
+    feed(h, range(10), buckets=1)  # returns: what finds no slot is parked
+    assert pause_file.exists()
+    assert h.function._parked, "records beyond the queued calls are parked"
+    drain_gated(h, 10, pause_file)
+    assert time.monotonic() - started >= 3.5, "10 calls at 2 a second, 2 of them at once: ~4 s at least"
+    assert Counter(b["id"] for b in h.bodies("out")) == Counter({f"id-{i}": 1 for i in range(10)})
+    assert h.bodies("dlq") == [] and h.state.snapshot() == {} and not h.function._parked
+
+
+def test_a_retry_after_from_the_one_server_parks_records_and_closes_the_gate(
+        sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
+    """The server answers 429 with Retry-After: 3 to every call for a while: every call waits 3 s,
+    so the stage parks what finds no slot and closes the gate; once the 429s end, every record
+    is answered once, none dead-lettered."""
+    sim.admin({"rate_limit_rate": 1.0, "retry_after_s": 3, "until_s": 2})
+    h = Harness(job_config(sim.url, capacity=2, retry={"max_attempts": 50}), gate_dir=str(tmp_path))
+    harnesses.append(h)
+    pause_file = tmp_path / "0.closed"
+    feed(h, range(6), buckets=1)
+    wait_until(lambda: (h.tick(0), pause_file.exists())[-1], 30, 0.05, "the gate closed by the Retry-After")
+    assert h.function._parked, "records beyond the waiting calls are parked"
+    drain_gated(h, 6, pause_file)
+    assert Counter(b["id"] for b in h.bodies("out")) == Counter({f"id-{i}": 1 for i in range(6)})
+    assert h.bodies("dlq") == [] and h.state.snapshot() == {} and not h.function._parked
+
+
 def test_without_a_gate_a_paused_budget_still_waits_in_the_bundle(
         sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
     """No gate (no `gate_dir`): the stage keeps its old backpressure, waiting for a slot."""

@@ -134,7 +134,7 @@ def test_a_fleet_gets_the_gate_only_where_it_can_be_built(tmp_path: Path, monkey
 
     from jobs import gate
     from tests.support.configs import job_config
-    from udfs.config import BudgetConfig, EndpointConfig
+    from udfs.config import BudgetConfig, EndpointConfig, RateLimitConfig
 
     monkeypatch.setenv("LLMSTREAM_JAR_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("JAVA_HOME", raising=False)
@@ -144,12 +144,15 @@ def test_a_fleet_gets_the_gate_only_where_it_can_be_built(tmp_path: Path, monkey
         single.model, endpoint=None, endpoints=[EndpointConfig(url="http://127.0.0.1:9/v1")]))
     aligned = dataclasses.replace(fleet, python=dataclasses.replace(fleet.python, unaligned_checkpoints=False))
     budgeted = dataclasses.replace(single, budget=BudgetConfig(max_tokens_per_hour=1000.0))
+    limited = dataclasses.replace(single, rate_limit=RateLimitConfig(requests_per_minute=60.0))
     assert gate.gate_setting(single) is None
     assert gate.gate_setting(fleet) is None  # nothing to build it with
+    assert gate.gate_setting(limited) is None
     assert gate.gate_setting(budgeted) == "budget"  # and `ensure_for` says what is missing
     with pytest.raises(gate.GateBuildError, match="^budget: "):
         gate.ensure_for(budgeted)
     gate.jar_path().parent.mkdir(parents=True)
     gate.jar_path().touch()  # built before (`make jars`, the image)
     assert gate.gate_setting(fleet) == "model.endpoints"
+    assert gate.gate_setting(limited) == "rate_limit"
     assert gate.gate_setting(aligned) is None  # an aligned barrier would wait behind a closed gate

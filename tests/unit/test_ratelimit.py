@@ -92,6 +92,29 @@ def test_waiters_are_served_first_come_first_served() -> None:
     assert asyncio.run(run()) == [0, 1, 2, 3, 4]
 
 
+def test_wait_s_is_what_the_queued_callers_still_need_and_a_cancelled_one_owes_nothing() -> None:
+    clock = FakeClock()
+    held = asyncio.Event()  # the bucket's sleeps never end: the callers stay queued
+
+    async def never(seconds: float) -> None:
+        await held.wait()
+
+    async def run() -> tuple[float, float, float]:
+        tokens = TokenBucket(2, 2, clock=clock, sleep=never)
+        await tokens.acquire(2)  # the burst, at once
+        idle = tokens.wait_s
+        waiting = [asyncio.create_task(tokens.acquire(1)) for _ in range(5)]
+        await asyncio.sleep(0)
+        queued = tokens.wait_s
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return idle, queued, tokens.wait_s
+
+    # 5 tokens owed at 2 a second; the clock has not moved, so nothing has refilled.
+    assert asyncio.run(run()) == pytest.approx((0.0, 2.5, 0.0))
+
+
 def test_limiter_splits_the_job_wide_limits_across_subtasks() -> None:
     limiter = RateLimiter(RateLimitConfig(requests_per_minute=600, tokens_per_minute=60_000), subtasks=4)
     assert limiter.requests is not None and limiter.tokens is not None
