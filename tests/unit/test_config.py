@@ -75,6 +75,8 @@ def test_round_trip_through_dict() -> None:
         (lambda d: d.update(kafka="broker"), "kafka", "expected a mapping"),
         (lambda d: d["rate_limit"].update(requests_per_minute="fast"), "rate_limit.requests_per_minute",
          "expected a number"),
+        (lambda d: d.update(flink={"python.execution-mode": "thread"}), "flink.python.execution-mode",
+         "thread is not supported"),
     ],
 )
 def test_errors_name_the_key(mutate: Any, key: str, problem: str) -> None:
