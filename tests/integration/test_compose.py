@@ -255,7 +255,9 @@ def test_dashboard_has_a_panel_for_every_question() -> None:
                    "llmstream_admitted", "llmstream_concurrency_limit", "llmstream_latency_p50_ms",
                    "llmstream_latency_p99_ms", "llmstream_retries", "llmstream_rate_limited", "llmstream_dead_lettered",
                    "lastCheckpointCompletedTimestamp", "lastCheckpointDuration", "lastCheckpointSize", "numRestarts",
-                   "backPressuredTimeMsPerSecond", "llmstream_prompt_tokens", "llmstream_completion_tokens"):
+                   "backPressuredTimeMsPerSecond", "llmstream_prompt_tokens", "llmstream_completion_tokens",
+                   "llmstream_endpoint_in_flight", "llmstream_endpoint_limit", "llmstream_endpoint_circuit",
+                   "llmstream_endpoint_rate_limited", "llmstream_endpoint_failures", "llmstream_endpoint_latency_p99_ms"):
         assert needle in text, needle
 
 

@@ -35,6 +35,7 @@ from tests.integration.helpers import (
 from tests.support.prometheus import parse_prometheus, total
 from tests.support.waiting import Hopeless, wait_until
 from udfs.config import JobConfig
+from udfs.metrics import ENDPOINT_GAUGES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -96,8 +97,12 @@ def said(outcome: dict[str, Any], what: str) -> Callable[[], str]:
 
 
 def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobConfigFactory, fast_simulator) -> None:  # type: ignore[no-untyped-def]
+    """A fleet of two endpoints (both the one simulator), so the per-endpoint gauges the dashboard's
+    "Which endpoint?" row reads are served too."""
     port = free_port()
-    config = job_config(metrics={"prometheus_port": port}, async_={"capacity": 8})
+    fleet = [{"url": fast_simulator.url, "name": name, "max_concurrency": 4} for name in ("first", "second")]
+    config = job_config(metrics={"prometheus_port": port}, async_={"capacity": 8},
+                        model={"endpoint": None, "endpoints": fleet})
     records = good_records(600, "p") + BAD_RECORDS
     produce(config.kafka.bootstrap_servers, config.kafka.input_topic, records)
     fast_simulator.configure({"latency": "fixed:20"})
@@ -110,6 +115,7 @@ def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobC
                 samples = parse_prometheus(requests.get(url, timeout=5).text)
                 done = (total(samples, prefix + "records_in") >= len(records)
                         and total(samples, prefix + "latency_count") >= 600
+                        and total(samples, prefix + "endpoint_requests") >= 600
                         and total(samples, "flink_jobmanager_job_numberOfCompletedCheckpoints") >= 1)
                 return samples if done else None
 
@@ -130,6 +136,9 @@ def test_prometheus_endpoint_serves_llmstream_and_flink_metrics(job_config: JobC
     assert total(samples, prefix + "concurrency_limit") == 8
     p50, p99 = total(samples, prefix + "latency_p50_ms"), total(samples, prefix + "latency_p99_ms")
     assert 20 <= p50 <= p99, (p50, p99)
+    for gauge in ENDPOINT_GAUGES:
+        assert prefix + "endpoint_" + gauge in names, f"{prefix}endpoint_{gauge} not served"
+    assert {labels.get("endpoint") for labels, _ in samples[prefix + "endpoint_requests"]} == {"first", "second"}
     # Flink's own: checkpoints, backpressure, Kafka consumer lag, records in/out.
     for name in ("flink_jobmanager_job_numberOfCompletedCheckpoints", "flink_jobmanager_job_lastCheckpointDuration",
                  "flink_jobmanager_job_lastCheckpointSize", "flink_jobmanager_job_numRestarts",
