@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import requests
 import yaml
@@ -77,6 +78,26 @@ class Watch(threading.Thread):
         return spans
 
 
+def start_watched(config_path: Path, log: IO[str], log_path: Path, gates: Path,
+                  cwd: Path = REPO) -> tuple[subprocess.Popen[bytes], Watch]:
+    """`llmstream run` of `config_path` in its own session (so Ctrl-C is `os.killpg`), with its gate
+    files under `gates` (its TMPDIR), and a `Watch` on it once its REST API is up."""
+    run = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "--config", str(config_path),
+                            "--progress-every", "30", "--stop-timeout", "300"],
+                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(cwd),
+                           env={**os.environ, "TMPDIR": str(gates)}, start_new_session=True)
+    rest = None
+    while rest is None:
+        if run.poll() is not None:
+            raise SystemExit("llmstream run ended:\n" + log_path.read_text()[-3000:])
+        match = re.search(r"REST API at (http://\S+?);", log_path.read_text())
+        rest = match.group(1) if match else None
+        time.sleep(1)
+    watch = Watch(rest, gates)
+    watch.start()
+    return run, watch
+
+
 def _percentile(values: list[int], q: float) -> int | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
@@ -93,20 +114,8 @@ def main() -> None:
     gates.mkdir(exist_ok=True)
     log_path = out / "run.log"
     with open(log_path, "w") as log:
-        run = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "--config", str(setup.path),
-                                "--progress-every", "30", "--stop-timeout", "300"],
-                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(REPO),
-                               env={**os.environ, "TMPDIR": str(gates)}, start_new_session=True)
         started = time.time()
-        rest = None
-        while rest is None:
-            if run.poll() is not None:
-                raise SystemExit("llmstream run ended:\n" + log_path.read_text()[-3000:])
-            match = re.search(r"REST API at (http://\S+?);", log_path.read_text())
-            rest = match.group(1) if match else None
-            time.sleep(1)
-        watch = Watch(rest, gates)
-        watch.start()
+        run, watch = start_watched(setup.path, log, log_path, gates)
         roll = (int(started // 3600) + 1) * 3600
         print(f"{need} estimated tokens, budget {need / 10:.0f} an hour; the window rolls at "
               f"{time.strftime('%H:%M:%S', time.gmtime(roll))} UTC", flush=True)

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from jobs import kafka_admin
-from tests.experiments.budget_hour import Watch, _percentile
+from tests.experiments.budget_hour import _percentile, start_watched
 from tests.integration.helpers import make_job, unique_records
 
 
@@ -38,19 +36,7 @@ def main() -> None:
     gates.mkdir(exist_ok=True)
     log_path = out / "run.log"
     with open(log_path, "w") as log:
-        run = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "--config", str(setup.path),
-                                "--progress-every", "30", "--stop-timeout", "300"],
-                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, "TMPDIR": str(gates)}, start_new_session=True)
-        rest = None
-        while rest is None:
-            if run.poll() is not None:
-                raise SystemExit("llmstream run ended:\n" + log_path.read_text()[-3000:])
-            match = re.search(r"REST API at (http://\S+?);", log_path.read_text())
-            rest = match.group(1) if match else None
-            time.sleep(1)
-        watch = Watch(rest, gates)
-        watch.start()
+        run, watch = start_watched(setup.path, log, log_path, gates, cwd=Path.cwd())
         time.sleep(seconds)  # an experiment's fixed length, not a test's wait
         stop_at = time.time()
         os.killpg(run.pid, signal.SIGINT)
