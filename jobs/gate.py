@@ -149,8 +149,7 @@ def gate_setting(config: JobConfig) -> str | None:
     gateable = config.python.unaligned_checkpoints and _buildable()
     if config.model.routed and gateable:
         return "model.endpoints"
-    limits = config.rate_limit
-    if (limits.requests_per_minute is not None or limits.tokens_per_minute is not None) and gateable:
+    if config.rate_limit.enabled and gateable:
         return "rate_limit"
     return None
 

@@ -231,7 +231,7 @@ class InferenceClient:
         if self.fleet is None and self._retry_after_until - time.monotonic() > PAUSE_AFTER_S:
             return "the model server asked to wait (Retry-After)"
         if self.rate_limiter.wait_s > PAUSE_AFTER_S:
-            return "the calls queued at rate_limit take longer than a second to be let through"
+            return f"the calls queued at rate_limit take over {PAUSE_AFTER_S:g} s to be let through"
         return None
 
     def _on_budget_pause(self, paused: bool) -> None:

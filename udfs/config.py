@@ -389,6 +389,11 @@ class RateLimitConfig:
     adaptive_concurrency: bool = True
     min_concurrency: PositiveInt = 1
 
+    @property
+    def enabled(self) -> bool:
+        """A requests- or tokens-per-minute limit is set."""
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None
+
 
 @dataclass(frozen=True)
 class ParallelismConfig:

@@ -52,17 +52,20 @@ class TokenBucket:
     def wait_s(self) -> float:
         """How long the callers waiting now will take to be served: the wait a new caller would
         start behind. Reads only, so another thread may ask (the stage's, `InferenceClient.pause_reason`)."""
-        available = min(self.burst, self._tokens + (self._clock() - self._updated) * self.rate_per_s)
-        return max(0.0, self._owed - available) / self.rate_per_s
+        return max(0.0, self._owed - self._available(self._clock())) / self.rate_per_s
 
     @property
     def tokens(self) -> float:
         self._refill()
         return self._tokens
 
+    def _available(self, now: float) -> float:
+        """The tokens at `now`: what was left, plus what has refilled since, at most `burst`."""
+        return min(self.burst, self._tokens + (now - self._updated) * self.rate_per_s)
+
     def _refill(self) -> None:
         now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._updated) * self.rate_per_s)
+        self._tokens = self._available(now)
         self._updated = now
 
     async def acquire(self, n: float = 1) -> float:
