@@ -389,6 +389,19 @@ def test_per_key_restore_reissues_pending_records_and_emits_them_in_offset_order
     assert second.metric("reissued") == sum(len(v) for v in checkpoint.values())
 
 
+def drain_gated(h: Harness, n: int, pause_file: Any, timeout_s: float = 60) -> None:
+    """Timers and ticks until `n` records are answered and the pause file is gone: what a gated
+    stage does while its gate holds the input back."""
+    def answered() -> bool:
+        h.fire_due_processing_timers()
+        h.tick(0)
+        return len(h.bodies("out")) >= n
+
+    wait_until(answered, timeout_s, 0.05, f"{n} records answered")
+    wait_until(lambda: (h.fire_due_processing_timers(), not pause_file.exists())[-1], 30, 0.05,
+               "the pause file removed")
+
+
 def test_a_paused_budget_parks_records_closes_the_gate_and_resumes_by_itself(
         sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
     """With a gate in front, a paused spend budget never holds the bundle: records that find no
@@ -464,30 +477,9 @@ def test_a_fleet_with_every_circuit_open_parks_records_and_closes_the_gate(
     assert pause_file.exists()
     assert h.function._parked, "records beyond the waiting calls are parked"
     sim.admin({})
-
-    def answered() -> bool:
-        h.fire_due_processing_timers()
-        h.tick(0)
-        return len(h.bodies("out")) >= 6
-
-    wait_until(answered, 60, 0.05, "every record answered once the endpoint is back")
-    wait_until(lambda: (h.fire_due_processing_timers(), not pause_file.exists())[-1], 30, 0.05,
-               "the pause file removed")
+    drain_gated(h, 6, pause_file)  # every record answered once the endpoint is back
     assert Counter(b["id"] for b in h.bodies("out")) == Counter({f"id-{i}": 1 for i in range(6)})
     assert h.bodies("dlq") == [] and h.state.snapshot() == {} and not h.function._parked
-
-
-def drain_gated(h: Harness, n: int, pause_file: Any, timeout_s: float = 60) -> None:
-    """Timers and ticks until `n` records are answered and the pause file is gone: what a gated
-    stage does while its gate holds the input back."""
-    def answered() -> bool:
-        h.fire_due_processing_timers()
-        h.tick(0)
-        return len(h.bodies("out")) >= n
-
-    wait_until(answered, timeout_s, 0.05, f"{n} records answered")
-    wait_until(lambda: (h.fire_due_processing_timers(), not pause_file.exists())[-1], 30, 0.05,
-               "the pause file removed")
 
 
 def test_a_binding_rate_limit_parks_records_and_closes_the_gate(
