@@ -36,6 +36,7 @@ from jobs.driver import (
     drive,
     stop_on_signals,
 )
+from jobs.flink_cli import flink_conf_dir
 from jobs.flink_rest import FlinkRest
 from jobs.jvm_archive import GatewayArchive
 from jobs.kafka_admin import GroupProgress
@@ -152,13 +153,19 @@ def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: Gatew
         return state_name
 
 
-def flink_log_dir(state: StateDir) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def flink_log_dir(state: StateDir) -> Iterator[None]:
     """Flink's log of a run in this process goes to the state directory's ``log/`` (a local one),
     unless FLINK_LOG_DIR says where: PyFlink's default is one file in its own package directory,
-    shared by every run on the machine and truncated by each JVM that starts. PyFlink reads the
-    variable when it starts its JVM (the first run in a process), so it is set only meanwhile."""
+    shared by every run on the machine and truncated by each JVM that starts. And it is written with
+    ``flink-conf/log4j-cli.properties`` (unless LOG4J_PROPERTIES says otherwise), not PyFlink's own,
+    which lets Beam print the Python worker's environment, a model API key included. PyFlink reads
+    both variables when it starts its JVM (the first run in a process), so they are set only meanwhile."""
     local = None if state.path is None or "FLINK_LOG_DIR" in os.environ else str(state.path / "log")
-    return _environ("FLINK_LOG_DIR", local)
+    log4j = flink_conf_dir() / "log4j-cli.properties"
+    ours = None if "LOG4J_PROPERTIES" in os.environ or not log4j.is_file() else str(log4j)
+    with _environ("FLINK_LOG_DIR", local), _environ("LOG4J_PROPERTIES", ours):
+        yield
 
 
 def _archive_applied(archive: GatewayArchive | None, state: StateDir) -> contextlib.AbstractContextManager[None]:

@@ -173,15 +173,18 @@ class RestWatcher(threading.Thread):
 
 def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
         secured: Secured, secure_broker: SecureBroker, tmp_path: Path) -> None:
-    """`llmstream -v run --until-end` over SASL_SSL/SCRAM with two input topics, the password and an
-    API key in files: every id once with its traceparent; then the canary hunt."""
+    """`llmstream -v run --until-end` over SASL_SSL/SCRAM with two input topics, the password in a
+    file, the API key in an environment variable (`model.api_key_env`, which reaches the Python
+    worker's environment, and Beam would print that) and a header's value in a file: every id once
+    with its traceparent; then the canary hunt."""
     api_key = f"sk-canary-{uuid.uuid4().hex}"
-    key_file = tmp_path / "api-key"
-    key_file.write_text(api_key + "\n")
-    key_file.chmod(0o600)
+    header_secret = f"hdr-canary-{uuid.uuid4().hex}"
+    header_file = tmp_path / "header-secret"
+    header_file.write_text(header_secret + "\n")
+    header_file.chmod(0o600)
     password = secure_broker.password_file(JOB).read_text().strip()
-    config, names = secured(model={"api_key_env": None, "api_key_file": str(key_file),
-                                   "headers": {"X-Api-Key": f"${{file:{key_file}}}"}})
+    config, names = secured(model={"api_key_env": "LLMSTREAM_CANARY_API_KEY", "api_key_file": None,
+                                   "headers": {"X-Api-Key": f"${{file:{header_file}}}"}})
     path = write_config(config, tmp_path)
     ids = _produce(secure_broker, names, 300, "scram")
     state_dir = Path(str(config.checkpointing.directory))
@@ -192,12 +195,14 @@ def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
         except (OSError, ValueError, KeyError):
             return None
 
+    with_key = {**SHELL_ENV, "LLMSTREAM_CANARY_API_KEY": api_key}
     watcher = RestWatcher(rest_url)
     watcher.start()
     archives = tmp_path / "jvm"  # this run makes its JVM's class archive, a file llmstream writes too
     try:
         done = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "run", "--config", str(path), "--until-end"],
-                              capture_output=True, timeout=900, env={**SHELL_ENV, DIR_ENV: str(archives)},
+                              capture_output=True, timeout=900,
+                              env={**with_key, DIR_ENV: str(archives)},
                               check=False)
     finally:
         watcher.stop()
@@ -205,9 +210,9 @@ def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
     records = _exactly_once(secure_broker, names, ids)
 
     plan = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "plan", "--config", str(path)],
-                          capture_output=True, timeout=300, env=SHELL_ENV, check=False)
+                          capture_output=True, timeout=300, env=with_key, check=False)
     status = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "status", "--json", "--config", str(path)],
-                            capture_output=True, timeout=300, env=SHELL_ENV, check=False)
+                            capture_output=True, timeout=300, env=with_key, check=False)
     assert status.returncode == 0, status.stderr.decode()[-2000:]
     figures = json.loads(status.stdout)
     assert figures["input"]["group_committed"] == len(ids) + 1   # lag against the secured broker: none left
@@ -220,7 +225,7 @@ def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
               **{f"REST {p}": page for p, page in watcher.pages.items()},
               **_files(state_dir), **_files(archives)}
     assert any(name.endswith(".jsa") for name in _files(archives)), "the run saved no class archive"
-    for secret in (password, api_key):
+    for secret in (password, api_key, header_secret):
         assert not _grep(secret, places), f"a secret leaked into: {_grep(secret, places)}"
 
 

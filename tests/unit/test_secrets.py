@@ -217,3 +217,20 @@ def test_a_library_logging_a_resolved_secret_is_masked(tmp_path: Path, monkeypat
     finally:
         logger.removeHandler(handler)
     assert SECRET not in stream.getvalue() and "sasl_plain_password': '******'" in stream.getvalue()
+
+
+@pytest.mark.parametrize("name", ["log4j.properties", "log4j-console.properties", "log4j-cli.properties"])
+def test_no_flink_log_config_lets_beam_print_the_python_workers_environment(name: str) -> None:
+    """Beam's DefaultJobBundleFactory logs the Python worker's environment (the TaskManager's
+    variables, a key given by `model.api_key_env` among them) at INFO and WARN. The local run's
+    canary hunt (test_security) covers log4j-cli.properties; the cluster and image configs are
+    only covered here."""
+    from jobs.flink_cli import flink_conf_dir
+
+    settings = dict(line.split("=", 1) for line in (flink_conf_dir() / name).read_text().splitlines()
+                    if "=" in line and not line.lstrip().startswith("#"))
+    settings = {k.strip(): v.strip() for k, v in settings.items()}
+    loggers = {v: k.rsplit(".", 1)[0] for k, v in settings.items() if k.endswith(".name")}
+    prefix = loggers.get("org.apache.beam.runners.fnexecution.control.DefaultJobBundleFactory")
+    assert prefix is not None, f"{name} does not configure Beam's DefaultJobBundleFactory logger"
+    assert settings[f"{prefix}.level"] in ("ERROR", "FATAL", "OFF"), f"{name}: {settings[f'{prefix}.level']}"
