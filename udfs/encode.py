@@ -4,9 +4,9 @@ input's headers as `kafka.forward_headers` lets through (`records.forwarded_head
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
+from udfs import fastjson
 from udfs.errors import ResultTooLarge
 from udfs.records import Completion, Request, SinkHeaders, SinkRow
 
@@ -41,7 +41,7 @@ def result_value(request: Request, completion: Completion) -> bytes:
     if completion.structured:  # model.response_format is set: the answer, parsed and validated
         body["output_json"] = completion.output_json
         body["invalid_answers"] = completion.invalid_answers
-    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+    return fastjson.dumps(body)
 
 
 def headers_size(headers: SinkHeaders | None) -> int:

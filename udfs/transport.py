@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from udfs import secrets
+from udfs import fastjson, secrets
 from udfs.errors import (
     ConfigError,
     InferenceError,
@@ -98,7 +98,8 @@ class Transport:
             if self._session is not None and not self._session.closed:
                 log.warning("inference client used from a new event loop; its old session is abandoned")
             connector = aiohttp.TCPConnector(limit=self._config.async_.capacity, limit_per_host=0, ssl=self._ssl)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                                  json_serialize=fastjson.dumps_text)
             self._session_loop = loop
         return self._session
 
@@ -182,7 +183,7 @@ class Transport:
 async def _json_object(response: aiohttp.ClientResponse) -> dict[str, Any]:
     status = response.status
     try:
-        body = await response.json(content_type=None)
+        body = fastjson.loads(await response.read())
     except ValueError as err:
         raise PermanentError(f"HTTP {status} with a body that is not JSON: {err}"[:MAX_DETAIL_CHARS],
                              status=status) from None
