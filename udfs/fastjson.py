@@ -18,8 +18,10 @@ Input records are still parsed by `json` (`udfs/decode.py`): its dead-letter rea
 from __future__ import annotations
 
 import json
+from types import ModuleType
 from typing import Any
 
+orjson: ModuleType | None
 try:
     import orjson
 except ImportError:  # pragma: no cover - orjson is in install_requires; a bare environment still works
