@@ -48,7 +48,3 @@ def dumps(obj: Any) -> bytes:
             pass  # a big integer, NaN, a key that is not a string: `json` writes it as before
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
-
-def dumps_text(obj: Any) -> str:
-    """`dumps` as text: aiohttp's `json_serialize` wants a str."""
-    return dumps(obj).decode("utf-8")

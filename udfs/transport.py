@@ -78,6 +78,8 @@ class Transport:
         self._ssl = tls_context(config.model.tls)
         configured = {**config.model.headers, **(endpoint.headers if endpoint is not None else {})}
         self._headers = secrets.resolve_all(configured, "model.headers")
+        if not any(name.lower() == "content-type" for name in self._headers):
+            self._headers["Content-Type"] = "application/json"  # the body is sent as bytes (`post`)
         self._secret_headers = [self._headers[name] for name, value in configured.items()
                                 if secrets.has_placeholder(value)
                                 or any(word in name.lower() for word in SECRET_HEADER_WORDS)]
@@ -98,8 +100,7 @@ class Transport:
             if self._session is not None and not self._session.closed:
                 log.warning("inference client used from a new event loop; its old session is abandoned")
             connector = aiohttp.TCPConnector(limit=self._config.async_.capacity, limit_per_host=0, ssl=self._ssl)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                                  json_serialize=fastjson.dumps_text)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
             self._session_loop = loop
         return self._session
 
@@ -128,7 +129,9 @@ class Transport:
         self._metrics.in_flight += 1
         log.debug("request %s attempt %d: POST %s", label, attempt, self.url)
         try:
-            async with session.post(self.url, json=payload, headers=self._request_headers(),
+            # The body as orjson writes it (`fastjson`): aiohttp's `json=` wants a str, which would
+            # be decoded from those bytes only to be encoded again.
+            async with session.post(self.url, data=fastjson.dumps(payload), headers=self._request_headers(),
                                     allow_redirects=False) as response:
                 status = response.status
                 if 200 <= status < 300:
