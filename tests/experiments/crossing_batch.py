@@ -1,0 +1,171 @@
+"""What batching the JVM <-> Python crossing would save: CPU per record of the whole process tree
+when each crossing element carries one record or a batch of B records (issue 23, item 3).
+
+The profile (docs/performance.md, "Where a record's CPU goes") put ~40% of both sides' CPU in
+the Beam crossing, a cost per element. This measures the ceiling of carrying several records per
+element, with no Kafka and no model: a bounded datagen source makes the same records as the job's
+source table (`INPUT_ROW_SQL`: key, a JSON value, topic, partition, offset, timestamp), keyed by
+one of 4 buckets on the JVM as the job does (`KeyByKeySelector`), and a `KeyedProcessFunction`
+does per record what the stage does apart from the call: parse the JSON value, put the record in
+`MapState` and remove it, and emit one sink row (key, JSON value, topic). With ``--batch 1`` each
+element is one record and each output element one row; with ``--batch B`` the JVM builds each
+element as an ARRAY of B records (SQL), the function loops over them and emits one ARRAY of B sink
+rows, which the JVM unnests (SQL ``CROSS JOIN UNNEST``) before a blackhole sink.
+
+CPU per record is the slope between two runs of different sizes (the job's start-up cancels
+out): ``(cpu(N2) - cpu(N1)) / (N2 - N1)``, CPU of this process (PyFlink's loopback Python worker
+runs in it) and its child JVM, from /proc.
+
+    python -m tests.experiments.crossing_batch --batch 1 --batch 8 --batch 32 [--small 40000 --large 200000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+
+SINK_ROW_SQL = "ROW<k BYTES, v BYTES, `topic` STRING>"
+
+
+def _tree_cpu() -> float:
+    me = psutil.Process(os.getpid())
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float, float]:
+    """Runs one bounded job of `records` records in elements of `batch`; returns (CPU-s, wall s) of
+    the job alone (measured around `execute`, after the environment is up). With `verify_dir` the
+    sink writes CSV files there instead of discarding (to count what came out)."""
+    from pyflink.common import Row, Types
+    from pyflink.datastream import (
+        KeyedProcessFunction,
+        RuntimeContext,
+        StreamExecutionEnvironment,
+    )
+    from pyflink.datastream.data_stream import KeyedStream
+    from pyflink.datastream.state import MapStateDescriptor
+    from pyflink.java_gateway import get_gateway
+    from pyflink.table import StreamTableEnvironment
+
+    from jobs.pipeline import INPUT_ROW_SQL, _as_rows
+    from udfs.operators import INPUT_ROW_TYPE
+
+    bytes_type = Types.PRIMITIVE_ARRAY(Types.BYTE())
+    sink_row = Types.ROW_NAMED(["k", "v", "topic"], [bytes_type, bytes_type, Types.STRING()])
+    pending = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
+
+    def handle(state: Any, rec: Row) -> Row:
+        request = json.loads(rec[1])
+        handle_key = f"{rec[2]}:{rec[3]}:{rec[4]}"
+        state.put(handle_key, rec[1])
+        state.remove(handle_key)
+        out = json.dumps({"id": request["id"], "output": "ok", "model": "probe"}).encode()
+        return Row(rec[0], out, "out")
+
+    class One(KeyedProcessFunction):
+        def open(self, runtime_context: RuntimeContext) -> None:
+            self.state = runtime_context.get_map_state(pending)
+
+        def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
+            yield handle(self.state, value)
+
+    class Many(KeyedProcessFunction):
+        def open(self, runtime_context: RuntimeContext) -> None:
+            self.state = runtime_context.get_map_state(pending)
+
+        def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
+            yield Row([handle(self.state, rec) for rec in value])
+
+    env = StreamExecutionEnvironment.get_execution_environment()
+    env.set_parallelism(1)
+    t_env = StreamTableEnvironment.create(env)
+    t_env.get_config().set("python.fn-execution.bundle.size", "100")
+    t_env.get_config().set("python.fn-execution.bundle.time", "1000")
+    elements = records // batch
+    t_env.execute_sql(
+        "CREATE TEMPORARY TABLE gen (n BIGINT) WITH ('connector'='datagen', 'fields.n.kind'='sequence', "
+        f"'fields.n.start'='0', 'fields.n.end'='{elements - 1}')")
+    sink = (f"'connector'='filesystem', 'path'='{verify_dir}', 'format'='csv'" if verify_dir
+            else "'connector'='blackhole'")
+    t_env.execute_sql(f"CREATE TEMPORARY TABLE sink (k BYTES, v BYTES, `topic` STRING) WITH ({sink})")
+
+    def record_sql(offset: str) -> str:
+        value = (f"CAST(CONCAT('{{\"id\": \"r-', CAST({offset} AS STRING), "
+                 "'\", \"prompt\": \"Summarise the following text in one line: lorem ipsum dolor sit amet\"}') AS BYTES)")
+        return (f"CAST(ROW(CAST(CONCAT('key-', CAST({offset} AS STRING)) AS BYTES), {value}, 'in', 0, {offset}, "
+                f"CURRENT_TIMESTAMP, CAST(NULL AS MAP<STRING, BYTES>)) AS {INPUT_ROW_SQL})")
+
+    gateway = get_gateway()
+    key_type = Types.ROW([Types.INT()]).get_java_type_info()
+    if batch == 1:
+        row_type = Types.ROW([Types.INT(), INPUT_ROW_TYPE]).get_java_type_info()
+        rows = _as_rows(t_env, t_env.sql_query(f"SELECT CAST(MOD(n, 4) AS INT) AS bucket, {record_sql('n')} AS rec FROM gen"),
+                        row_type)
+        keyed = KeyedStream(rows._j_data_stream.keyBy(gateway.jvm.KeyByKeySelector(), key_type), INPUT_ROW_TYPE, rows)
+        out = keyed.process(One(), output_type=sink_row)
+        t_env.create_temporary_view("outs", t_env.from_data_stream(out))
+        insert = "INSERT INTO sink SELECT * FROM outs"
+    else:
+        batch_type = Types.OBJECT_ARRAY(INPUT_ROW_TYPE)
+        row_type = Types.ROW([Types.INT(), batch_type]).get_java_type_info()
+        members = ", ".join(record_sql(f"n * {batch} + {i}") for i in range(batch))
+        rows = _as_rows(t_env, t_env.sql_query(f"SELECT CAST(MOD(n, 4) AS INT) AS bucket, ARRAY[{members}] AS recs FROM gen"),
+                        row_type)
+        keyed = KeyedStream(rows._j_data_stream.keyBy(gateway.jvm.KeyByKeySelector(), key_type), batch_type, rows)
+        out = keyed.process(Many(), output_type=Types.ROW_NAMED(["outs"], [Types.OBJECT_ARRAY(sink_row)]))
+        t_env.create_temporary_view("batches", t_env.from_data_stream(out))
+        insert = "INSERT INTO sink SELECT r.k, r.v, r.`topic` FROM batches CROSS JOIN UNNEST(batches.outs) AS r(k, v, `topic`)"
+    statements = t_env.create_statement_set()
+    statements.add_insert_sql(insert)
+    statements.attach_as_datastream()
+    cpu0, wall0 = _tree_cpu(), time.monotonic()
+    env.execute(f"crossing batch {batch} x {elements}")
+    return _tree_cpu() - cpu0, time.monotonic() - wall0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, action="append", required=True)
+    parser.add_argument("--small", type=int, default=40_000)
+    parser.add_argument("--large", type=int, default=200_000)
+    parser.add_argument("--one", nargs=2, metavar=("BATCH", "RECORDS"), type=int,
+                        help=argparse.SUPPRESS)  # one run in a fresh process
+    parser.add_argument("--verify", metavar="DIR", help="with --one: write the output as CSV to DIR")
+    args = parser.parse_args(argv)
+    if args.one:
+        cpu, wall = run(*args.one, verify_dir=args.verify)
+        print(json.dumps({"cpu": cpu, "wall": wall}), flush=True)
+        return 0
+    import subprocess
+    print("| records per element | CPU µs / record (slope) | records/s (large run) |")
+    print("|---|---|---|")
+    for batch in args.batch:
+        figures = []
+        for records in (args.small, args.large):
+            done = subprocess.run([sys.executable, "-m", "tests.experiments.crossing_batch", "--batch", "1",
+                                   "--one", str(batch), str(records)], capture_output=True, text=True, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode != 0 or not lines:
+                print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
+                return 1
+            figures.append(json.loads(lines[-1]))
+        slope = (figures[1]["cpu"] - figures[0]["cpu"]) / (args.large - args.small) * 1e6
+        print(f"| {batch} | {slope:.0f} | {args.large / figures[1]['wall']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
