@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
 from typing import Any
 
 from pyflink.common import Row, Types
@@ -194,10 +194,10 @@ class InferenceStage(KeyedProcessFunction):
 
     # ------------------------------------------------------------------ Flink callbacks
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
-        if self._batched:
-            yield from _as_batch(self._batch(value, ctx))
-        else:
-            yield from self._element(value, ctx)
+        if self._batched:  # up to `python.crossing_batch` rows, or None (a tick)
+            yield from _as_batch(self._rows(value or (), ctx))
+        else:  # one row, or None (a tick)
+            yield from self._rows(() if value is None else (value,), ctx)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
         if self._batched:
@@ -205,17 +205,17 @@ class InferenceStage(KeyedProcessFunction):
         else:
             yield from self._timer(timestamp, ctx)
 
-    def _batch(self, rows: list[Row] | None, ctx: Any) -> Iterator[Row]:
-        """`python.crossing_batch`: up to that many input rows of one bucket, or None (a tick); each
-        row goes as one element would, and the bucket is emitted from once at the end."""
+    def _rows(self, rows: Iterable[Row], ctx: Any) -> Iterator[Row]:
+        """Input rows of one bucket, none for a tick (which only wakes the bucket): each is stored
+        and started (or dead-lettered at once), then the bucket's finished calls go out."""
         bucket = ctx.get_current_key()
         if bucket not in self._outstanding:
             try:
                 yield from self._adopt(bucket, ctx)
             except Exception as err:
-                log.exception("unexpected error adopting bucket %r", bucket)
+                log.exception("unexpected error taking up bucket %r", bucket)
                 yield self._failed(InternalError.from_exception(err), _salvage(None))
-        for value in rows or ():
+        for value in rows:
             try:
                 self._metrics.records_in.inc()
                 record = pending_record(value)
@@ -224,28 +224,6 @@ class InferenceStage(KeyedProcessFunction):
                 yield self._failed(InternalError.from_exception(err), _salvage(value))
                 continue
             yield from self._start(bucket, record)
-        yield from self._emit(bucket)
-        self._admit_parked()
-        self._ensure_timer(bucket, ctx)
-
-    def _element(self, value: Row | None, ctx: Any) -> Iterator[Row]:
-        """One input row, or None (a tick)."""
-        bucket = ctx.get_current_key()
-        try:
-            if bucket not in self._outstanding:
-                yield from self._adopt(bucket, ctx)
-            if value is None:  # a tick: only wakes the bucket
-                yield from self._emit(bucket)
-                self._admit_parked()
-                self._ensure_timer(bucket, ctx)
-                return
-            self._metrics.records_in.inc()
-            record = pending_record(value)
-        except Exception as err:
-            log.exception("unexpected error reading an input row")
-            yield self._failed(InternalError.from_exception(err), _salvage(value))
-            return
-        yield from self._start(bucket, record)
         yield from self._emit(bucket)
         self._admit_parked()
         self._ensure_timer(bucket, ctx)
