@@ -35,8 +35,6 @@ from udfs.gate import STOPPING
 
 GATE_CLASS = "llmstream.AdmissionGate"
 TICKS_CLASS = "llmstream.Ticks"
-BATCHER_CLASS = "llmstream.CrossingBatcher"
-"""Not the gate's, but built into its jar: `python.crossing_batch` (`jobs/pipeline.py`)."""
 CHECK_MS = 5
 """How often the gate looks at the stage's pause file while records flow (one stat call)."""
 IDLE_SLEEP_MS = 5
@@ -50,8 +48,7 @@ class GateBuildError(LLMStreamError, RuntimeError):
 
 
 def sources() -> list[Path]:
-    """The gate's Java sources: the gate itself, the ticks generator of a gated job and the
-    crossing batcher (`python.crossing_batch`)."""
+    """The gate's Java sources: the gate itself and the ticks generator of a gated job."""
     return sorted((jars.repo_root() / "pom-free" / "gate").glob("*.java"))
 
 
@@ -122,7 +119,7 @@ def ensure_for(config: JobConfig) -> None:
     """Before any JVM starts (`llmstream run`, `submit`, `upgrade`): the gate's jar when the job
     needs one, so a machine without javac gets one line naming the setting, not a traceback from
     the job's build."""
-    setting = gate_setting(config) or ("python.crossing_batch" if config.python.crossing_batch > 1 else None)
+    setting = gate_setting(config)
     if setting is not None:
         ensure(setting)
 

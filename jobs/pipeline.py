@@ -33,18 +33,11 @@ from jobs import gate, jars, key_groups
 from jobs.state import StateDir
 from udfs import kafka_security
 from udfs.config import JobConfig
-from udfs.operators import (
-    INPUT_BATCH_TYPE,
-    INPUT_ROW_TYPE,
-    SINK_BATCH_TYPE,
-    SINK_ROW_TYPE,
-    InferenceStage,
-)
+from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
 from udfs.ordering import HASH_HEX_DIGITS
 
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
-OUT_BATCHES_VIEW = "inference_out_batches"
 UDFS_DIR = Path(__file__).resolve().parents[1] / "udfs"
 
 
@@ -185,7 +178,7 @@ def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateD
             conf.set_string(key, value)
     conf.set_string("python.executable", sys.executable)
     conf.set_string("python.client.executable", sys.executable)
-    conf.set_string("python.fn-execution.bundle.size", str(config.python.bundle_elements))
+    conf.set_string("python.fn-execution.bundle.size", str(config.python.bundle_size))
     conf.set_string("python.fn-execution.bundle.time", str(config.python.bundle_time_ms))
     conf.set_string("pipeline.name", config.name)
     # Stable uids for the table source and sink too, so savepoints restore after a change of
@@ -341,8 +334,7 @@ def bucket_sql(ordering: str, keys: list[int]) -> str:
 
 
 def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
-                   with_headers: bool = True, ordering: str = "none", gate_dir: str | None = None,
-                   crossing_batch: int = 1) -> KeyedStream:
+                   with_headers: bool = True, ordering: str = "none", gate_dir: str | None = None) -> KeyedStream:
     """The input rows keyed by bucket, with the bucket computed in SQL (`bucket_sql`) and the key
     taken on the JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip)
     in front. A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a
@@ -350,8 +342,7 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     parallelisms and of the other `ordering` (`tick_keys`) about once a second. Without
     `with_headers` the rows carry NULL headers and the source does not read them
     (`kafka.forward_headers: none`). With `gate_dir` the keyed rows pass the admission gate
-    (`admission_gate`) on their way to the stage. With `crossing_batch` > 1 the stage gets arrays
-    of up to that many rows of a bucket (`crossing_batcher`) instead of single rows."""
+    (`admission_gate`) on their way to the stage."""
     max_p = env.get_max_parallelism() if env.get_max_parallelism() > 0 else None
     keys, other_keys = tick_keys(parallelism, max_p)
     rate = TICKS_PER_BUCKET_PER_S
@@ -397,30 +388,7 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     j_keyed = rows._j_data_stream.keyBy(gateway.jvm.KeyByKeySelector(), key_type)
     if gate_dir is not None:
         j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type)
-    if crossing_batch > 1:
-        if gate_dir is None:  # a gated job has the jar already (`gated_ticks`)
-            env.add_jars(gate.ensure("python.crossing_batch").as_uri())
-        j_keyed = crossing_batcher(j_keyed, crossing_batch, parallelism, key_type)
-        return KeyedStream(j_keyed, INPUT_BATCH_TYPE, rows)
     return KeyedStream(j_keyed, INPUT_ROW_TYPE, rows)
-
-
-BATCHER_UID = "crossing-batcher"
-BATCH_DELAY_MS = 5
-"""The longest a record waits in `crossing_batcher` for its batch to fill."""
-
-
-def crossing_batcher(j_keyed: Any, size: int, parallelism: int, key_type: Any) -> Any:
-    """`j_keyed` (rows (bucket, rec)) as (bucket, up to `size` recs of that bucket) through
-    `pom-free/gate/CrossingBatcher.java`, keyed again as it was and chained into the stage's task.
-    The batcher holds nothing across a checkpoint (it sends its buffers before the barrier), so
-    adding or removing it keeps a savepoint's state."""
-    jvm = get_gateway().jvm
-    out_type = Types.ROW([Types.INT(), INPUT_BATCH_TYPE]).get_java_type_info()
-    batched = j_keyed.transform("crossing batcher", out_type, getattr(jvm, gate.BATCHER_CLASS)(size, BATCH_DELAY_MS))
-    batched.uid(BATCHER_UID).setParallelism(parallelism)
-    return jvm.org.apache.flink.streaming.api.datastream.DataStreamUtils.reinterpretAsKeyedStream(
-        batched, jvm.KeyByKeySelector(), key_type)
 
 
 GATE_UID = "admission-gate"
@@ -489,21 +457,14 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
     # A spend budget pauses the stage for up to a window, a fleet with every endpoint down for a
     # cooldown: the gate keeps checkpoints going meanwhile (`jobs/gate.py`).
     gate_dir = gate.job_directory() if gate.gated(config) else None
-    batched = config.python.crossing_batch > 1
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
-                           ordering=config.ordering, gate_dir=gate_dir, crossing_batch=config.python.crossing_batch)
+                           ordering=config.ordering, gate_dir=gate_dir)
     outgoing = (
-        keyed.process(InferenceStage(config, gate_dir=gate_dir), output_type=SINK_BATCH_TYPE if batched else SINK_ROW_TYPE)
+        keyed.process(InferenceStage(config, gate_dir=gate_dir), output_type=SINK_ROW_TYPE)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
     )
     t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")
     statements = t_env.create_statement_set()
-    if batched:  # the stage's arrays of sink rows, one row each again on the JVM
-        t_env.create_temporary_view(OUT_BATCHES_VIEW, t_env.from_data_stream(outgoing))
-        statements.add_insert_sql(
-            f"INSERT INTO {SINK_TABLE} SELECT r.k, r.v, r.`topic`, r.`headers`\n"
-            f"FROM {OUT_BATCHES_VIEW} CROSS JOIN UNNEST({OUT_BATCHES_VIEW}.outs) AS r(k, v, `topic`, `headers`)")
-    else:
-        statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
+    statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
     statements.attach_as_datastream()
     return gate_dir

@@ -440,9 +440,6 @@ class CheckpointConfig:
         return (self.tolerable_failed_checkpoints + 1) * per_attempt + self.max_restart_ms
 
 
-MAX_CROSSING_BATCH = 1000
-
-
 @dataclass(frozen=True)
 class PythonConfig:
     """Python worker bundles and the checkpoint mode the inference stage needs.
@@ -456,20 +453,6 @@ class PythonConfig:
     bundle_size: PositiveInt = 100
     bundle_time_ms: PositiveInt = 1000
     unaligned_checkpoints: bool = True
-    # Records per element across the JVM-Python crossing, both ways (1: one record per element).
-    # The crossing costs per element (docs/performance.md, "Batching the crossing"); >1 puts
-    # `pom-free/gate/CrossingBatcher.java` in front of the stage and a bundle holds
-    # bundle_size / crossing_batch elements, so it still holds about bundle_size records.
-    crossing_batch: PositiveInt = 1
-
-    def validate(self, path: str) -> None:
-        _require(self.crossing_batch <= MAX_CROSSING_BATCH, _join(path, "crossing_batch"),
-                 f"at most {MAX_CROSSING_BATCH} records per element (got {self.crossing_batch})")
-
-    @property
-    def bundle_elements(self) -> int:
-        """PyFlink's `python.fn-execution.bundle.size` (elements): about `bundle_size` records."""
-        return max(1, self.bundle_size // self.crossing_batch)
 
 
 @dataclass(frozen=True)

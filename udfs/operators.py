@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterator
 from typing import Any
 
 from pyflink.common import Row, Types
@@ -73,11 +73,6 @@ INPUT_ROW_TYPE = Types.ROW_NAMED(
     ["k", "v", "topic", "partition", "offset", "ts", "headers"],
     [_BYTES, _BYTES, Types.STRING(), Types.INT(), Types.LONG(), Types.INSTANT(), _HEADERS])
 """One Kafka record as the source table hands it over (the value of the keyed stream)."""
-INPUT_BATCH_TYPE = Types.OBJECT_ARRAY(INPUT_ROW_TYPE)
-"""Up to `python.crossing_batch` records of one bucket in one element (`pom-free/gate/CrossingBatcher.java`)."""
-SINK_BATCH_TYPE = Types.ROW_NAMED(["outs"], [Types.OBJECT_ARRAY(SINK_ROW_TYPE)])
-"""What the stage emits per element or timer with `python.crossing_batch` > 1: its outgoing rows
-in one array, unnested on the JVM (`jobs/pipeline.py`)."""
 PENDING_STATE = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
 """`PendingRecord.handle` -> `PendingRecord`: the record, to start again after a restore. A state
 written before that type holds `partition:offset` -> 6-tuple; `PendingRecord.restored` reads both."""
@@ -121,13 +116,6 @@ def _salvage(row: Any) -> PendingRecord:
                          "unknown", -1, -1)
 
 
-def _as_batch(rows: Iterator[Row]) -> Iterator[Row]:
-    """The rows one callback emits as one `SINK_BATCH_TYPE` element (none when it emits nothing)."""
-    outs = list(rows)
-    if outs:
-        yield Row(outs)
-
-
 def _row(row: SinkRow) -> Row:
     return Row(row.key, row.value, row.topic, row.headers)
 
@@ -139,8 +127,6 @@ Outcome = tuple[SinkRow, str | None]
 class InferenceStage(KeyedProcessFunction):
     """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick).
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
-    With `python.crossing_batch` > 1 both ways carry arrays instead (`INPUT_BATCH_TYPE` in, one
-    `SINK_BATCH_TYPE` per callback out): the same work per record, one crossing per element.
 
     `capacity` bounds the calls in flight per subtask (`async.capacity`). `gate_dir`: the
     job has an admission gate in front (`udfs/gate.py`: a spend budget, a fleet or a rate limit); while no
@@ -152,7 +138,6 @@ class InferenceStage(KeyedProcessFunction):
     def __init__(self, config: JobConfig, gate_dir: str | None = None) -> None:
         self._config = config
         self._gate_dir = gate_dir
-        self._batched = config.python.crossing_batch > 1
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -193,42 +178,28 @@ class InferenceStage(KeyedProcessFunction):
             codec.close()  # the registry client's connections
 
     # ------------------------------------------------------------------ Flink callbacks
-    def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
-        if self._batched:  # up to `python.crossing_batch` rows, or None (a tick)
-            yield from _as_batch(self._rows(value or (), ctx))
-        else:  # one row, or None (a tick)
-            yield from self._rows(() if value is None else (value,), ctx)
-
-    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
-        if self._batched:
-            yield from _as_batch(self._timer(timestamp, ctx))
-        else:
-            yield from self._timer(timestamp, ctx)
-
-    def _rows(self, rows: Iterable[Row], ctx: Any) -> Iterator[Row]:
-        """Input rows of one bucket, none for a tick (which only wakes the bucket): each is stored
-        and started (or dead-lettered at once), then the bucket's finished calls go out."""
+    def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
         bucket = ctx.get_current_key()
-        if bucket not in self._outstanding:
-            try:
+        try:
+            if bucket not in self._outstanding:
                 yield from self._adopt(bucket, ctx)
-            except Exception as err:
-                log.exception("unexpected error taking up bucket %r", bucket)
-                yield self._failed(InternalError.from_exception(err), _salvage(None))
-        for value in rows:
-            try:
-                self._metrics.records_in.inc()
-                record = pending_record(value)
-            except Exception as err:
-                log.exception("unexpected error reading an input row")
-                yield self._failed(InternalError.from_exception(err), _salvage(value))
-                continue
-            yield from self._start(bucket, record)
+            if value is None:  # a tick: only wakes the bucket
+                yield from self._emit(bucket)
+                self._admit_parked()
+                self._ensure_timer(bucket, ctx)
+                return
+            self._metrics.records_in.inc()
+            record = pending_record(value)
+        except Exception as err:
+            log.exception("unexpected error reading an input row")
+            yield self._failed(InternalError.from_exception(err), _salvage(value))
+            return
+        yield from self._start(bucket, record)
         yield from self._emit(bucket)
         self._admit_parked()
         self._ensure_timer(bucket, ctx)
 
-    def _timer(self, timestamp: int, ctx: Any) -> Iterator[Row]:
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
         bucket = ctx.get_current_key()
         if bucket not in self._outstanding:
             yield from self._adopt(bucket, ctx)

@@ -22,7 +22,7 @@ from tests.integration.helpers import (
     JobConfigFactory,
     write_config,
 )
-from udfs.config import JobConfig, with_overrides
+from udfs.config import JobConfig
 
 pytestmark = pytest.mark.integration
 
@@ -157,40 +157,3 @@ def test_cli_runs_a_backfill_and_rejects_bad_config(job_config: JobConfigFactory
                          check=False, capture_output=True, text=True, timeout=300, env=SHELL_ENV)
     assert bad.returncode == 2
     assert "async.capacity: expected an integer" in bad.stderr
-
-
-def test_crossing_batches_answer_and_dead_letter_every_record_once_across_runs(job_config: JobConfigFactory) -> None:
-    """`python.crossing_batch`: the JVM hands the stage arrays of up to 16 records of a bucket and
-    unnests its arrays of outgoing rows. What a user sees is the same as one record per element:
-    every good id answered once with its headers, every bad record dead-lettered with its reason.
-    The setting can change between runs: the next runs resume from the state the last one left,
-    without the batcher and then with it again."""
-    config = job_config(python={"crossing_batch": 16}, input={"tombstones": "dead-letter"})
-    bootstrap, kafka = config.kafka.bootstrap_servers, config.kafka
-    trace = ("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
-    good = [(key, value, [trace]) for key, value in _good(600, "c")]
-    stream: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
-    expected_reason: dict[str, str] = {}
-    for i, record in enumerate(good):
-        stream.append(record)
-        if i % 60 == 7:
-            value, reason = BAD_RECORDS[i // 60]
-            expected_reason[f"bad-{i}"] = reason
-            stream.append((f"bad-{i}".encode(), value, []))
-    produce(bootstrap, kafka.input_topic, stream)
-    _run_until_end(config)
-    later = _good(200, "d")
-    produce(bootstrap, kafka.input_topic, later[:100])
-    _run_until_end(with_overrides(config, python={"crossing_batch": 1}))
-    produce(bootstrap, kafka.input_topic, later[100:])
-    _run_until_end(config)
-
-    out = _read(config, kafka.output_topic, len(good) + len(later))
-    ids = Counter(json.loads(m.value)["id"] for m in out)
-    assert len(out) == len(good) + len(later) and max(ids.values()) == 1
-    assert set(ids) == {k.decode() for k, _, _ in good} | {k.decode() for k, _ in later}
-    assert all(dict(m.headers).get(trace[0]) == trace[1] for m in out if m.key.startswith(b"c-"))
-    dead = _read(config, kafka.dead_letter_topic, len(expected_reason))
-    assert {m.key.decode(): json.loads(m.value)["reason"] for m in dead} == expected_reason
-    committed = committed_offsets(bootstrap, kafka.group_id, kafka.input_topic)
-    assert committed == end_offsets(bootstrap, kafka.input_topic)

@@ -20,7 +20,7 @@ from pyflink.common import Row
 
 from tests.unit.fake_flink import Harness, KeyedState, record
 from udfs import operators
-from udfs.config import JobConfig, config_from_dict, with_overrides
+from udfs.config import JobConfig, config_from_dict
 from udfs.errors import (
     BadInput,
     ContextTooLong,
@@ -355,26 +355,3 @@ def test_a_pending_record_pickled_before_a_field_was_added_takes_its_default() -
     older.__setstate__(old_state)
     assert pickle.loads(pickle.dumps(older)) == PendingRecord(b"k", b"v", "in", 0, 1, TS)
     assert pickle.loads(pickle.dumps(current)) == current
-
-
-def test_with_crossing_batches_an_element_is_an_array_of_rows_and_each_callback_emits_one_array(
-        harnesses: list[Harness]) -> None:
-    """`python.crossing_batch` > 1: the stage takes (bucket, [rows]) and emits, per callback, one
-    row holding the array of its outgoing rows (`SINK_BATCH_TYPE`), unnested on the JVM. A bad
-    row in the middle of an array is a dead letter and the rows after it still flow."""
-    h = stage(harnesses, config=with_overrides(offline_config(), python={"crossing_batch": 4}))
-
-    def row(offset: int, value: bytes) -> Row:
-        return Row(f"k{offset}".encode(), value, "in", 0, offset, TS, {})
-
-    h._at(2)
-    h.out.extend(h.function.process_element([row(1, record(1)), row(2, b"{not json"), row(3, record(3))], h.ctx))
-    h.out.extend(h.function.process_element(None, h.ctx))  # a tick
-    h.end_of_input()
-    assert h.out and all(len(out) == 1 and isinstance(out[0], list) for out in h.out)
-    flat = [sink for out in h.out for sink in out[0]]
-    answered = sorted(json.loads(bytes(r[1]))["id"] for r in flat if r[2] == "out")
-    dead = [json.loads(bytes(r[1])) for r in flat if r[2] == "dlq"]
-    assert answered == ["id-1", "id-3"]
-    assert [(d["reason"], d["source"]["offset"]) for d in dead] == [("invalid_json", 2)]
-    assert h.metric("records_in") == 3 and h.state.snapshot() == {}

@@ -87,7 +87,6 @@ class LlmstreamSettings:
     capacity: int = 128
     bundle_size: int = PythonConfig.bundle_size
     bundle_time_ms: int = PythonConfig.bundle_time_ms
-    crossing_batch: int = PythonConfig.crossing_batch
     checkpoint_interval_ms: int = CheckpointConfig.interval_ms
     checkpoint_timeout_ms: int = CheckpointConfig.timeout_ms
     parallelism: int = 1
@@ -106,8 +105,7 @@ class LlmstreamSettings:
 
     def describe(self) -> str:
         return (f"capacity {self.capacity}, bundle {self.bundle_size} records / {self.bundle_time_ms} ms, "
-                + (f"{self.crossing_batch} records per crossing element, " if self.crossing_batch > 1 else "")
-                + f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
+                f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
                 f"parallelism {self.parallelism}" + (", result cache on (temperature 0)" if self.cache else ""))
 
 
@@ -205,8 +203,7 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
                "transactional_id_prefix": topics.group, "create_topics": False, "topic_partitions": 1},
         model=model,
         async_={"capacity": settings.capacity},
-        python={"bundle_size": settings.bundle_size, "bundle_time_ms": settings.bundle_time_ms,
-                "crossing_batch": settings.crossing_batch},
+        python={"bundle_size": settings.bundle_size, "bundle_time_ms": settings.bundle_time_ms},
         checkpointing={"interval_ms": settings.checkpoint_interval_ms, "timeout_ms": settings.checkpoint_timeout_ms},
         parallelism={"default": 1, "source": 1, "inference": settings.parallelism, "sink": 1},
         cache={"backend": "local" if settings.cache else "none"},
