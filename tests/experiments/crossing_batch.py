@@ -30,13 +30,12 @@ from typing import Any
 
 import psutil
 
-SINK_ROW_SQL = "ROW<k BYTES, v BYTES, `topic` STRING>"
+from jobs.dev.bench.measure import process_tree
 
 
 def _tree_cpu() -> float:
-    me = psutil.Process(os.getpid())
     total = 0.0
-    for proc in [me, *me.children(recursive=True)]:
+    for proc in process_tree(psutil.Process(os.getpid())):
         try:
             times = proc.cpu_times()
             total += times.user + times.system
@@ -82,10 +81,7 @@ def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float,
         def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
             yield handle(self.state, value)
 
-    class Many(KeyedProcessFunction):
-        def open(self, runtime_context: RuntimeContext) -> None:
-            self.state = runtime_context.get_map_state(pending)
-
+    class Many(One):
         def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
             yield Row([handle(self.state, rec) for rec in value])
 
@@ -138,7 +134,7 @@ def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, action="append", required=True)
+    parser.add_argument("--batch", type=int, action="append", default=[])
     parser.add_argument("--small", type=int, default=40_000)
     parser.add_argument("--large", type=int, default=200_000)
     parser.add_argument("--one", nargs=2, metavar=("BATCH", "RECORDS"), type=int,
@@ -149,13 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         cpu, wall = run(*args.one, verify_dir=args.verify)
         print(json.dumps({"cpu": cpu, "wall": wall}), flush=True)
         return 0
+    if not args.batch:
+        parser.error("give --batch B at least once")
     import subprocess
     print("| records per element | CPU µs / record (slope) | records/s (large run) |")
     print("|---|---|---|")
     for batch in args.batch:
         figures = []
         for records in (args.small, args.large):
-            done = subprocess.run([sys.executable, "-m", "tests.experiments.crossing_batch", "--batch", "1",
+            done = subprocess.run([sys.executable, "-m", "tests.experiments.crossing_batch",
                                    "--one", str(batch), str(records)], capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode != 0 or not lines:
