@@ -8,8 +8,9 @@ level, goes through Apicurio's own export and import: `stop` saves ``/admin/expo
 ``export.zip`` in the data dir and `start` imports it (ids preserved, id sequences moved past
 them). An H2 database file was tried first: twice in CI a restarted registry had lost what was
 registered a minute before its SIGTERM (the file reopened at its first, table-only state; H2
-2.3's compaction on close is a known cause of such losses, h2database issue 4247), and it never
-happened in 40 restarts on a quiet machine. Two differences from Confluent's registry matter to tests: the
+2.3's compaction on close is a known cause of such losses, h2database issue 4247); it never
+happened in 36 restarts here, 14 of them beside two CPU burners. Two differences from
+Confluent's registry matter to tests: the
 default compatibility is NONE (Confluent: BACKWARD), so whoever relies on BACKWARD sets it on
 the subject (`set_compatibility`); health is on the API port (``/health/ready``) in 3.0.x.
 
