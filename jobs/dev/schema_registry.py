@@ -126,7 +126,7 @@ class LocalRegistry:
             if not self.running():
                 raise RegistryError(f"the schema registry exited during start-up:\n{self._tail()}")
             if time.monotonic() > deadline:
-                self.stop()
+                self.stop(export=False)
                 raise RegistryError(f"the schema registry was not ready after {timeout:g} s:\n{self._tail()}")
             time.sleep(0.3)
         if self.export_file.exists():
@@ -137,10 +137,10 @@ class LocalRegistry:
             answer = requests.post(self.base_url + ADMIN + "/import", data=self.export_file.read_bytes(),
                                    headers={"Content-Type": "application/zip"}, timeout=120)
         except requests.RequestException as exc:
-            self.stop()
+            self.stop(export=False)
             raise RegistryError(f"the schema registry did not take back {self.export_file}: {exc}") from None
         if answer.status_code >= 300:
-            self.stop()
+            self.stop(export=False)
             raise RegistryError(f"the schema registry refused to import {self.export_file} "
                                 f"(HTTP {answer.status_code}): {answer.text[:300]}")
 
@@ -157,11 +157,12 @@ class LocalRegistry:
         partial.write_bytes(answer.content)
         os.replace(partial, self.export_file)
 
-    def stop(self, timeout: float = 30) -> None:
+    def stop(self, timeout: float = 30, *, export: bool = True) -> None:
         """Exports the registry's data, then SIGTERM (it stops in well under a second), SIGKILL if it
-        does not."""
+        does not. A start that failed stops with `export=False`: its registry is empty or not
+        ready, and exporting it would overwrite the data the next start must import."""
         if self._process is not None:
-            if self.running():
+            if export and self.running():
                 self._export()
             terminate([self._process.pid], timeout, "schema registry")
             with contextlib.suppress(subprocess.TimeoutExpired):
