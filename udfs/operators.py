@@ -147,7 +147,9 @@ class InferenceStage(KeyedProcessFunction):
         from udfs.metrics import InferenceMetrics
 
         subtasks = runtime_context.get_number_of_parallel_subtasks()
-        self._metrics = InferenceMetrics(runtime_context.get_metrics_group().add_group("llmstream"))
+        # `flink.python.metric.enabled: false` gives no group: the same figures, kept in Python only.
+        group = runtime_context.get_metrics_group()
+        self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
         self._pending = runtime_context.get_map_state(PENDING_STATE)
         self._runner = CallRunner(self._config.async_.capacity)
         self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)

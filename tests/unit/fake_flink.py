@@ -51,11 +51,13 @@ class KeyedState:
 
 
 class RuntimeContext:
-    def __init__(self, state: KeyedState) -> None:
-        self.state = state
-        self.group = MetricGroup()
+    """`metrics=False`: no metric group, as PyFlink gives with `python.metric.enabled: false`."""
 
-    def get_metrics_group(self) -> MetricGroup:
+    def __init__(self, state: KeyedState, *, metrics: bool = True) -> None:
+        self.state = state
+        self.group = MetricGroup() if metrics else None
+
+    def get_metrics_group(self) -> MetricGroup | None:
         return self.group
 
     def get_map_state(self, descriptor: Any) -> KeyedState:
@@ -99,12 +101,13 @@ class Context:
 class Harness:
     """Drives one function instance the way PyFlink's keyed operation does."""
 
-    def __init__(self, config: JobConfig, state: KeyedState | None = None, *, gate_dir: str | None = None) -> None:
+    def __init__(self, config: JobConfig, state: KeyedState | None = None, *, gate_dir: str | None = None,
+                 metrics: bool = True) -> None:
         self.state = state or KeyedState()
         self.timers = TimerService()
         self.ctx = Context(self.timers)
         self.function = InferenceStage(config, gate_dir=gate_dir)
-        self.runtime = RuntimeContext(self.state)
+        self.runtime = RuntimeContext(self.state, metrics=metrics)
         self.function.open(self.runtime)  # type: ignore[arg-type]
         self.out: list[Row] = []
 

@@ -48,6 +48,18 @@ def test_every_record_is_answered_once_and_leaves_state(sim: ThreadedSimulator, 
     assert h.metric("records_in") == 40 and h.metric("reissued") == 0
 
 
+def test_without_flink_metrics_the_stage_runs_and_keeps_its_figures(sim: ThreadedSimulator,
+                                                                     harnesses: list[Harness]) -> None:
+    # `flink: {python.metric.enabled: false}` makes PyFlink's get_metrics_group() return None;
+    # the stage once failed in `open` on it, and the job restarted forever.
+    h = Harness(job_config(sim.url), metrics=False)
+    harnesses.append(h)
+    feed(h, range(10))
+    h.end_of_input()
+    assert sorted(b["id"] for b in h.bodies("out")) == sorted(f"id-{i}" for i in range(10))
+    assert h.metric("records_in") == 10
+
+
 def test_capacity_bounds_calls_in_flight(make_sim: Callable[..., ThreadedSimulator],
                                          harnesses: list[Harness]) -> None:
     sim = make_sim(latency="fixed:150")
