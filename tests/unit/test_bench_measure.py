@@ -99,3 +99,23 @@ def test_the_bench_says_why_each_checkpoint_failed() -> None:
     assert summary["failed_untriggered"] == 1
     assert _checkpoints(summary) == ("14, 0.20 / 0.90 (2 failed: 1× Checkpoint expired before completing.; "
                                      "1× refused at trigger, not counted by Flink)")
+
+
+def test_flink_options_on_the_command_line_reach_the_job_config(tmp_path) -> None:
+    import argparse
+
+    from jobs.dev.bench.harness import BenchContext, Topics, llmstream_config
+    from jobs.dev.bench.main import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--flink", "python.metric.enabled=false", "--flink", "pipeline.name = x=y"])
+    assert args.flink == [("python.metric.enabled", "false"), ("pipeline.name", "x=y")]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--flink", "no-equals-sign"])
+    ctx = BenchContext(broker=None, workdir=tmp_path, overrides={"flink": dict(args.flink)})  # type: ignore[arg-type]
+    settings = ctx.settings_for(SCENARIOS["d"])
+    assert "python.metric.enabled=false" in settings.describe()
+    data = llmstream_config(Topics.fresh(SCENARIOS["d"], "llmstream"), "127.0.0.1:9", "http://127.0.0.1:1/v1",
+                            settings, SCENARIOS["d"], tmp_path)
+    assert data["flink"]["python.metric.enabled"] == "false" and data["flink"]["pipeline.name"] == "x=y"

@@ -94,6 +94,9 @@ class LlmstreamSettings:
     """1: the result cache on (`cache.backend: local`, requests at temperature 0 so they are
     cacheable); 0: `cache.backend: none`. Ids are unique, so every lookup misses: what it
     measures is the cache's cost per record."""
+    flink: tuple[tuple[str, str], ...] = ()
+    """Flink options for the job config's `flink:` section (`--flink KEY=VALUE`), to measure a
+    Flink setting without a new flag for each."""
 
     @classmethod
     def recommended(cls, scenario: Scenario, parallelism: int = 1) -> LlmstreamSettings:
@@ -106,7 +109,8 @@ class LlmstreamSettings:
     def describe(self) -> str:
         return (f"capacity {self.capacity}, bundle {self.bundle_size} records / {self.bundle_time_ms} ms, "
                 f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
-                f"parallelism {self.parallelism}" + (", result cache on (temperature 0)" if self.cache else ""))
+                f"parallelism {self.parallelism}" + (", result cache on (temperature 0)" if self.cache else "")
+                + "".join(f", {key}={value}" for key, value in self.flink))
 
 
 @dataclass
@@ -154,7 +158,8 @@ class BenchContext:
 
     broker: local_kafka.LocalBroker
     workdir: Path
-    overrides: dict[str, int] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Settings given on the command line: ints by `LlmstreamSettings` field, and `flink`, a dict."""
     say: Callable[[str], None] = print
     progress_every_s: float = 5.0
     profile_dir: Path | None = None
@@ -167,7 +172,9 @@ class BenchContext:
         if approach == UNBATCHED:
             scenario = dataclasses.replace(scenario, capacity=None)
         recommended = LlmstreamSettings.recommended(scenario, self.overrides.get("parallelism", 1))
-        return dataclasses.replace(recommended, **self.overrides)
+        given = {name: tuple(sorted(value.items())) if name == "flink" else value
+                 for name, value in self.overrides.items()}
+        return dataclasses.replace(recommended, **given)
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,8 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
     data["name"] = f"llmstream-bench-{scenario.key}"
     if per_key:
         data["ordering"] = "per_key"
+    if settings.flink:
+        data["flink"] = {**data.get("flink", {}), **dict(settings.flink)}
     # One state directory per run: every run reads fresh topics, so no state carries over.
     data["checkpointing"]["directory"] = str(state_root / topics.group)
     config_from_dict(data)  # validate the final form, name included

@@ -106,6 +106,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "llmstream settings (default: derived per scenario as the README recommends, see LlmstreamSettings)")
     for flag in TUNING_FLAGS:
         tuning.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
+    tuning.add_argument("--flink", action="append", default=[], metavar="KEY=VALUE", type=_flink_option,
+                        help="a Flink option for llmstream's job config (`flink:`), e.g. "
+                             "python.metric.enabled=false; repeatable")
+
+
+def _flink_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
 
 
 def _say(text: str) -> None:
@@ -120,7 +130,9 @@ def _scenario(key: str, args: argparse.Namespace) -> Scenario:
 
 
 def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[str, Path], list[str]]:
-    overrides = {flag: getattr(args, flag) for flag in TUNING_FLAGS if getattr(args, flag) is not None}
+    overrides: dict[str, Any] = {flag: getattr(args, flag) for flag in TUNING_FLAGS if getattr(args, flag) is not None}
+    if args.flink:
+        overrides["flink"] = dict(args.flink)
     load_before = os.getloadavg()[0]
     if args.wait_for_quiet is not None:
         load_before = wait_for_quiet(args.wait_for_quiet, 600, _say)

@@ -221,7 +221,7 @@ def machine() -> dict[str, Any]:
 
 
 def markdown(results: Sequence[RunResult], meta: dict[str, Any], probes: dict[str, Any] | None = None,
-             overrides: dict[str, int] | None = None) -> str:
+             overrides: dict[str, Any] | None = None) -> str:
     scenarios = sorted({r.scenario for r in results})
     lines = [
         "# llmstream bench: latest results",
@@ -363,7 +363,7 @@ def render(out_dir: Path) -> dict[str, Path]:
 
 
 def write(out_dir: Path, results: Sequence[RunResult], command: str, load_before: float,
-          probes: dict[str, Any] | None = None, overrides: dict[str, int] | None = None) -> dict[str, Path]:
+          probes: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Path]:
     """Writes latest.md, latest.json and latest.png to `out_dir`; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
