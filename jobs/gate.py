@@ -6,6 +6,7 @@ checkpoints and a jar or a javac here: `gate_setting`): while the stage says it 
 gate stops taking input but keeps running the task's mails, so an unaligned checkpoint still
 completes (the class's Javadoc says how); a gated job's ticks come from `Ticks.java` (a FLIP-27
 source's generator: the SQL datagen source would hold every checkpoint behind a closed gate).
+The same jar holds `AdaptiveBundles.java`, the stage's operator under `python.bundle_target_ms`.
 They need nothing beyond the Flink jars PyFlink ships, so they are compiled against those, without a pom, into
 `pom-free/cache/gate/` under a name that holds a hash of the sources and of PyFlink's version:
 a changed source or another Flink builds a new jar. `make jars` builds it ahead of time
@@ -35,6 +36,8 @@ from udfs.gate import STOPPING
 
 GATE_CLASS = "llmstream.AdmissionGate"
 TICKS_CLASS = "llmstream.Ticks"
+ADAPTIVE_BUNDLES_CLASS = "llmstream.AdaptiveBundles"
+"""`python.bundle_target_ms`: the stage's operator with a bundle size that follows throughput."""
 CHECK_MS = 5
 """How often the gate looks at the stage's pause file while records flow (one stat call)."""
 IDLE_SLEEP_MS = 5
@@ -122,6 +125,8 @@ def ensure_for(config: JobConfig) -> None:
     setting = gate_setting(config)
     if setting is not None:
         ensure(setting)
+    if config.python.bundle_target_ms:
+        ensure("python.bundle_target_ms")
 
 
 def _buildable() -> bool:

@@ -32,7 +32,7 @@ from pyflink.table import StreamTableEnvironment, Table
 from jobs import gate, jars, key_groups
 from jobs.state import StateDir
 from udfs import kafka_security
-from udfs.config import JobConfig
+from udfs.config import ADAPTIVE_MIN_BUNDLE, JobConfig
 from udfs.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
 from udfs.ordering import HASH_HEX_DIGITS
 
@@ -428,6 +428,23 @@ def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any)
         gated, jvm.KeyByKeySelector(), key_type)
 
 
+def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: InferenceStage,
+              bundle_target_ms: int) -> DataStream:
+    """`keyed.process(stage)`; with `bundle_target_ms` > 0 PyFlink's operator is swapped for
+    `pom-free/gate/AdaptiveBundles.java` (its subclass whose bundle size follows throughput),
+    made from it, so every other setting is PyFlink's. Adds the gate's jar to the job."""
+    if not bundle_target_ms:
+        return keyed.process(stage, output_type=SINK_ROW_TYPE)
+    from pyflink.datastream import data_stream as pyflink_data_stream
+    from pyflink.fn_execution import flink_fn_execution_pb2
+
+    env.add_jars(gate.ensure("python.bundle_target_ms").as_uri())
+    made, j_output_type = pyflink_data_stream._get_one_input_stream_operator(
+        keyed, stage, flink_fn_execution_pb2.UserDefinedDataStreamFunction.KEYED_PROCESS, SINK_ROW_TYPE)
+    adaptive = getattr(get_gateway().jvm, gate.ADAPTIVE_BUNDLES_CLASS).of(made, bundle_target_ms, ADAPTIVE_MIN_BUNDLE)
+    return DataStream(keyed._j_data_stream.transform("KEYED PROCESS", j_output_type, adaptive))
+
+
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | None:
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it.
     Returns the admission gate's directory when the job has one (`jobs.gate.open_for_stop`)."""
@@ -460,7 +477,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
                            ordering=config.ordering, gate_dir=gate_dir)
     outgoing = (
-        keyed.process(InferenceStage(config, gate_dir=gate_dir), output_type=SINK_ROW_TYPE)
+        inference(env, keyed, InferenceStage(config, gate_dir=gate_dir), config.python.bundle_target_ms)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
     )
     t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")

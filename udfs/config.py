@@ -448,11 +448,21 @@ class PythonConfig:
     checkpoint waits for the records of the current bundle still queued for a free slot
     (about bundle_size / throughput), hence a small bundle. `unaligned_checkpoints` lets the
     barrier overtake the records buffered in front of the keyed stage (aligned: it queues
-    behind them, tens of seconds under backpressure)."""
+    behind them, tens of seconds under backpressure).
+
+    `bundle_target_ms` > 0: the bundle size follows throughput instead, about that many ms of
+    elements, between `ADAPTIVE_MIN_BUNDLE` and `bundle_size` (`pom-free/gate/AdaptiveBundles.java`,
+    which needs the gate's jar: a JDK's javac). Fast models get fewer bundle ends, slow ones
+    short checkpoint waits; 0: the fixed `bundle_size`."""
 
     bundle_size: PositiveInt = 100
     bundle_time_ms: PositiveInt = 1000
+    bundle_target_ms: NonNegativeInt = 0
     unaligned_checkpoints: bool = True
+
+
+ADAPTIVE_MIN_BUNDLE = 10
+"""The smallest bundle `python.bundle_target_ms` makes (a bundle end costs a few ms of CPU)."""
 
 
 @dataclass(frozen=True)

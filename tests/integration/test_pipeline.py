@@ -40,8 +40,11 @@ def _run_until_end(config: JobConfig) -> None:
     assert run_job(config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
 
 
-def test_thousand_records_exactly_once(job_config: JobConfigFactory) -> None:
-    config = job_config()
+@pytest.mark.parametrize("python", [{}, {"bundle_size": 1000, "bundle_target_ms": 250}], ids=["fixed", "adaptive"])
+def test_thousand_records_exactly_once(job_config: JobConfigFactory, python: dict[str, int]) -> None:
+    """Also with bundles that follow throughput (`python.bundle_target_ms`: another operator class
+    in the stage's place, test_plan.py)."""
+    config = job_config(python=python) if python else job_config()
     records = _good(1000, "r")
     produce(config.kafka.bootstrap_servers, config.kafka.input_topic, records)
     _run_until_end(config)

@@ -112,6 +112,27 @@ def test_unaligned_checkpoints_follow_the_config() -> None:
         assert env.get_checkpoint_config().is_unaligned_checkpoints_enabled() is enabled
 
 
+def _inference_operator_class(config: JobConfig) -> str:
+    env = create_environment(config, jars.connector_jar_urls())
+    build_pipeline(env, config)
+    for transformation in env._j_stream_execution_environment.getTransformations():
+        for t in transformation.getTransitivePredecessors():
+            if t.getName() == "inference":
+                return str(t.getOperatorFactory().getStreamOperatorClass(get_gateway().jvm.Thread.currentThread()
+                                                                         .getContextClassLoader()).getName())
+    raise AssertionError("no transformation named inference")
+
+
+def test_bundle_target_swaps_in_the_adaptive_bundles_operator_with_the_same_uid() -> None:
+    fixed = with_overrides(load_config(), parallelism={"inference": 2})
+    adaptive = with_overrides(fixed, python={"bundle_size": 1000, "bundle_target_ms": 250})
+    assert _inference_operator_class(fixed).endswith(".ExternalPythonKeyedProcessOperator")
+    assert _inference_operator_class(adaptive) == "llmstream.AdaptiveBundles"
+    node = _node(_plan(parallelism={"inference": 2}, python={"bundle_target_ms": 250}), "inference")
+    assert node["parallelism"] == 2
+    assert any(p.get("ship_strategy") == "HASH" for p in node.get("predecessors", [])), node
+
+
 def test_changing_inference_parallelism_changes_the_graph() -> None:
     one = _node(_plan(parallelism={"inference": 1}), "inference")["parallelism"]
     four = _node(_plan(parallelism={"inference": 4}), "inference")["parallelism"]

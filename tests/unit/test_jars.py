@@ -151,6 +151,11 @@ def test_a_fleet_gets_the_gate_only_where_it_can_be_built(tmp_path: Path, monkey
     assert gate.gate_setting(budgeted) == "budget"  # and `ensure_for` says what is missing
     with pytest.raises(gate.GateBuildError, match="^budget: "):
         gate.ensure_for(budgeted)
+    adaptive = dataclasses.replace(single, python=dataclasses.replace(single.python, bundle_target_ms=250))
+    assert gate.gate_setting(adaptive) is None  # adaptive bundles need the jar, not the gate
+    with pytest.raises(gate.GateBuildError, match="^python.bundle_target_ms: "):
+        gate.ensure_for(adaptive)
+    gate.ensure_for(single)  # a job with neither needs no jar
     gate.jar_path().parent.mkdir(parents=True)
     gate.jar_path().touch()  # built before (`make jars`, the image)
     assert gate.gate_setting(fleet) == "model.endpoints"

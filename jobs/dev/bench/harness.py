@@ -87,6 +87,7 @@ class LlmstreamSettings:
     capacity: int = 128
     bundle_size: int = PythonConfig.bundle_size
     bundle_time_ms: int = PythonConfig.bundle_time_ms
+    bundle_target_ms: int = PythonConfig.bundle_target_ms
     checkpoint_interval_ms: int = CheckpointConfig.interval_ms
     checkpoint_timeout_ms: int = CheckpointConfig.timeout_ms
     parallelism: int = 1
@@ -107,7 +108,9 @@ class LlmstreamSettings:
         return cls(capacity=capacity, parallelism=parallelism)
 
     def describe(self) -> str:
-        return (f"capacity {self.capacity}, bundle {self.bundle_size} records / {self.bundle_time_ms} ms, "
+        bundle = (f"bundle {self.bundle_size} records / {self.bundle_time_ms} ms" if not self.bundle_target_ms else
+                  f"bundle about {self.bundle_target_ms} ms of records (at most {self.bundle_size} / {self.bundle_time_ms} ms)")
+        return (f"capacity {self.capacity}, {bundle}, "
                 f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
                 f"parallelism {self.parallelism}" + (", result cache on (temperature 0)" if self.cache else "")
                 + "".join(f", {key}={value}" for key, value in self.flink))
@@ -172,8 +175,8 @@ class BenchContext:
         if approach == UNBATCHED:
             scenario = dataclasses.replace(scenario, capacity=None)
         recommended = LlmstreamSettings.recommended(scenario, self.overrides.get("parallelism", 1))
-        given = {name: tuple(sorted(value.items())) if name == "flink" else value
-                 for name, value in self.overrides.items()}
+        given: dict[str, Any] = {name: tuple(sorted(value.items())) if name == "flink" else value
+                                 for name, value in self.overrides.items()}
         return dataclasses.replace(recommended, **given)
 
 
@@ -210,7 +213,8 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
                "transactional_id_prefix": topics.group, "create_topics": False, "topic_partitions": 1},
         model=model,
         async_={"capacity": settings.capacity},
-        python={"bundle_size": settings.bundle_size, "bundle_time_ms": settings.bundle_time_ms},
+        python={"bundle_size": settings.bundle_size, "bundle_time_ms": settings.bundle_time_ms,
+                "bundle_target_ms": settings.bundle_target_ms},
         checkpointing={"interval_ms": settings.checkpoint_interval_ms, "timeout_ms": settings.checkpoint_timeout_ms},
         parallelism={"default": 1, "source": 1, "inference": settings.parallelism, "sink": 1},
         cache={"backend": "local" if settings.cache else "none"},

@@ -42,8 +42,8 @@ from jobs.dev.bench.soak import DEFAULT_RATE, FAULT_NAMES, fault_kinds, run_soak
 from jobs.dev.simulator import SpawnedFleet, spawn_fleet
 from jobs.dev.simulator import spawn as spawn_simulator
 
-TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "checkpoint_interval_ms", "checkpoint_timeout_ms",
-                "parallelism", "cache")
+TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "bundle_target_ms", "checkpoint_interval_ms",
+                "checkpoint_timeout_ms", "parallelism", "cache")
 PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, no Flink"}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SMOKE_MAX_SECONDS = 300.0
