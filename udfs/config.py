@@ -451,7 +451,7 @@ class PythonConfig:
     behind them, tens of seconds under backpressure).
 
     `bundle_target_ms` > 0: the bundle size follows throughput instead, about that many ms of
-    elements, between `ADAPTIVE_MIN_BUNDLE` and `bundle_size` (`pom-free/gate/AdaptiveBundles.java`,
+    input records (ticks included, timers not), between `ADAPTIVE_MIN_BUNDLE` and `bundle_size` (`pom-free/gate/AdaptiveBundles.java`,
     which needs the gate's jar: a JDK's javac). Fast models get fewer bundle ends, slow ones
     short checkpoint waits; 0: the fixed `bundle_size`."""
 

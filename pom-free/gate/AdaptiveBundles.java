@@ -13,7 +13,7 @@ import org.slf4j.LoggerFactory;
 
 /**
  * PyFlink's keyed Python operator with a bundle size that follows throughput
- * ({@code python.bundle_target_ms}): each bundle holds about {@code targetMillis} of elements.
+ * ({@code python.bundle_target_ms}): each bundle holds about {@code targetMillis} of input records.
  *
  * <p>Why: a checkpoint barrier makes the operator finish its bundle, which waits until Python has
  * taken every element sent in it; under a backlog those wait for free call slots, so the wait is

@@ -44,7 +44,7 @@ def _run_until_end(config: JobConfig) -> None:
 def test_thousand_records_exactly_once(job_config: JobConfigFactory, python: dict[str, int]) -> None:
     """Also with bundles that follow throughput (`python.bundle_target_ms`: another operator class
     in the stage's place, test_plan.py)."""
-    config = job_config(python=python) if python else job_config()
+    config = job_config(python=python)
     records = _good(1000, "r")
     produce(config.kafka.bootstrap_servers, config.kafka.input_topic, records)
     _run_until_end(config)
