@@ -1,9 +1,10 @@
 """`llmstream bench --smoke`: the benchmark works end to end (not how fast anything is).
 
 The smoke run starts its own broker and simulator, runs every approach (the two baselines,
-llmstream and Flink's SQL ML_PREDICT) on 100 records of scenario (a) and writes the report to
+llmstream, Flink's SQL ML_PREDICT and, asked for by name, the same SQL job without a model: the
+floor) on 100 records of scenario (a) and writes the report to
 a temp dir. These tests assert what a reader of the report relies on: every approach answered
-every record, none twice, nothing lost (for the two Flink jobs: through exactly-once Kafka
+every record, none twice, nothing lost (for the Flink jobs: through exactly-once Kafka
 sinks, read with read_committed), and the report files exist with one table row per approach.
 Speed is never asserted. The bench starts as `python -m jobs.cli` from this checkout, so it
 runs this checkout's code whatever `llmstream` script the venv has.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.dev.bench.harness import APPROACHES
+from jobs.dev.bench.harness import ALL_APPROACHES
 from jobs.dev.bench.scenarios import SMOKE_RECORDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("bench-smoke")
     proc = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "bench", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "jobs.cli", "bench", "--smoke", "--out", str(out),
+         "--approaches", ",".join(ALL_APPROACHES)],
         cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
     )
     return proc, out
@@ -42,7 +44,7 @@ def test_smoke_bench_answers_every_record_once_in_every_approach(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "latest.json").read_text())
     runs = {r["approach"]: r for r in data["results"]}
-    assert set(runs) == set(APPROACHES)
+    assert set(runs) == set(ALL_APPROACHES)
     for approach, run in runs.items():
         result = run["outcome"]
         assert result["expected"] == SMOKE_RECORDS, approach
@@ -61,8 +63,8 @@ def test_smoke_bench_writes_the_report(smoke: tuple[subprocess.CompletedProcess[
     proc, out = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = (out / "latest.md").read_text()
-    for approach in APPROACHES:
+    for approach in ALL_APPROACHES:
         assert f"| (a) fixed 50 ms | {approach} |" in table
     png = (out / "latest.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
-    assert f"bench: {len(APPROACHES)} runs" in proc.stdout
+    assert f"bench: {len(ALL_APPROACHES)} runs" in proc.stdout

@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from jobs.dev.bench.harness import REPO_ROOT, _llmstream_command, child_environment
+from jobs.dev.bench.harness import (
+    ALL_APPROACHES,
+    APPROACHES,
+    FLOORS,
+    REPO_ROOT,
+    _llmstream_command,
+    child_environment,
+)
 from jobs.dev.bench.measure import (
     CheckpointSampler,
     epoch_ms,
@@ -63,6 +70,23 @@ def test_ml_predict_job_is_the_recipes_sql() -> None:
     assert "scan.bounded.mode" not in unbounded.source()
     assert "/v1/embeddings'" in unbounded.model() and "OUTPUT (output ARRAY<FLOAT>)" in unbounded.model()
     assert "output ARRAY<FLOAT>" in unbounded.sink()
+
+
+def test_the_floors_are_the_same_job_without_a_model() -> None:
+    # Same source, view and exactly-once sink as ML_PREDICT's job; no model, no ML_PREDICT.
+    with_model = MlPredictJob("127.0.0.1:9092", "in", "out", "grp", "http://h/v1")
+    floor = MlPredictJob("127.0.0.1:9092", "in", "out", "grp", "http://h/v1", kind="flink-floor")
+    assert floor.statements() == [with_model.source(), with_model.picked(), with_model.sink()]
+    assert "ML_PREDICT" not in floor.insert() and "MODEL" not in floor.insert()
+    assert floor.insert().startswith("INSERT INTO sink SELECT id, prompt, 'flink-floor', ")
+    python = MlPredictJob("127.0.0.1:9092", "in", "out", "grp", "http://h/v1", kind="pyflink-floor")
+    assert python.statements() == floor.statements()
+    assert python.insert().startswith("INSERT INTO sink SELECT id, echo(prompt), 'pyflink-floor', ")
+    embeddings = MlPredictJob("b", "i", "o", "g", "http://h/v1", api="embeddings", kind="flink-floor")
+    assert "ARRAY[CAST(CHAR_LENGTH(prompt) AS FLOAT)]" in embeddings.insert()  # the sink's ARRAY<FLOAT>
+    # They run where ML_PREDICT does, and only when asked for by name.
+    assert SCENARIOS["e"].approaches(["llmstream", "flink-floor"]) == ["llmstream-unbatched", "llmstream", "flink-floor"]
+    assert not set(FLOORS) & set(APPROACHES) and set(FLOORS) <= set(ALL_APPROACHES)
 
 
 def test_bench_children_run_this_checkouts_code() -> None:

@@ -41,6 +41,7 @@ from jobs.dev.bench.measure import (
     outcome,
     steady_window,
 )
+from jobs.dev.bench.ml_predict import FLINK_FLOOR, ML_PREDICT, PYFLINK_FLOOR
 from jobs.dev.bench.profile import RecordPathProfiler
 from jobs.dev.bench.scenarios import PER_KEY, UNBATCHED, Scenario
 from jobs.dev.bench.workload import (
@@ -60,9 +61,14 @@ from udfs.config import (
 )
 from udfs.errors import LLMStreamError
 
-ML_PREDICT = "ml-predict"
-"""Flink's SQL ML_PREDICT with the openai model provider (`jobs/dev/bench/ml_predict.py`)."""
+FLOORS = (FLINK_FLOOR, PYFLINK_FLOOR)
+"""ML_PREDICT's SQL job without the model call (`ml_predict.py --floor flink|pyflink`): what
+Flink and Kafka alone (source, JSON, checkpoints, the exactly-once sink) cost a record, and that
+plus the cheapest crossing into Python. Opt-in: they call no model, so their throughput says
+nothing of a scenario's limit; their CPU per record is the floor under llmstream's."""
 APPROACHES = ("sequential", "semaphore-gather", "llmstream", ML_PREDICT)
+"""The approaches a bench runs unless told otherwise."""
+ALL_APPROACHES = (*APPROACHES, *FLOORS)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """The checkout this file is in (jobs/dev/bench/harness.py: three folders up)."""
 STOP_GRACE_S = 45.0
@@ -236,7 +242,7 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
 def is_flink(approach: str) -> bool:
     """A Flink job in a mini cluster (llmstream, ml-predict): the harness stops it at the time
     limit, and its checkpoints are sampled from the mini cluster's REST API."""
-    return approach.startswith("llmstream") or approach == ML_PREDICT
+    return approach.startswith("llmstream") or approach in (ML_PREDICT, *FLOORS)
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -266,11 +272,13 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]
-    if approach == ML_PREDICT:
+    if approach in (ML_PREDICT, *FLOORS):
         interval = ctx.overrides.get("checkpoint_interval_ms", CheckpointConfig.interval_ms)
         command = [sys.executable, "-m", "jobs.dev.bench.ml_predict", "--bootstrap", bootstrap,
                    "--input", topics.input, "--output", topics.output, "--group", topics.group,
                    "--endpoint", endpoint, "--api", scenario.api, "--checkpoint-interval-ms", str(interval)]
+        if approach in FLOORS:
+            command += ["--floor", approach.removesuffix("-floor")]
         return command if scenario.overload_factor else [*command, "--bounded"]
     return [sys.executable, "-m", "jobs.dev.bench.baselines", approach, "--bootstrap", bootstrap,
             "--input", topics.input, "--output", topics.output, "--dead-letter", topics.dead_letter,
@@ -367,8 +375,9 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     started = time.monotonic()
     started_ms = time.time() * 1000
     # PyFlink's local JVM logs to one file inside site-packages that every local job on the
-    # machine truncates; ml-predict's goes next to its run log instead (kept with --keep).
-    extra_env = {"FLINK_LOG_DIR": str(ctx.workdir / f"{topics.group}-flink-log")} if approach == ML_PREDICT else None
+    # machine truncates; ml-predict's and the floor's go next to the run log instead (kept with --keep).
+    extra_env = ({"FLINK_LOG_DIR": str(ctx.workdir / f"{topics.group}-flink-log")}
+                 if approach in (ML_PREDICT, *FLOORS) else None)
     proc = ApproachProcess(command, log_file, extra_env)
     rss.watch("approach", proc.pid)
     checkpoints = CheckpointSampler(proc.pid) if is_flink(approach) else None
@@ -502,7 +511,7 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
         throughput_steady=steady,
         steady_window_s=window.seconds if window else None,
         throughput_overall=overall,
-        pct_of_limit=(100 * steady / limit) if steady and limit else None,
+        pct_of_limit=(100 * steady / limit) if steady and limit and approach not in FLOORS else None,
         e2e_ms=Latencies.of(e2e),
         pickup_ms=Latencies.of(pickup),
         commit_lag_ms=Latencies.of(lag),

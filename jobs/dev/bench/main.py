@@ -30,7 +30,9 @@ from jobs import jars
 from jobs.dev import local_kafka
 from jobs.dev.bench import report
 from jobs.dev.bench.harness import (
+    ALL_APPROACHES,
     APPROACHES,
+    FLOORS,
     BenchContext,
     RunResult,
     probe,
@@ -69,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         type=lambda t: _parse_list(t, list(SCENARIOS), "--scenarios"),
                         help="comma-separated: " + "; ".join(f"{s.key} = {s.name}" for s in SCENARIOS.values()))
     parser.add_argument("--approaches", default=",".join(APPROACHES),
-                        type=lambda t: _parse_list(t, APPROACHES, "--approaches"),
-                        help=f"comma-separated, from {', '.join(APPROACHES)}")
+                        type=lambda t: _parse_list(t, ALL_APPROACHES, "--approaches"),
+                        help=f"comma-separated, from {', '.join(ALL_APPROACHES)} (default: all but "
+                             f"{' and '.join(FLOORS)}, Flink and Kafka without a model)")
     parser.add_argument("--records", type=int, default=None,
                         help="input records per run in a, b, d (default per scenario: "
                              + ", ".join(f"{s.key} {s.records:,}" for s in SCENARIOS.values() if not s.overload_factor)

@@ -2,6 +2,7 @@
 
     python -m jobs.dev.bench.ml_predict --bootstrap HOST:PORT --input T --output T --group G \\
         --endpoint URL [--api chat|embeddings] [--bounded] [--checkpoint-interval-ms 5000]
+        [--floor flink|pyflink]
 
 What a user who asks "why not just ML_PREDICT?" would write: a SQL-only job in a local mini
 cluster, with `flink-model-openai` (pom-free set `ml-predict`) and the Kafka SQL connector in
@@ -11,6 +12,12 @@ latest offset for a backlog), `CREATE TEMPORARY MODEL ... WITH ('provider'='open
 exactly-once Kafka sink with a transactional-id prefix. The output carries the fields the
 harness reads (`id`, `output`, `timestamps.produced/started/completed`, as ISO-8601
 strings): `started` is taken before the model call, `completed` after it.
+
+Two floors, for what the model call is not: `--floor flink` (the bench's `flink-floor`) runs the
+same job writing each prompt back as its output, calling nothing: what Flink and Kafka alone cost
+a record, the floor under any Flink job on these topics. `--floor pyflink` (`pyflink-floor`)
+passes each prompt through a Python scalar function that returns it: the cheapest crossing into
+Python PyFlink has (no keys, state or timers), so the floor under any job with a Python stage.
 
 Nothing here works around the provider's limits (5 requests in flight per host, no dead
 letters, a timeout fails the job over): they are what the bench measures. SIGTERM stops
@@ -36,6 +43,10 @@ ASYNC_OPTIONS = {"async": "true", "max-concurrent-operations": "64", "output-mod
                  "timeout": "3 min"}
 """ML_PREDICT's runtime options as the issue's recipe has them: async, 64 in flight in Flink's
 async operator (the HTTP client still sends at most 5 per host), unordered, 3 min per row."""
+ML_PREDICT = "ml-predict"
+FLINK_FLOOR = "flink-floor"
+PYFLINK_FLOOR = "pyflink-floor"
+"""The bench's names of the three jobs this module runs (`jobs.dev.bench.harness` uses them too)."""
 API_KEY = "bench-not-a-secret"
 """The simulator checks no key unless started with one; the provider requires the option."""
 
@@ -61,6 +72,13 @@ class MlPredictJob:
     api: str = "chat"
     bounded: bool = True
     async_options: tuple[tuple[str, str], ...] = tuple(ASYNC_OPTIONS.items())
+    kind: str = ML_PREDICT
+    """`ML_PREDICT`; `FLINK_FLOOR`: no model, the prompt is the output; `PYFLINK_FLOOR`: the
+    output is the prompt as the Python function `echo` returns it."""
+
+    @property
+    def predict(self) -> bool:
+        return self.kind == ML_PREDICT
 
     def source(self) -> str:
         options = {"connector": "kafka", "topic": self.input, "properties.bootstrap.servers": self.bootstrap,
@@ -96,23 +114,36 @@ class MlPredictJob:
                 f") WITH (\n  {_with(options)}\n)")
 
     def insert(self) -> str:
+        if not self.predict:
+            text = "echo(prompt)" if self.kind == PYFLINK_FLOOR else "prompt"
+            output = f"ARRAY[CAST(CHAR_LENGTH({text}) AS FLOAT)]" if self.api == "embeddings" else text
+            return (f"INSERT INTO sink SELECT id, {output}, '{self.kind}', "
+                    "ROW(produced, started, CURRENT_TIMESTAMP) FROM picked")
         runtime = ", ".join(f"{_quote(k)}, {_quote(v)}" for k, v in self.async_options)
         return ("INSERT INTO sink SELECT id, output, 'ml-predict', ROW(produced, started, CURRENT_TIMESTAMP) "
                 f"FROM ML_PREDICT(TABLE picked, MODEL m, DESCRIPTOR(prompt), MAP[{runtime}])")
 
     def statements(self) -> list[str]:
-        return [self.source(), self.picked(), self.model(), self.sink()]
+        return [self.source(), self.picked(), *([self.model()] if self.predict else []), self.sink()]
 
 
-def _environment(checkpoint_interval_ms: int):  # type: ignore[no-untyped-def]
+def _echo():  # type: ignore[no-untyped-def]
+    """The Python function of `--floor pyflink`: its argument back, so that all it costs is the crossing."""
+    from pyflink.table import DataTypes
+    from pyflink.table.udf import udf
+
+    return udf(lambda prompt: prompt, result_type=DataTypes.STRING())
+
+
+def _environment(checkpoint_interval_ms: int, predict: bool = True):  # type: ignore[no-untyped-def]
     from pyflink.table import EnvironmentSettings, TableEnvironment
 
     env = TableEnvironment.create(EnvironmentSettings.in_streaming_mode())
     conf = env.get_config()
-    urls = [p.as_uri() for p in (*jars.jars("connector"), *jars.jars("ml-predict"))]
+    urls = [p.as_uri() for p in (*jars.jars("connector"), *(jars.jars("ml-predict") if predict else ()))]
     for key, value in {
         "pipeline.jars": ";".join(urls),
-        "pipeline.name": "ml-predict-bench",
+        "pipeline.name": "ml-predict-bench" if predict else "flink-floor-bench",
         "parallelism.default": "1",
         "execution.checkpointing.interval": f"{checkpoint_interval_ms} ms",
         "execution.checkpointing.mode": "EXACTLY_ONCE",
@@ -125,9 +156,13 @@ def _environment(checkpoint_interval_ms: int):  # type: ignore[no-untyped-def]
 
 def run(args: argparse.Namespace) -> int:
     options = {**ASYNC_OPTIONS, "timeout": args.timeout}
+    kind = {None: ML_PREDICT, "flink": FLINK_FLOOR, "pyflink": PYFLINK_FLOOR}[args.floor]
     job = MlPredictJob(args.bootstrap, args.input, args.output, args.group, args.endpoint, args.api, args.bounded,
-                       tuple(options.items()))
-    env = _environment(args.checkpoint_interval_ms)
+                       tuple(options.items()), kind)
+    env = _environment(args.checkpoint_interval_ms, job.predict)
+    if kind == PYFLINK_FLOOR:
+        env.create_temporary_function("echo", _echo())
+    name = kind
     for statement in job.statements():
         env.execute_sql(statement)
     result = env.execute_sql(job.insert())
@@ -151,13 +186,13 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(0.5)
     if stop.is_set() and not done.is_set():
         how = _stop(client)
-        print(f"ml-predict: job {how} on request after {time.monotonic() - started:.1f} s", flush=True)
+        print(f"{name}: job {how} on request after {time.monotonic() - started:.1f} s", flush=True)
         return 0
     if failure:
-        print(f"ml-predict: job failed after {time.monotonic() - started:.1f} s: "
+        print(f"{name}: job failed after {time.monotonic() - started:.1f} s: "
               f"{str(failure[0]).splitlines()[0][:300]}", flush=True)
         return 1
-    print(f"ml-predict: job finished after {time.monotonic() - started:.1f} s", flush=True)
+    print(f"{name}: job finished after {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
 
@@ -189,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bounded", action="store_true", help="stop at the input's latest offset (a backlog)")
     parser.add_argument("--checkpoint-interval-ms", type=int, default=5000)
     parser.add_argument("--timeout", default=ASYNC_OPTIONS["timeout"], help="ML_PREDICT's per-row timeout")
+    parser.add_argument("--floor", choices=("flink", "pyflink"), default=None,
+                        help="no model: write each prompt back, on the JVM (flink) or through a Python "
+                             "function (pyflink)")
     return parser
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from jobs.dev.bench.harness import APPROACHES, LlmstreamSettings, RunResult
+from jobs.dev.bench.harness import ALL_APPROACHES, LlmstreamSettings, RunResult
 from jobs.dev.bench.measure import Latencies, Outcome
 from jobs.dev.bench.scenarios import SCENARIOS, UNBATCHED
 
@@ -284,15 +284,17 @@ def chart(results: Sequence[RunResult], path: Path) -> None:
     overload = [r for r in results if r.scenario == "c" and r.rss_series]
     panels = 3 if overload else 2
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8))
-    width = 0.8 / len(APPROACHES)
-    colors = {"sequential": "#c44e52", "semaphore-gather": "#dd8452", "llmstream": "#4c72b0", "ml-predict": "#55a868"}
-    for i, approach in enumerate(APPROACHES):
+    drawn = [a for a in ALL_APPROACHES if any(r.approach == a for r in results)]
+    width = 0.8 / max(len(drawn), 1)
+    colors = {"sequential": "#c44e52", "semaphore-gather": "#dd8452", "llmstream": "#4c72b0", "ml-predict": "#55a868",
+              "flink-floor": "#8c8c8c", "pyflink-floor": "#b07aa1"}
+    for i, approach in enumerate(drawn):
         xs, tput, p99, pickup = [], [], [], []
         for j, key in enumerate(scenarios):
             run = _find(results, key, approach)
             if run is None:
                 continue
-            xs.append(j + (i - (len(APPROACHES) - 1) / 2) * width)
+            xs.append(j + (i - (len(drawn) - 1) / 2) * width)
             tput.append(run.throughput_steady or 0)
             p99.append((run.e2e_ms.p99 or 0) / 1000)
             pickup.append((run.pickup_ms.p99 or 0) / 1000)

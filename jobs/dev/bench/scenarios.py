@@ -61,8 +61,9 @@ class Scenario:
             return ["llmstream", PER_KEY] if "llmstream" in requested else []
         if self.batch_size > 1:
             runs = [UNBATCHED, "llmstream"] if "llmstream" in requested else []
-            # Flink's ML_PREDICT has an embeddings task too (one request per row, no batching).
-            return runs + [a for a in requested if a == "ml-predict"]
+            # Flink's ML_PREDICT has an embeddings task too (one request per row, no batching);
+            # the floors call no model.
+            return runs + [a for a in requested if a in ("ml-predict", "flink-floor", "pyflink-floor")]
         return requested
 
     def fleet_model(self, endpoint: str) -> dict[str, Any]:
