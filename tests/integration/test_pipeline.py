@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from jobs.kafka_admin import committed_offsets, consume_committed, end_offsets, produce
@@ -160,3 +163,42 @@ def test_cli_runs_a_backfill_and_rejects_bad_config(job_config: JobConfigFactory
                          check=False, capture_output=True, text=True, timeout=300, env=SHELL_ENV)
     assert bad.returncode == 2
     assert "async.capacity: expected an integer" in bad.stderr
+
+
+def test_two_inference_subtasks_run_their_python_in_worker_processes_of_their_own(
+        job_config: JobConfigFactory, tmp_path: Path) -> None:
+    """`llmstream run` with `parallelism.inference: 2`: each subtask's Python in a worker process
+    the TaskManager starts, not both in the command's own process (PyFlink's loopback default,
+    one GIL for all; jobs.run.python_worker_processes), and every id once. The workers get the
+    model's key as the loopback stage does, and it is in none of the files the run writes (Flink
+    logs what a worker process starts with)."""
+    key = f"sk-worker-canary-{uuid.uuid4().hex}"
+    config = job_config(parallelism={"inference": 2}, model={"api_key_env": "LLMSTREAM_TEST_WORKER_KEY"})
+    produce(config.kafka.bootstrap_servers, config.kafka.input_topic, _good(600, "w"))
+    path = write_config(config, tmp_path)
+    run = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "--config", str(path), "--until-end"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**SHELL_ENV, "LLMSTREAM_TEST_WORKER_KEY": key})
+    workers: set[int] = set()
+    deadline = time.monotonic() + 300
+    while run.poll() is None and time.monotonic() < deadline:
+        try:
+            for child in psutil.Process(run.pid).children(recursive=True):
+                if "pyflink.fn_execution.beam.beam_boot" in " ".join(child.cmdline()):
+                    workers.add(child.pid)
+        except psutil.Error:
+            pass  # a child that ended while being looked at
+        time.sleep(0.2)
+    if run.poll() is None:
+        run.kill()
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "2 inference subtasks, each with a Python worker process of its own" in stdout
+    assert "job finished; committed 600/600 input records" in stdout
+    assert len(workers) == 2, workers
+    ids = Counter(json.loads(m.value)["id"] for m in _read(config, config.kafka.output_topic, 600))
+    assert set(ids) == {f"w-{i}" for i in range(600)} and max(ids.values()) == 1
+    state = Path(config.checkpointing.directory or "")
+    assert (state / "log").is_dir()
+    written = [p for p in (*state.rglob("*"), path) if p.is_file() and key.encode() in p.read_bytes()]
+    assert written == [] and key not in stdout + stderr
