@@ -13,8 +13,7 @@ element as an ARRAY of B records (SQL), the function loops over them and emits o
 rows, which the JVM unnests (SQL ``CROSS JOIN UNNEST``) before a blackhole sink.
 
 CPU per record is the slope between two runs of different sizes (the job's start-up cancels
-out): ``(cpu(N2) - cpu(N1)) / (N2 - N1)``, CPU of this process (PyFlink's loopback Python worker
-runs in it) and its child JVM, from /proc.
+out; `tests.experiments.datagen_jobs`).
 
     python -m tests.experiments.crossing_batch --batch 1 --batch 8 --batch 32 [--small 40000 --large 200000]
 """
@@ -22,26 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
-
-from jobs.dev.bench.measure import process_tree
-
-
-def _tree_cpu() -> float:
-    total = 0.0
-    for proc in process_tree(psutil.Process(os.getpid())):
-        try:
-            times = proc.cpu_times()
-            total += times.user + times.system
-        except psutil.Error:
-            pass
-    return total
+from tests.experiments.datagen_jobs import (
+    datagen_job,
+    print_slopes,
+    record_sql,
+    sink_row_type,
+    timed_execute,
+)
 
 
 def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float, float]:
@@ -49,21 +38,15 @@ def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float,
     the job alone (measured around `execute`, after the environment is up). With `verify_dir` the
     sink writes CSV files there instead of discarding (to count what came out)."""
     from pyflink.common import Row, Types
-    from pyflink.datastream import (
-        KeyedProcessFunction,
-        RuntimeContext,
-        StreamExecutionEnvironment,
-    )
+    from pyflink.datastream import KeyedProcessFunction, RuntimeContext
     from pyflink.datastream.data_stream import KeyedStream
     from pyflink.datastream.state import MapStateDescriptor
     from pyflink.java_gateway import get_gateway
-    from pyflink.table import StreamTableEnvironment
 
-    from jobs.pipeline import INPUT_ROW_SQL, _as_rows
+    from jobs.pipeline import _as_rows
     from udfs.operators import INPUT_ROW_TYPE
 
-    bytes_type = Types.PRIMITIVE_ARRAY(Types.BYTE())
-    sink_row = Types.ROW_NAMED(["k", "v", "topic"], [bytes_type, bytes_type, Types.STRING()])
+    sink_row = sink_row_type()
     pending = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
 
     def handle(state: Any, rec: Row) -> Row:
@@ -85,25 +68,9 @@ def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float,
         def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
             yield Row([handle(self.state, rec) for rec in value])
 
-    env = StreamExecutionEnvironment.get_execution_environment()
-    env.set_parallelism(1)
-    t_env = StreamTableEnvironment.create(env)
-    t_env.get_config().set("python.fn-execution.bundle.size", "100")
-    t_env.get_config().set("python.fn-execution.bundle.time", "1000")
     elements = records // batch
-    t_env.execute_sql(
-        "CREATE TEMPORARY TABLE gen (n BIGINT) WITH ('connector'='datagen', 'fields.n.kind'='sequence', "
-        f"'fields.n.start'='0', 'fields.n.end'='{elements - 1}')")
-    sink = (f"'connector'='filesystem', 'path'='{verify_dir}', 'format'='csv'" if verify_dir
-            else "'connector'='blackhole'")
-    t_env.execute_sql(f"CREATE TEMPORARY TABLE sink (k BYTES, v BYTES, `topic` STRING) WITH ({sink})")
-
-    def record_sql(offset: str) -> str:
-        value = (f"CAST(CONCAT('{{\"id\": \"r-', CAST({offset} AS STRING), "
-                 "'\", \"prompt\": \"Summarise the following text in one line: lorem ipsum dolor sit amet\"}') AS BYTES)")
-        return (f"CAST(ROW(CAST(CONCAT('key-', CAST({offset} AS STRING)) AS BYTES), {value}, 'in', 0, {offset}, "
-                f"CURRENT_TIMESTAMP, CAST(NULL AS MAP<STRING, BYTES>)) AS {INPUT_ROW_SQL})")
-
+    env, t_env = (datagen_job(elements, f"'connector'='filesystem', 'path'='{verify_dir}', 'format'='csv'")
+                  if verify_dir else datagen_job(elements))
     gateway = get_gateway()
     key_type = Types.ROW([Types.INT()]).get_java_type_info()
     if batch == 1:
@@ -127,9 +94,7 @@ def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float,
     statements = t_env.create_statement_set()
     statements.add_insert_sql(insert)
     statements.attach_as_datastream()
-    cpu0, wall0 = _tree_cpu(), time.monotonic()
-    env.execute(f"crossing batch {batch} x {elements}")
-    return _tree_cpu() - cpu0, time.monotonic() - wall0
+    return timed_execute(env, f"crossing batch {batch} x {elements}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,23 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.batch:
         parser.error("give --batch B at least once")
-    import subprocess
-    print("| records per element | CPU µs / record (slope) | records/s (large run) |")
-    print("|---|---|---|")
-    for batch in args.batch:
-        figures = []
-        for records in (args.small, args.large):
-            done = subprocess.run([sys.executable, "-m", "tests.experiments.crossing_batch",
-                                   "--one", str(batch), str(records)], capture_output=True, text=True, check=False)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
-                return 1
-            figures.append(json.loads(lines[-1]))
-        slope = (figures[1]["cpu"] - figures[0]["cpu"]) / (args.large - args.small) * 1e6
-        print(f"| {batch} | {slope:.0f} | {args.large / figures[1]['wall']:.0f} |", flush=True)
-    return 0
-
+    return print_slopes("tests.experiments.crossing_batch", "records per element", map(str, args.batch),
+                        args.small, args.large)
 
 if __name__ == "__main__":
     raise SystemExit(main())

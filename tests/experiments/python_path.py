@@ -1,5 +1,5 @@
 """Where a record's CPU goes between PyFlink's cheapest crossing and llmstream's keyed stage
-(issue 23): the same records through Python in five shapes, with no Kafka and no model.
+(issue 23): the same records through Python in six shapes, with no Kafka and no model.
 
 `llmstream bench --approaches flink-floor,pyflink-floor,llmstream` showed, in one run, Flink and
 Kafka alone at ~0.11 ms of CPU a record, the same through a Python scalar function at ~0.13 ms,
@@ -20,8 +20,8 @@ timestamp), a blackhole sink takes one row (key, value, topic) per record, and i
   its own (`call_soon_threadsafe`), as the stage hands each call to its call loop, and taken back
   by the next element (the last few records' rows are dropped at the end: CPU is what counts).
 
-CPU per record is the slope between two runs of different sizes (start-up cancels out), of this
-process (PyFlink's loopback Python worker runs in it) and its child JVM, from /proc.
+CPU per record is the slope between two runs of different sizes (start-up cancels out;
+`tests.experiments.datagen_jobs`).
 
     python -m tests.experiments.python_path [--shape scalar --shape keyed ...] [--small 20000 --large 100000]
 """
@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
-from tests.experiments.crossing_batch import _tree_cpu
+from tests.experiments.datagen_jobs import (
+    datagen_job,
+    key_sql,
+    print_slopes,
+    record_sql,
+    sink_row_type,
+    timed_execute,
+    value_sql,
+)
 
 SHAPES = ("scalar", "map", "keyed", "keyed-state", "keyed-json", "keyed-loop")
 
@@ -43,22 +48,17 @@ SHAPES = ("scalar", "map", "keyed", "keyed-state", "keyed-json", "keyed-loop")
 def run(shape: str, records: int) -> tuple[float, float]:
     """One bounded job of `records` records in `shape`; (CPU-s, wall s) of the job alone."""
     from pyflink.common import Row, Types
-    from pyflink.datastream import (
-        KeyedProcessFunction,
-        RuntimeContext,
-        StreamExecutionEnvironment,
-    )
+    from pyflink.datastream import KeyedProcessFunction, RuntimeContext
     from pyflink.datastream.data_stream import KeyedStream
     from pyflink.datastream.state import MapStateDescriptor
     from pyflink.java_gateway import get_gateway
-    from pyflink.table import DataTypes, StreamTableEnvironment
+    from pyflink.table import DataTypes
     from pyflink.table.udf import udf
 
-    from jobs.pipeline import INPUT_ROW_SQL, _as_rows
+    from jobs.pipeline import _as_rows
     from udfs.operators import INPUT_ROW_TYPE
 
-    bytes_type = Types.PRIMITIVE_ARRAY(Types.BYTE())
-    sink_row = Types.ROW_NAMED(["k", "v", "topic"], [bytes_type, bytes_type, Types.STRING()])
+    sink_row = sink_row_type()
     pending = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
 
     class Echo(KeyedProcessFunction):
@@ -69,18 +69,20 @@ def run(shape: str, records: int) -> tuple[float, float]:
         def open(self, runtime_context: RuntimeContext) -> None:
             self.state = runtime_context.get_map_state(pending)
 
-        def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
+        def keep(self, value: Row) -> None:
+            """What the stage does with a pending record: put it in MapState, remove it when done."""
             handle = f"{value[2]}:{value[3]}:{value[4]}"
             self.state.put(handle, value[1])
             self.state.remove(handle)
+
+        def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
+            self.keep(value)
             yield Row(value[0], value[1], "out")
 
     class WithJson(WithState):
         def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
             request = json.loads(value[1])
-            handle = f"{value[2]}:{value[3]}:{value[4]}"
-            self.state.put(handle, value[1])
-            self.state.remove(handle)
+            self.keep(value)
             yield Row(value[0], json.dumps({"id": request["id"], "output": "ok"}).encode(), "out")
 
     class WithLoop(WithState):
@@ -99,31 +101,17 @@ def run(shape: str, records: int) -> tuple[float, float]:
 
         def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
             request = json.loads(value[1])
-            handle = f"{value[2]}:{value[3]}:{value[4]}"
-            self.state.put(handle, value[1])
-            self.state.remove(handle)
+            self.keep(value)
             self.loop.call_soon_threadsafe(self.answer, value[0], request)
             while self.done:
                 yield self.done.popleft()
 
-    env = StreamExecutionEnvironment.get_execution_environment()
-    env.set_parallelism(1)
-    t_env = StreamTableEnvironment.create(env)
-    t_env.get_config().set("python.fn-execution.bundle.size", "100")
-    t_env.get_config().set("python.fn-execution.bundle.time", "1000")
-    t_env.execute_sql(
-        "CREATE TEMPORARY TABLE gen (n BIGINT) WITH ('connector'='datagen', 'fields.n.kind'='sequence', "
-        f"'fields.n.start'='0', 'fields.n.end'='{records - 1}')")
-    t_env.execute_sql("CREATE TEMPORARY TABLE sink (k BYTES, v BYTES, `topic` STRING) WITH ('connector'='blackhole')")
-    value = ("CAST(CONCAT('{\"id\": \"r-', CAST(n AS STRING), "
-             "'\", \"prompt\": \"Summarise the following text in one line: lorem ipsum dolor sit amet\"}') AS BYTES)")
-    record = (f"CAST(ROW(CAST(CONCAT('key-', CAST(n AS STRING)) AS BYTES), {value}, 'in', 0, n, "
-              f"CURRENT_TIMESTAMP, CAST(NULL AS MAP<STRING, BYTES>)) AS {INPUT_ROW_SQL})")
+    env, t_env = datagen_job(records)
+    record = record_sql("n")
     statements = t_env.create_statement_set()
     if shape == "scalar":
         t_env.create_temporary_function("echo", udf(lambda v: v, result_type=DataTypes.BYTES()))
-        statements.add_insert_sql(f"INSERT INTO sink SELECT CAST(CONCAT('key-', CAST(n AS STRING)) AS BYTES), "
-                                  f"echo({value}), 'out' FROM gen")
+        statements.add_insert_sql(f"INSERT INTO sink SELECT {key_sql('n')}, echo({value_sql('n')}), 'out' FROM gen")
     else:
         if shape == "map":
             rows = _as_rows(t_env, t_env.sql_query(f"SELECT {record} AS rec FROM gen"),
@@ -142,9 +130,7 @@ def run(shape: str, records: int) -> tuple[float, float]:
         t_env.create_temporary_view("outs", t_env.from_data_stream(out))
         statements.add_insert_sql("INSERT INTO sink SELECT * FROM outs")
     statements.attach_as_datastream()
-    cpu0, wall0 = _tree_cpu(), time.monotonic()
-    env.execute(f"python path {shape} x {records}")
-    return _tree_cpu() - cpu0, time.monotonic() - wall0
+    return timed_execute(env, f"python path {shape} x {records}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,22 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu, wall = run(args.one[0], int(args.one[1]))
         print(json.dumps({"cpu": cpu, "wall": wall}), flush=True)
         return 0
-    print("| shape | CPU µs / record (slope) | records/s (large run) |")
-    print("|---|---|---|")
-    for shape in args.shape or SHAPES:
-        figures: list[dict[str, Any]] = []
-        for records in (args.small, args.large):
-            done = subprocess.run([sys.executable, "-m", "tests.experiments.python_path", "--one", shape, str(records)],
-                                  capture_output=True, text=True, check=False)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
-                return 1
-            figures.append(json.loads(lines[-1]))
-        slope = (figures[1]["cpu"] - figures[0]["cpu"]) / (args.large - args.small) * 1e6
-        print(f"| {shape} | {slope:.0f} | {args.large / figures[1]['wall']:.0f} |", flush=True)
-    return 0
-
+    return print_slopes("tests.experiments.python_path", "shape", args.shape or SHAPES, args.small, args.large)
 
 if __name__ == "__main__":
     raise SystemExit(main())
