@@ -41,7 +41,7 @@ from jobs.dev.bench.measure import (
     outcome,
     steady_window,
 )
-from jobs.dev.bench.ml_predict import FLINK_FLOOR, ML_PREDICT, PYFLINK_FLOOR
+from jobs.dev.bench.ml_predict import FLOORS, ML_PREDICT, SQL_JOBS
 from jobs.dev.bench.profile import RecordPathProfiler
 from jobs.dev.bench.scenarios import PER_KEY, UNBATCHED, Scenario
 from jobs.dev.bench.workload import (
@@ -61,11 +61,6 @@ from udfs.config import (
 )
 from udfs.errors import LLMStreamError
 
-FLOORS = (FLINK_FLOOR, PYFLINK_FLOOR)
-"""ML_PREDICT's SQL job without the model call (`ml_predict.py --floor flink|pyflink`): what
-Flink and Kafka alone (source, JSON, checkpoints, the exactly-once sink) cost a record, and that
-plus the cheapest crossing into Python. Opt-in: they call no model, so their throughput says
-nothing of a scenario's limit; their CPU per record is the floor under llmstream's."""
 APPROACHES = ("sequential", "semaphore-gather", "llmstream", ML_PREDICT)
 """The approaches a bench runs unless told otherwise."""
 ALL_APPROACHES = (*APPROACHES, *FLOORS)
@@ -242,7 +237,7 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
 def is_flink(approach: str) -> bool:
     """A Flink job in a mini cluster (llmstream, ml-predict): the harness stops it at the time
     limit, and its checkpoints are sampled from the mini cluster's REST API."""
-    return approach.startswith("llmstream") or approach in (ML_PREDICT, *FLOORS)
+    return approach.startswith("llmstream") or approach in SQL_JOBS
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -272,7 +267,7 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]
-    if approach in (ML_PREDICT, *FLOORS):
+    if approach in SQL_JOBS:
         interval = ctx.overrides.get("checkpoint_interval_ms", CheckpointConfig.interval_ms)
         command = [sys.executable, "-m", "jobs.dev.bench.ml_predict", "--bootstrap", bootstrap,
                    "--input", topics.input, "--output", topics.output, "--group", topics.group,
@@ -377,7 +372,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     # PyFlink's local JVM logs to one file inside site-packages that every local job on the
     # machine truncates; ml-predict's and the floor's go next to the run log instead (kept with --keep).
     extra_env = ({"FLINK_LOG_DIR": str(ctx.workdir / f"{topics.group}-flink-log")}
-                 if approach in (ML_PREDICT, *FLOORS) else None)
+                 if approach in SQL_JOBS else None)
     proc = ApproachProcess(command, log_file, extra_env)
     rss.watch("approach", proc.pid)
     checkpoints = CheckpointSampler(proc.pid) if is_flink(approach) else None

@@ -47,6 +47,13 @@ ML_PREDICT = "ml-predict"
 FLINK_FLOOR = "flink-floor"
 PYFLINK_FLOOR = "pyflink-floor"
 """The bench's names of the three jobs this module runs (`jobs.dev.bench.harness` uses them too)."""
+FLOORS = (FLINK_FLOOR, PYFLINK_FLOOR)
+"""The job without the model call: what Flink and Kafka alone (source, JSON, checkpoints, the
+exactly-once sink) cost a record, and that plus the cheapest crossing into Python. Opt-in bench
+approaches: they call no model, so their throughput says nothing of a scenario's limit; their CPU
+per record is the floor under llmstream's."""
+SQL_JOBS = (ML_PREDICT, *FLOORS)
+"""Every bench approach this module runs."""
 API_KEY = "bench-not-a-secret"
 """The simulator checks no key unless started with one; the provider requires the option."""
 
@@ -162,7 +169,6 @@ def run(args: argparse.Namespace) -> int:
     env = _environment(args.checkpoint_interval_ms, kind)
     if kind == PYFLINK_FLOOR:
         env.create_temporary_function("echo", _echo())
-    name = kind
     for statement in job.statements():
         env.execute_sql(statement)
     result = env.execute_sql(job.insert())
@@ -186,13 +192,13 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(0.5)
     if stop.is_set() and not done.is_set():
         how = _stop(client)
-        print(f"{name}: job {how} on request after {time.monotonic() - started:.1f} s", flush=True)
+        print(f"{kind}: job {how} on request after {time.monotonic() - started:.1f} s", flush=True)
         return 0
     if failure:
-        print(f"{name}: job failed after {time.monotonic() - started:.1f} s: "
+        print(f"{kind}: job failed after {time.monotonic() - started:.1f} s: "
               f"{str(failure[0]).splitlines()[0][:300]}", flush=True)
         return 1
-    print(f"{name}: job finished after {time.monotonic() - started:.1f} s", flush=True)
+    print(f"{kind}: job finished after {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
 

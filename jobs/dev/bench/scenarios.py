@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.dev.bench.ml_predict import SQL_JOBS
+
 UNBATCHED = "llmstream-unbatched"
 """llmstream with `model.batch.max_size: 1` in a batching scenario, for the comparison."""
 PER_KEY = "llmstream-per-key"
@@ -63,7 +65,7 @@ class Scenario:
             runs = [UNBATCHED, "llmstream"] if "llmstream" in requested else []
             # Flink's ML_PREDICT has an embeddings task too (one request per row, no batching);
             # the floors call no model.
-            return runs + [a for a in requested if a in ("ml-predict", "flink-floor", "pyflink-floor")]
+            return runs + [a for a in requested if a in SQL_JOBS]
         return requested
 
     def fleet_model(self, endpoint: str) -> dict[str, Any]:
