@@ -142,15 +142,15 @@ def _echo():  # type: ignore[no-untyped-def]
     return udf(lambda prompt: prompt, result_type=DataTypes.STRING())
 
 
-def _environment(checkpoint_interval_ms: int, kind: str = ML_PREDICT):  # type: ignore[no-untyped-def]
+def _environment(checkpoint_interval_ms: int, job: MlPredictJob):  # type: ignore[no-untyped-def]
     from pyflink.table import EnvironmentSettings, TableEnvironment
 
     env = TableEnvironment.create(EnvironmentSettings.in_streaming_mode())
     conf = env.get_config()
-    urls = [p.as_uri() for p in (*jars.jars("connector"), *(jars.jars("ml-predict") if kind == ML_PREDICT else ()))]
+    urls = [p.as_uri() for p in (*jars.jars("connector"), *(jars.jars("ml-predict") if job.predict else ()))]
     for key, value in {
         "pipeline.jars": ";".join(urls),
-        "pipeline.name": f"{kind}-bench",
+        "pipeline.name": f"{job.kind}-bench",
         "parallelism.default": "1",
         "execution.checkpointing.interval": f"{checkpoint_interval_ms} ms",
         "execution.checkpointing.mode": "EXACTLY_ONCE",
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     kind = {None: ML_PREDICT, "flink": FLINK_FLOOR, "pyflink": PYFLINK_FLOOR}[args.floor]
     job = MlPredictJob(args.bootstrap, args.input, args.output, args.group, args.endpoint, args.api, args.bounded,
                        tuple(options.items()), kind)
-    env = _environment(args.checkpoint_interval_ms, kind)
+    env = _environment(args.checkpoint_interval_ms, job)
     if kind == PYFLINK_FLOOR:
         env.create_temporary_function("echo", _echo())
     for statement in job.statements():
