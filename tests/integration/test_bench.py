@@ -5,7 +5,8 @@ llmstream, Flink's SQL ML_PREDICT and, asked for by name, the same SQL job witho
 floor) on 100 records of scenario (a) and writes the report to
 a temp dir. These tests assert what a reader of the report relies on: every approach answered
 every record, none twice, nothing lost (for the Flink jobs: through exactly-once Kafka
-sinks, read with read_committed), and the report files exist with one table row per approach.
+sinks, read with read_committed), and the report files exist with one table row per approach
+and the simulator's ceiling probe in its notes.
 Speed is never asserted. The bench starts as `python -m jobs.cli` from this checkout, so it
 runs this checkout's code whatever `llmstream` script the venv has.
 """
@@ -65,6 +66,8 @@ def test_smoke_bench_writes_the_report(smoke: tuple[subprocess.CompletedProcess[
     table = (out / "latest.md").read_text()
     for approach in ALL_APPROACHES:
         assert f"| (a) fixed 50 ms | {approach} |" in table
+    # The simulator's own ceiling beside (a)'s target: what bare aiohttp gets from it here.
+    assert "- (a) ceiling probe: bare aiohttp, 128 concurrent" in table, table[-2000:]
     png = (out / "latest.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     assert f"bench: {len(ALL_APPROACHES)} runs" in proc.stdout

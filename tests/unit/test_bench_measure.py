@@ -143,3 +143,36 @@ def test_flink_options_on_the_command_line_reach_the_job_config(tmp_path) -> Non
     data = llmstream_config(Topics.fresh(SCENARIOS["d"], "llmstream"), "127.0.0.1:9", "http://127.0.0.1:1/v1",
                             settings, SCENARIOS["d"], tmp_path)
     assert data["flink"]["python.metric.enabled"] == "false" and data["flink"]["pipeline.name"] == "x=y"
+
+
+def test_a_fixed_latency_scenario_reports_what_bare_aiohttp_gets_from_its_simulator() -> None:
+    """(a)'s 90% target reads differently once the simulator alone serves bare aiohttp at 94% of
+    its limit: the bench probes that ceiling where a short probe can say it (fixed latency, chat,
+    one endpoint) and quotes it beside the target and in the notes."""
+    from jobs.dev.bench.harness import RunResult
+    from jobs.dev.bench.measure import Latencies, Outcome
+    from jobs.dev.bench.report import markdown, targets
+
+    assert SCENARIOS["a"].ceiling_probe_concurrency == 128  # twice the server's 64 slots
+    assert SCENARIOS["c"].ceiling_probe_concurrency == 32
+    for key in ("b", "d", "e", "h"):  # heavy tail, no limit, embeddings, a fleet
+        assert SCENARIOS[key].ceiling_probe_concurrency is None, key
+
+    none = Latencies()
+    run = RunResult(scenario="a", scenario_name="fixed 50 ms", approach="llmstream", limit_per_s=1280.0,
+                    records_in=20_000, elapsed_s=60.0, stopped_by="finished", exit_code=0,
+                    outcome=Outcome(20_000, 20_000, 0, 0, 0, 0, 0), throughput_steady=1000.0,
+                    steady_window_s=20.0, throughput_overall=900.0, pct_of_limit=78.125, e2e_ms=none,
+                    pickup_ms=none, commit_lag_ms=none, utilization=None, rss_peak_mb={}, rss_breakdown_mb={},
+                    rss_drift_mb=None, rss_series=[], server={}, settings=None, load_avg=(0.0, 0.0, 0.0),
+                    log_file="")
+    probes = {"ceiling_a": {"requests": 12_000, "seconds": 10.0, "rate": 1200.0, "concurrency": 128}}
+    (target_a,) = [t for t in targets([run], probes) if t.scenario == "a"]
+    assert target_a.met is False
+    assert target_a.detail == "1,000/s = 78% of 1,280/s (same simulator, bare aiohttp 1,200/s = 94% of the limit)"
+    assert next(t for t in targets([run]) if t.scenario == "a").detail == "1,000/s = 78% of 1,280/s"
+    machine = {"cpus": 2, "memory_gb": 1.0, "load_avg_at_end": [0.0, 0.0, 0.0]}
+    text = markdown([run], {"generated": "now", "command": "llmstream bench", "machine": machine, "load_before": 0.0},
+                    probes)
+    assert "(a) ceiling probe: bare aiohttp, 128 concurrent" in text and "1,200 requests/s" in text
+    assert "94% of the limit" in text

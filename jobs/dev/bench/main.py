@@ -47,6 +47,8 @@ from jobs.dev.simulator import spawn as spawn_simulator
 TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "bundle_target_ms", "checkpoint_interval_ms",
                 "checkpoint_timeout_ms", "parallelism", "cache")
 PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, no Flink"}
+CEILING_PROBE_S = 10.0
+"""How long the ceiling probe of a scenario with a fixed latency runs (`Scenario.ceiling_probe_concurrency`)."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SMOKE_MAX_SECONDS = 300.0
 """A deadline for each smoke run, not a pace: 100 records end every run on its own within seconds,
@@ -132,7 +134,7 @@ def _scenario(key: str, args: argparse.Namespace) -> Scenario:
     return scenario
 
 
-def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[str, Path], list[str]]:
+def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[str, Path], list[str], dict[str, Any]]:
     overrides: dict[str, Any] = {flag: getattr(args, flag) for flag in TUNING_FLAGS if getattr(args, flag) is not None}
     if args.flink:
         overrides["flink"] = dict(args.flink)
@@ -180,6 +182,12 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
                          + (f" ({result.pct_of_limit:.0f}% of limit)" if result.pct_of_limit else "")
                          + f", e2e p99 {report._secs(result.e2e_ms.p99)} s, dup {o.duplicates}, lost {o.lost}, "
                          f"not reached {o.not_reached:,}; {time.monotonic() - started:.0f}s since bench start")
+                ceiling = scenario.ceiling_probe_concurrency
+                if ceiling and any(r.scenario == key for r in results):
+                    _say(f"[{key}] probe: bare aiohttp alone against the simulator, {ceiling} concurrent, "
+                         f"{CEILING_PROBE_S:g} s: the most any client gets from it here ...")
+                    probes[f"ceiling_{key}"] = probe("http", simulator.url, CEILING_PROBE_S, ceiling)
+                    _say(f"[{key}] probe ceiling: {probes[f'ceiling_{key}']}")
                 if scenario.latency == "0" and any(r.scenario == key for r in results):
                     for kind, what in PROBE_KINDS.items():
                         _say(f"[{key}] probe: {what} alone against the simulator, 64 concurrent, 5 s ...")
@@ -188,7 +196,7 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
             finally:
                 simulator.stop()
         paths = report.write(out_dir, results, command, load_before, probes, overrides)
-        return results, paths, failures
+        return results, paths, failures, probes
     finally:
         if broker is not None:
             broker.stop()
@@ -263,11 +271,11 @@ def run(args: argparse.Namespace) -> int:
         args.max_seconds = max(args.max_seconds, SMOKE_MAX_SECONDS)
     command = getattr(args, "command_line", "llmstream bench")
     started = time.monotonic()
-    results, paths, failures = run_all(args, command.strip())
+    results, paths, failures, probes = run_all(args, command.strip())
     print()
     print(report.table(results))
     print()
-    for target in report.targets(results):
+    for target in report.targets(results, probes):
         if target.met is not None:
             print(f"target ({target.scenario}) {target.text}: {target.verdict} — {target.detail}")
     print(f"\nbench: {len(results)} runs in {time.monotonic() - started:.0f} s; wrote "

@@ -107,6 +107,18 @@ class Scenario:
         return self.concurrency / mean_s
 
     @property
+    def ceiling_probe_concurrency(self) -> int | None:
+        """Calls in flight for the bench's ceiling probe (bare aiohttp alone against this scenario's
+        simulator, `jobs.dev.bench.probes http`): twice the server's slots, so none waits for the
+        client. What it reaches is what any client reaches on this machine: the simulator serves
+        (a) at ~94% of its Little's-law limit even to bare aiohttp (2026-12-04). None where a short
+        probe says nothing about the limit: no limit, a latency that varies (heavy tail), embeddings,
+        a fleet."""
+        if self.limit_per_s is None or not self.latency.startswith("fixed:") or self.api != "chat" or self.fleet:
+            return None
+        return 2 * self.concurrency
+
+    @property
     def overload_rate_per_s(self) -> float | None:
         limit = self.limit_per_s
         return None if self.overload_factor is None or limit is None else self.overload_factor * limit
