@@ -6,7 +6,11 @@ confluent-kafka's serializers use). Its storage is its in-memory default; what a
 restarted registry (the outage test) must still know, every schema, id and compatibility
 level, goes through Apicurio's own export and import: `stop` saves ``/admin/export`` to
 ``export.zip`` in the data dir and `start` imports it (ids preserved, id sequences moved past
-them). An H2 database file was tried first: twice in CI a restarted registry had lost what was
+them). Apicurio answers before that import: a client that asked in that window got HTTP 404 for
+an id registered before the stop and dead-lettered a good record (one CI run of the outage
+test). So Apicurio listens on a private port, and the registry's port is a TCP forwarder in this
+process (`_Front`) that opens only once the import is done and closes first at `stop`: clients
+see the port refused, as during any outage, never an empty registry. An H2 database file was tried first: twice in CI a restarted registry had lost what was
 registered a minute before its SIGTERM (the file reopened at its first, table-only state; H2
 2.3's compaction on close is a known cause of such losses, h2database issue 4247); it never
 happened in 36 restarts here, 14 of them beside two CPU burners. Two differences from
@@ -22,7 +26,9 @@ import argparse
 import contextlib
 import logging
 import os
+import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Self
@@ -65,18 +71,79 @@ def runner_jar() -> Path:
     return found[0]
 
 
+class _Front:
+    """Forwards every connection to 127.0.0.1:``port`` to Apicurio's private port, both ways, until
+    `close`, which refuses new connections and cuts the open ones."""
+
+    def __init__(self, port: int, backend_port: int) -> None:
+        self._backend_port = backend_port
+        self._listener = socket.create_server(("127.0.0.1", port))
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="registry-front", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._backend_port), timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open.update((client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), name="registry-front-pump", daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._cut(src, dst)
+
+    def _cut(self, *sockets: socket.socket) -> None:
+        for sock in sockets:
+            with self._lock:
+                self._open.discard(sock)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
+        self._listener.close()
+        with self._lock:
+            open_now = list(self._open)
+        self._cut(*open_now)
+
+
 class LocalRegistry:
-    """One Apicurio process whose database and log live in ``data_dir``, on ``port`` (a free one if 0)."""
+    """One Apicurio process whose database and log live in ``data_dir``, reached on ``port`` (a free
+    one if 0) through `_Front` once it holds what the last `stop` exported."""
 
     def __init__(self, data_dir: Path, port: int = 0, heap: str = DEFAULT_HEAP) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.heap = heap
         self._process: subprocess.Popen[bytes] | None = None
+        self._backend_port = 0
+        self._front: _Front | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def _backend_url(self) -> str:
+        """Apicurio itself, for start-up, import and export: reachable before the front opens."""
+        return f"http://127.0.0.1:{self._backend_port}"
 
     @property
     def url(self) -> str:
@@ -97,7 +164,7 @@ class LocalRegistry:
 
     def ready(self, timeout_s: float = 2.0) -> bool:
         try:
-            return requests.get(self.base_url + "/health/ready", timeout=timeout_s).status_code == 200
+            return requests.get(self._backend_url + "/health/ready", timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
@@ -110,9 +177,10 @@ class LocalRegistry:
             raise RegistryError(f"port {self.port} on 127.0.0.1 is already in use")
         jar = runner_jar()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._backend_port = free_port()
         cmd = [
             _java(), f"-Xmx{self.heap}", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-            "-Dquarkus.http.host=127.0.0.1", f"-Dquarkus.http.port={self.port}",
+            "-Dquarkus.http.host=127.0.0.1", f"-Dquarkus.http.port={self._backend_port}",
             # 3.0.x serves health on the API port; a later version's management port stays on loopback too.
             "-Dquarkus.management.host=127.0.0.1", f"-Dquarkus.management.port={free_port()}",
             "-Dquarkus.log.level=WARN",
@@ -131,10 +199,15 @@ class LocalRegistry:
             time.sleep(0.3)
         if self.export_file.exists():
             self._import()
+        try:
+            self._front = _Front(self.port, self._backend_port)
+        except OSError as exc:
+            self.stop(export=False)
+            raise RegistryError(f"port {self.port} on 127.0.0.1 could not be opened: {exc}") from None
 
     def _import(self) -> None:
         try:
-            answer = requests.post(self.base_url + ADMIN + "/import", data=self.export_file.read_bytes(),
+            answer = requests.post(self._backend_url + ADMIN + "/import", data=self.export_file.read_bytes(),
                                    headers={"Content-Type": "application/zip"}, timeout=120)
         except requests.RequestException as exc:
             self.stop(export=False)
@@ -147,7 +220,7 @@ class LocalRegistry:
     def _export(self) -> None:
         """Saves everything registered so far, atomically; a registry that cannot answer keeps the last export."""
         try:
-            answer = requests.get(self.base_url + ADMIN + "/export", timeout=60)
+            answer = requests.get(self._backend_url + ADMIN + "/export", timeout=60)
             answer.raise_for_status()
         except requests.RequestException as exc:
             log.warning("the schema registry could not export its data before stopping (%s); the next start "
@@ -160,7 +233,11 @@ class LocalRegistry:
     def stop(self, timeout: float = 30, *, export: bool = True) -> None:
         """Exports the registry's data, then SIGTERM (it stops in well under a second), SIGKILL if it
         does not. A start that failed stops with `export=False`: its registry is empty or not
-        ready, and exporting it would overwrite the data the next start must import."""
+        ready, and exporting it would overwrite the data the next start must import. The front
+        closes first: from then on clients see the port refused."""
+        if self._front is not None:
+            self._front.close()
+            self._front = None
         if self._process is not None:
             if export and self.running():
                 self._export()
