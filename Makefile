@@ -32,7 +32,7 @@ venv: $(STAMP)
 
 jars: $(STAMP)
 	$(BIN)/python pom-free/fetch.py --set all
-	$(BIN)/python -m jobs.gate || echo "pom-free: gate: not built (it needs a JDK's javac); only jobs with budget.* use it"
+	$(BIN)/python -m jobs.graph.gate_operator || echo "pom-free: gate: not built (it needs a JDK's javac); only jobs with budget.* use it"
 
 # The result cache's shared backend (cache.backend: redis): the tests start their own
 # redis-server on a free loopback port. CI runs as root on a fresh Debian machine.

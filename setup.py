@@ -17,7 +17,7 @@ setup(
         # (see docs/performance.md). requests stays for admin and REST calls.
         "aiohttp>=3.10,<4",
         # JSON of the model calls and the output records: a fifth of a call's Python CPU with
-        # the standard library (udfs/fastjson.py falls back to it where orjson refuses).
+        # the standard library (udfs/records/fastjson.py falls back to it where orjson refuses).
         "orjson>=3.10,<4",
         "psutil>=5.9",
         # `llmstream status`: tables, live refresh and the SVG capture in docs/observe.md.

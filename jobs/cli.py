@@ -24,16 +24,16 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from jobs import python_worker_shutdown
+from jobs.runtime import python_worker_shutdown
+from udfs.config.secrets import MaskSecrets
 from udfs.errors import ConfigError, LLMStreamError
-from udfs.secrets import MaskSecrets
 
 log = logging.getLogger("llmstream.cli")
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from jobs.pipeline import RunOptions
+    from jobs.graph.pipeline import RunOptions
 
     Handler = Callable[[argparse.Namespace], int]
 
@@ -43,19 +43,19 @@ SERVICES: dict[str, tuple[str, str]] = {
     "kafka": ("jobs.dev.kafka_cli", "start, stop or inspect the local single-node Kafka broker"),
     "cluster": ("jobs.dev.local_cluster", "start, stop or inspect a local standalone Flink cluster"),
     "bench": ("jobs.dev.bench.main", "benchmark llmstream against hand-written consumers"),
-    "status": ("jobs.status", "one screen: lag, records/s, calls and latency, checkpoints, dead letters, cost"),
+    "status": ("jobs.observe.status", "one screen: lag, records/s, calls and latency, checkpoints, dead letters, cost"),
 }
 
 
 def _run_options(args: argparse.Namespace) -> RunOptions:
-    from jobs.pipeline import RunOptions
+    from jobs.graph.pipeline import RunOptions
 
     return RunOptions(until_end=args.until_end, state_dir=args.state_dir, fresh=args.fresh,
                       from_savepoint=args.from_savepoint)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jobs.run import exit_code, run_job
+    from jobs.launch.run import exit_code, run_job
     from udfs.config import load_config
 
     config = load_config(args.config)
@@ -64,8 +64,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jobs import jars
-    from jobs.pipeline import build_pipeline, create_environment
+    from jobs.graph.pipeline import build_pipeline, create_environment
+    from jobs.runtime import jars
     from udfs.config import load_config
 
     config = load_config(args.config)
@@ -82,25 +82,25 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from jobs.submit import submit
+    from jobs.launch.submit import submit
 
     return submit(args.config, jobmanager=args.jobmanager, options=_run_options(args))
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from jobs.submit import stop_job
+    from jobs.launch.submit import stop_job
 
     return stop_job(args.config, jobmanager=args.jobmanager, state_dir=args.state_dir)
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    from jobs.submit import upgrade
+    from jobs.launch.submit import upgrade
 
     return upgrade(args.config, jobmanager=args.jobmanager, state_dir=args.state_dir)
 
 
 def _fetch_jars(args: argparse.Namespace) -> int:
-    from jobs import jars
+    from jobs.runtime import jars
 
     for name in args.sets:
         jars.ensure(name)

@@ -31,11 +31,12 @@ from typing import Any
 
 from kafka import KafkaConsumer
 
-from jobs import jars, kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka, real_models, simulator
 from jobs.dev.processes import free_port
-from jobs.pipeline import RunOptions
-from jobs.run import run_job
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import run_job
+from jobs.runtime import jars
 from udfs.config import JobConfig, KafkaConfig, load_config, with_overrides
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_prompts.jsonl"

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs import jars
-from jobs.pipeline import build_pipeline, create_environment
-from jobs.state import StateDir
-from udfs.cache import resolve_cache_location
+from jobs.graph.pipeline import build_pipeline, create_environment
+from jobs.runtime import jars
+from jobs.state.snapshots import StateDir
 from udfs.config import load_config
+from udfs.cost.cache import resolve_cache_location
 from udfs.errors import ConfigError
 
 

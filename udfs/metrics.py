@@ -91,7 +91,7 @@ class Distribution:
 
 ENDPOINT_GAUGES = ("in_flight", "limit", "circuit", "requests", "rate_limited", "failures",
                    "latency_p50_ms", "latency_p99_ms")
-"""Per endpoint of a model fleet (`udfs/fleet.py`): calls in flight, the adaptive concurrency
+"""Per endpoint of a model fleet (`udfs/inference/fleet.py`): calls in flight, the adaptive concurrency
 limit, the circuit (0 closed, 1 half-open, 2 open), attempts sent, 429s, failures (connection
 errors, timeouts, 5xx) and the latency of its answers."""
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from jobs import jars
+from jobs.runtime import jars
 from udfs.errors import LLMStreamError
 
 IMAGE = "llmstream:local"

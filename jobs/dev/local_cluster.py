@@ -16,7 +16,7 @@ The apache-flink wheel is a complete FLINK_HOME (``<site-packages>/pyflink``: ``
 Daemons are started with Flink's own ``jobmanager.sh start`` / ``taskmanager.sh start`` and
 a cluster counts as up when its REST API answers and the TaskManagers have registered.
 Once its REST API answers, it records its address in ``cluster.json`` in the work dir
-(`jobs/cluster_address.py`), through which `jobs/submit.py` (``llmstream submit``) and
+(`jobs/clients/cluster_address.py`), through which `jobs/launch/submit.py` (``llmstream submit``) and
 ``llmstream status`` find it.
 
 `LocalCluster` is the programmatic API (tests use it: kill a TaskManager, read restarts,
@@ -41,13 +41,13 @@ from typing import Any, Self
 
 import yaml
 
-from jobs import jars
-from jobs.cluster_address import ClusterAddress, default_work_dir
+from jobs.clients.cluster_address import ClusterAddress, default_work_dir
+from jobs.clients.flink_cli import client_env, flink_home, python_jar, run_job_script
+from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
+from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.dev.processes import children, cmdline, pid_alive, terminate, wait_gone
-from jobs.flink_cli import client_env, flink_home, python_jar, run_job_script
-from jobs.flink_cli import flink_conf_dir as conf_source_dir
-from jobs.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
-from jobs.ports import free_port, port_in_use
+from jobs.runtime import jars
+from jobs.runtime.ports import free_port, port_in_use
 
 log = logging.getLogger("llmstream.cluster")
 
@@ -231,7 +231,7 @@ class LocalCluster(FlinkRest):
         return env
 
     def record_address(self) -> None:
-        """Say in the work dir where this cluster answers (`jobs/cluster_address.py`): how
+        """Say in the work dir where this cluster answers (`jobs/clients/cluster_address.py`): how
         ``llmstream submit | stop | upgrade | status`` find it without --jobmanager."""
         ClusterAddress(address=self.address, conf_dir=str(self.conf_dir), log_dir=str(self.log_dir)).write(self.work_dir)
 

@@ -10,7 +10,7 @@ pid file in the data dir. Everything lives under the data dir: ``server.properti
 PLAINTEXT: `jobs/dev/secure_kafka.py`; the command line of both is `jobs/dev/kafka_cli.py`. Here, `BrokerConfig` only carries its extra listeners and
 `LocalBroker` has two hooks a subclass fills in (format-time arguments, the readiness check).
 
-Topics, produce and read_committed reads are `jobs/kafka_admin.py`'s.
+Topics, produce and read_committed reads are `jobs/clients/kafka_admin.py`'s.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from jobs import jars
+from jobs.clients.kafka_admin import answers
 from jobs.dev.processes import cmdline, free_port, pid_alive, port_in_use, terminate
-from jobs.kafka_admin import answers
+from jobs.runtime import jars
 from udfs.errors import LLMStreamError
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Process facts shared by the services llmstream starts (broker, Flink cluster, model servers),
 on psutil rather than /proc parsing. The port and pid helpers live on the job's side
-(`jobs/ports.py`, `jobs/pids.py`, which `llmstream run` uses too) and are re-exported here."""
+(`jobs/runtime/ports.py`, `jobs/runtime/pids.py`, which `llmstream run` uses too) and are re-exported here."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 import psutil
 
-from jobs.pids import pid_alive, wait_gone
-from jobs.ports import free_port, port_in_use
+from jobs.runtime.pids import pid_alive, wait_gone
+from jobs.runtime.ports import free_port, port_in_use
 
 __all__ = ["children", "cmdline", "free_port", "pid_alive", "port_in_use", "terminate", "wait_gone"]
 

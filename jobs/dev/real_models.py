@@ -42,7 +42,7 @@ from typing import Self
 
 import requests
 
-from jobs import jars
+from jobs.runtime import jars
 from udfs.errors import LLMStreamError
 
 log = logging.getLogger("llmstream.real_models")

@@ -1,7 +1,7 @@
 """A local Confluent-compatible Schema Registry (Apicurio Registry 3.0.9) on loopback, for the Avro
 tests and for developers: no Docker, the app from ``pom-free`` (set ``registry``), Java 17.
 
-Apicurio speaks Confluent's REST API under ``/apis/ccompat/v7`` (what `udfs/registry.py` and
+Apicurio speaks Confluent's REST API under ``/apis/ccompat/v7`` (what `udfs/records/registry.py` and
 confluent-kafka's serializers use). Its storage is its in-memory default; what a stopped and
 restarted registry (the outage test) must still know, every schema, id and compatibility
 level, goes through Apicurio's own export and import: `stop` saves ``/admin/export`` to
@@ -35,8 +35,8 @@ from typing import Self
 
 import requests
 
-from jobs import jars
 from jobs.dev.processes import free_port, port_in_use, terminate
+from jobs.runtime import jars
 from udfs.errors import LLMStreamError
 
 SET = "registry"

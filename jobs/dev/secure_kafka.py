@@ -56,7 +56,6 @@ from kafka.admin import (  # type: ignore[import-untyped]
     ResourceType,
 )
 
-from jobs import jars
 from jobs.dev.local_kafka import (
     DEFAULT_HEAP,
     BrokerConfig,
@@ -65,6 +64,7 @@ from jobs.dev.local_kafka import (
     LocalBroker,
 )
 from jobs.dev.processes import free_port, port_in_use
+from jobs.runtime import jars
 
 DEFAULT_PORT = 9192
 """SASL_SSL; by default SSL (mutual TLS) is on +1, the controller on +2, WRONG_HOST on +3."""

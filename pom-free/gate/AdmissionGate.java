@@ -19,7 +19,7 @@ import org.slf4j.LoggerFactory;
  * nothing (a spend budget paused until its window rolls over), without holding a checkpoint.
  *
  * <p>The stage says so with a file, {@code <directory>/<subtask>.closed}, which exists while it
- * is paused (the Python worker is another process; `udfs/gate.py`). After forwarding a record
+ * is paused (the Python worker is another process; `udfs/stage/admission.py`). After forwarding a record
  * the gate looks at that file (at most every {@code checkMillis}); while it exists, the gate
  * stays in {@code processElement} and runs the task's mails instead of returning for the next
  * record. Its mailbox executor has the lowest priority, so it runs every mail: timers (the

@@ -30,7 +30,7 @@ from typing import IO
 import requests
 import yaml
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from tests.integration.helpers import (
     check_exactly_once,
     estimated_tokens,

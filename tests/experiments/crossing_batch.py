@@ -43,8 +43,8 @@ def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float,
     from pyflink.datastream.state import MapStateDescriptor
     from pyflink.java_gateway import get_gateway
 
-    from jobs.pipeline import _as_rows
-    from udfs.operators import INPUT_ROW_TYPE
+    from jobs.graph.pipeline import _as_rows
+    from udfs.stage.operators import INPUT_ROW_TYPE
 
     sink_row = sink_row_type()
     pending = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())

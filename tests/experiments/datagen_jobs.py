@@ -46,7 +46,7 @@ def key_sql(offset: str) -> str:
 
 def record_sql(offset: str) -> str:
     """One input row as the job's source table makes it (`INPUT_ROW_SQL`)."""
-    from jobs.pipeline import INPUT_ROW_SQL
+    from jobs.graph.pipeline import INPUT_ROW_SQL
 
     return (f"CAST(ROW({key_sql(offset)}, {value_sql(offset)}, 'in', 0, {offset}, "
             f"CURRENT_TIMESTAMP, CAST(NULL AS MAP<STRING, BYTES>)) AS {INPUT_ROW_SQL})")

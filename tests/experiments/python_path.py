@@ -9,7 +9,7 @@ makes the job's input rows (`INPUT_ROW_SQL`: key, a JSON value, topic, partition
 timestamp), a blackhole sink takes one row (key, value, topic) per record, and in between:
 
 - ``scalar``: a SQL Python scalar function returns the value (the `pyflink-floor`'s crossing);
-- ``map``: the table as a DataStream of `INPUT_ROW_TYPE` rows (`jobs.pipeline._as_rows`), a
+- ``map``: the table as a DataStream of `INPUT_ROW_TYPE` rows (`jobs.graph.pipeline._as_rows`), a
   Python ``map`` to the sink row, back to a table;
 - ``keyed``: the rows keyed by one of 4 buckets on the JVM as the job does (`KeyByKeySelector`),
   a ``KeyedProcessFunction`` yields the sink row;
@@ -55,8 +55,8 @@ def run(shape: str, records: int) -> tuple[float, float]:
     from pyflink.table import DataTypes
     from pyflink.table.udf import udf
 
-    from jobs.pipeline import _as_rows
-    from udfs.operators import INPUT_ROW_TYPE
+    from jobs.graph.pipeline import _as_rows
+    from udfs.stage.operators import INPUT_ROW_TYPE
 
     sink_row = sink_row_type()
     pending = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())

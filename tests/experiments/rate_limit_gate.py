@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from tests.experiments.budget_hour import _percentile, start_watched
 from tests.integration.helpers import make_job, unique_records
 

@@ -27,13 +27,13 @@ import pytest
 
 pytest.register_assert_rewrite("tests.integration.helpers")  # before its import: its asserts explain themselves
 
+from jobs.clients.kafka_admin import create_topics, delete_topics
 from jobs.dev import simulator
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.local_kafka import BrokerConfig, LocalBroker
 from jobs.dev.schema_registry import LocalRegistry
 from jobs.dev.secure_kafka import SecureBroker, SecureBrokerConfig
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.kafka_admin import create_topics, delete_topics
 from tests.integration.helpers import (
     SIM_ARGS,
     FaultReport,

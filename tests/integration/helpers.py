@@ -27,13 +27,14 @@ from typing import Any, Self
 import yaml
 from kafka import KafkaConsumer, TopicPartition
 
-from jobs import jars, kafka_admin
+from jobs.clients import kafka_admin
+from jobs.clients.flink_rest import TERMINAL_STATES, FlinkRest
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.flink_rest import TERMINAL_STATES, FlinkRest
+from jobs.runtime import jars
 from tests.support.waiting import wait_until
 from udfs.config import JobConfig, config_from_dict, load_config, to_dict
-from udfs.prompts import build_payload, input_tokens
+from udfs.inference.prompts import build_payload, input_tokens
 
 JobConfigFactory = Callable[..., JobConfig]
 """The `job_config` fixture: job configs on fresh uuid topics against the shared simulator."""

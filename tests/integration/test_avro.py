@@ -24,17 +24,17 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.schema_registry import LocalRegistry
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.preflight import _check_registry
+from jobs.launch.preflight import _check_registry
 from tests.integration.helpers import make_job
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
-from udfs.avro_format import wire_schema_id
 from udfs.config import config_from_dict
 from udfs.errors import ConfigError
-from udfs.registry import RegistryClient, SchemaNotFound, SchemaRejected
+from udfs.records.avro import wire_schema_id
+from udfs.records.registry import RegistryClient, SchemaNotFound, SchemaRejected
 
 pytestmark = pytest.mark.integration
 

@@ -15,9 +15,9 @@ from collections import Counter
 
 import pytest
 
-from jobs.kafka_admin import consume_committed, produce
-from jobs.pipeline import RunOptions
-from jobs.run import run_job
+from jobs.clients.kafka_admin import consume_committed, produce
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import run_job
 from tests.integration.helpers import JobConfigFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -18,13 +18,13 @@ import psutil
 import pytest
 from kafka import KafkaProducer
 
-from jobs import kafka_admin
-from jobs import submit as submit_mod
+from jobs.clients import kafka_admin
 from jobs.dev import local_cluster as cluster_mod
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.pipeline import RunOptions
+from jobs.graph.pipeline import RunOptions
+from jobs.launch import submit as submit_mod
 from tests.integration.helpers import (
     FaultReport,
     FaultResult,
@@ -105,7 +105,7 @@ def test_generated_conf_is_flink_conf_with_only_ports_and_paths_changed(tmp_path
 def test_submit_honours_the_configured_parallelism(
         cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path,
         kafka_broker: local_kafka.LocalBroker, capsys: pytest.CaptureFixture[str]) -> None:
-    """`llmstream submit` (jobs.submit.submit) against the cluster: preflight passes, the job id
+    """`llmstream submit` (jobs.launch.submit.submit) against the cluster: preflight passes, the job id
     and web UI are printed, the vertices run with `parallelism.inference: 2`, records flow."""
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="parallel",
                      parallelism={"default": 1, "source": 1, "inference": 2, "sink": 1})

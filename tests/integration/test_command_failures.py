@@ -40,10 +40,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs import kafka_admin
-from jobs.cluster_address import RECORD
+from jobs.clients import kafka_admin
+from jobs.clients.cluster_address import RECORD
 from jobs.dev.local_kafka import LocalBroker
-from jobs.ports import free_port
+from jobs.runtime.ports import free_port
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import JobConfigFactory, unique_records, write_config
 from udfs.config import load_config, to_dict, with_overrides

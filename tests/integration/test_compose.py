@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs import jars
 from jobs.cli import build_parser
+from jobs.runtime import jars
 from udfs.config import config_from_dict
 
 ROOT = jars.repo_root()

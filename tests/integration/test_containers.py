@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 import requests
 
-from jobs import jars, kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import containers
-from jobs.ports import free_port
+from jobs.runtime import jars
+from jobs.runtime.ports import free_port
 from tests.integration.helpers import Tally, check_exactly_once, tally, unique_records
 from tests.support.waiting import wait_until
 

@@ -14,10 +14,10 @@ from collections import Counter
 
 import pytest
 
+from jobs.clients.kafka_admin import consume_committed, produce
 from jobs.dev.simulator import embedding_vector
-from jobs.kafka_admin import consume_committed, produce
-from jobs.pipeline import RunOptions
-from jobs.run import run_job
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import run_job
 from tests.integration.helpers import JobConfigFactory, SpawnSimulator
 
 pytestmark = pytest.mark.integration

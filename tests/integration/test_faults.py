@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka, simulator
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedFleet, spawn_fleet
@@ -125,7 +125,7 @@ def test_every_endpoint_down_never_holds_a_checkpoint(
         cluster: LocalCluster, tmp_path: Path, kafka_broker: local_kafka.LocalBroker) -> None:
     """Both endpoints of a fleet without a fallback killed: the calls out wait for a probe (the
     cooldown doubles up to 30 s), the stage parks the rest and its admission gate stops the
-    input (`jobs/gate.py`), so checkpoints keep completing within a 10 s checkpoint timeout that
+    input (`jobs/graph/gate_operator.py`), so checkpoints keep completing within a 10 s checkpoint timeout that
     a wait in the bundle would exceed (a failed checkpoint is a failover here). Revived, every
     id comes out once, none dead-lettered, and the job never restarted."""
     fleet = spawn_fleet((8, 8), ["--latency", "fixed:40", "--seed", "11"])

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from kafka.consumer.fetcher import ConsumerRecord
 
-from jobs.kafka_admin import consume_committed, create_topics, produce
-from jobs.pipeline import RunOptions
-from jobs.run import StopRequest, run_job
+from jobs.clients.kafka_admin import consume_committed, create_topics, produce
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import StopRequest, run_job
 from tests.integration.helpers import JobConfigFactory, check_exactly_once, tally
 from udfs.config import JobConfig, with_overrides
 

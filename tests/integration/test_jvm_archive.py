@@ -1,4 +1,4 @@
-"""`llmstream run`'s class-data-sharing archive (jobs/jvm_archive.py), as a user meets it.
+"""`llmstream run`'s class-data-sharing archive (jobs/runtime/jvm_archive.py), as a user meets it.
 
 The first run with no archive says it saves one at its end and leaves exactly one file (no
 half-written dump); the next run's JVM maps it (its CDS log, in the state directory, says so)
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev.local_kafka import LocalBroker
-from jobs.jvm_archive import DIR_ENV, GatewayArchive
+from jobs.runtime.jvm_archive import DIR_ENV, GatewayArchive
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import (
     SpawnSimulator,

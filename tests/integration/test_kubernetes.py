@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
-from jobs import jars
+from jobs.runtime import jars
 from udfs.config import config_from_dict
 
 ROOT = jars.repo_root()

@@ -9,7 +9,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import TopicAlreadyExistsError
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import kafka_cli
 from jobs.dev import local_kafka as lk
 from jobs.dev.processes import free_port

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import requests
 
-from jobs import jars
-from jobs.kafka_admin import consume_committed, produce
-from jobs.pipeline import RunOptions
-from jobs.ports import free_port
-from jobs.run import StopRequest, run_job
+from jobs.clients.kafka_admin import consume_committed, produce
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import StopRequest, run_job
+from jobs.runtime import jars
+from jobs.runtime.ports import free_port
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import (
     BAD_RECORDS,

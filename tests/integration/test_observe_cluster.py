@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import requests
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from tests.integration.helpers import (

@@ -16,8 +16,8 @@ import pytest
 from tests.integration.helpers import SpawnSimulator
 from tests.support.calls import run
 from tests.support.configs import job_config, request
-from udfs.client import InferenceClient
 from udfs.config import JobConfig
+from udfs.inference.client import InferenceClient
 
 
 def _timed_calls(config: JobConfig, count: int, subtasks: int, timeout: float) -> float:

@@ -17,9 +17,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs.kafka_admin import committed_offsets, consume_committed, end_offsets, produce
-from jobs.pipeline import RunOptions
-from jobs.run import run_job
+from jobs.clients.kafka_admin import (
+    committed_offsets,
+    consume_committed,
+    end_offsets,
+    produce,
+)
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import run_job
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import (
     JobConfigFactory,
@@ -169,7 +174,7 @@ def test_two_inference_subtasks_run_their_python_in_worker_processes_of_their_ow
         job_config: JobConfigFactory, tmp_path: Path) -> None:
     """`llmstream run` with `parallelism.inference: 2`: each subtask's Python in a worker process
     the TaskManager starts, not both in the command's own process (PyFlink's loopback default,
-    one GIL for all; jobs.run.python_worker_processes), and every id once. The workers get the
+    one GIL for all; jobs.launch.run.python_worker_processes), and every id once. The workers get the
     model's key as the loopback stage does, and it is in none of the files the run writes (Flink
     logs what a worker process starts with)."""
     key = f"sk-worker-canary-{uuid.uuid4().hex}"

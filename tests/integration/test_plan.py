@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pyflink.java_gateway import get_gateway
 
-from jobs import jars, key_groups
-from jobs.pipeline import (
+from jobs.graph import key_groups
+from jobs.graph.pipeline import (
     BUCKETS_PER_SUBTASK,
     bucket_keys,
     build_pipeline,
@@ -22,6 +22,7 @@ from jobs.pipeline import (
     source_options,
     tick_keys,
 )
+from jobs.runtime import jars
 from udfs.config import JobConfig, load_config, with_overrides
 
 pytestmark = pytest.mark.integration
@@ -74,7 +75,7 @@ def test_every_inference_subtask_gets_the_same_number_of_buckets(parallelism: in
 
 
 def test_python_key_groups_are_the_jvms() -> None:
-    """The bucket keys are chosen in Python (`jobs.key_groups`) for the JVM to route: both must agree
+    """The bucket keys are chosen in Python (`jobs.graph.key_groups`) for the JVM to route: both must agree
     on every key the job may pick, at every parallelism it ticks and beyond."""
     create_environment(load_config(), jars.connector_jar_urls())  # starts the JVM gateway
     gateway = get_gateway()

@@ -1,8 +1,8 @@
 """Start-up checks fail fast, before Flink is involved, with a message naming the setting.
 
-Broker-side checks (jobs/preflight.py) run against real brokers: one whose
+Broker-side checks (jobs/launch/preflight.py) run against real brokers: one whose
 ``transaction.max.timeout.ms`` is lower than the job's ``kafka.transaction_timeout_ms``, and
-the session broker without the job's topics. Config-side checks (udfs/config.py) go through
+the session broker without the job's topics. Config-side checks (udfs/config/__init__.py) go through
 the same `llmstream submit` command a user runs; none of these tests needs a Flink cluster
 (the --jobmanager given is a closed port, so reaching Flink would fail differently).
 """
@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs import cli, kafka_admin, preflight
+from jobs import cli
+from jobs.clients import kafka_admin
 from jobs.dev.local_kafka import BrokerConfig, LocalBroker
 from jobs.dev.processes import free_port
+from jobs.launch import preflight
 from udfs.config import load_config, to_dict, with_overrides
 from udfs.errors import ConfigError
 
@@ -42,7 +44,7 @@ def _submit(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------- broker-side (jobs/preflight.py)
+# ---------------------------------------------------------------------- broker-side (jobs/launch/preflight.py)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_no_broker_at_bootstrap_servers_fails_fast(tmp_path: Path, capsys: pytes
     assert code == 2 and "kafka.bootstrap_servers" in stderr
 
 
-# ---------------------------------------------------------------------- config-side (udfs/config.py)
+# ---------------------------------------------------------------------- config-side (udfs/config/__init__.py)
 
 
 @pytest.mark.parametrize(("sections", "key", "words"), [

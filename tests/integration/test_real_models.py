@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import real_models
 from jobs.dev.local_kafka import LocalBroker
-from jobs.pipeline import RunOptions
-from jobs.run import run_job
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import run_job
 from tests.integration.helpers import CommittedReader, make_job
 from udfs.config import JobConfig
 

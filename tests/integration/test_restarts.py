@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs import kafka_admin
-from jobs import submit as submit_mod
+from jobs.clients import kafka_admin
 from jobs.dev import simulator
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.local_kafka import LocalBroker
-from jobs.pipeline import RunOptions
+from jobs.graph.pipeline import RunOptions
+from jobs.launch import submit as submit_mod
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import (
     FaultReport,
@@ -155,7 +155,7 @@ def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_withou
         kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport) -> None:
     """A budget of one call an hour: the stage pauses and its admission gate holds the input
     back. A savepoint's barrier is aligned and waits behind that input, so Ctrl-C opens the gate
-    for the stop (`jobs.gate.open_for_stop`; the stage parks what comes in) and the run stops
+    for the stop (`jobs.graph.gate_operator.open_for_stop`; the stage parks what comes in) and the run stops
     with a savepoint instead of cancelling after `--stop-timeout`. A run without the budget then
     restores it, leaving the gated ticks' state behind, and answers every id once."""
     sim = simulator.spawn(["--latency", "fixed:40", "--seed", "5"])
@@ -328,7 +328,7 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
 def test_upgrades_that_add_and_remove_a_spend_budget_resume_from_state(
         cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
-    """A budget adds the admission gate and moves the ticks to a FLIP-27 source (`jobs/gate.py`),
+    """A budget adds the admission gate and moves the ticks to a FLIP-27 source (`jobs/graph/gate_operator.py`),
     whose snapshots hold state the job without a budget has no operator for: `llmstream upgrade`
     to a budget, then away from it, each with calls in flight, then a backfill. Every id once,
     and the upgrade that drops the budget says what it leaves behind."""

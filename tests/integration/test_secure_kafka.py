@@ -1,7 +1,7 @@
 """The secured local broker (`jobs/dev/secure_kafka.py`): who gets in, and what each principal may do.
 
 The tests talk to the session's `secure_broker` as users' clients would: kafka-python with
-`kafka_python_config`, the job's own translation of `kafka.properties` (`udfs/kafka_security.py`)
+`kafka_python_config`, the job's own translation of `kafka.properties` (`udfs/config/kafka_security.py`)
 and the Java client (what Flink's Kafka ends use) with `client_properties`. Each test works on
 its own uuid topics, group and transactional ids, created by admin and granted by the test.
 """
@@ -30,7 +30,6 @@ from kafka.errors import (
 )
 from kafka.structs import OffsetAndMetadata
 
-from jobs import jars
 from jobs.dev import kafka_cli
 from jobs.dev.secure_kafka import (
     ADMIN,
@@ -43,7 +42,8 @@ from jobs.dev.secure_kafka import (
     SecureBrokerConfig,
     Via,
 )
-from udfs import kafka_security
+from jobs.runtime import jars
+from udfs.config import kafka_security
 
 pytestmark = pytest.mark.integration
 

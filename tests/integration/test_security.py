@@ -25,13 +25,14 @@ from typing import Any
 import pytest
 import requests
 
-from jobs import cli, kafka_admin
-from jobs import submit as submit_mod
+from jobs import cli
+from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.secure_kafka import JOB, LACKING_USERS, WRONG_HOST, SecureBroker, job_acls
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.jvm_archive import DIR_ENV
-from jobs.pipeline import RunOptions
+from jobs.graph.pipeline import RunOptions
+from jobs.launch import submit as submit_mod
+from jobs.runtime.jvm_archive import DIR_ENV
 from tests.conftest import SHELL_ENV
 from tests.integration.helpers import unique_records, write_config
 from udfs.config import JobConfig, load_config, with_overrides
@@ -325,7 +326,7 @@ def test_revoked_credentials_fail_the_job_visibly_and_the_next_run_resumes_exact
     checkpoint and every id is written exactly once.
 
     Without restarts, to keep it short: the cause `run` reports comes from Flink's exception history
-    (`jobs/driver.py`), which names the authorization error also when the job's own result ends
+    (`jobs/launch/driver.py`), which names the authorization error also when the job's own result ends
     with "The TaskExecutor is shutting down" (seen in CI) or, after restarts, with a slot not freed."""
     config, names = secured(flink={"restart-strategy.type": "none"})
     path = write_config(config, tmp_path)

@@ -19,11 +19,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from jobs.flink_rest import FlinkRest
-from jobs.kafka_admin import consume_committed, produce
-from jobs.pipeline import RunOptions
-from jobs.ports import free_port
-from jobs.run import run_job
+from jobs.clients.flink_rest import FlinkRest
+from jobs.clients.kafka_admin import consume_committed, produce
+from jobs.graph.pipeline import RunOptions
+from jobs.launch.run import run_job
+from jobs.runtime.ports import free_port
 from tests.integration.helpers import JobConfigFactory
 
 pytestmark = pytest.mark.integration

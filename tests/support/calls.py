@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from tests.support.configs import request
-from udfs.client import InferenceClient
 from udfs.config import JobConfig
+from udfs.inference.client import InferenceClient
 from udfs.records import Completion, Request
 
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from tests.integration.helpers import (
     CommittedReader,

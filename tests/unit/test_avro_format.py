@@ -1,4 +1,4 @@
-"""Avro in the Confluent wire format (udfs/avro_format.py) with fastavro alone: the registry is a
+"""Avro in the Confluent wire format (udfs/records/avro.py) with fastavro alone: the registry is a
 dict of schemas behind `RegistryClient`'s two calls the codec makes (the real Apicurio is in
 tests/integration/test_avro.py)."""
 
@@ -11,14 +11,14 @@ from typing import Any
 import fastavro
 import pytest
 
-from udfs.avro_format import AvroCodec, carried, result_schema, wire, wire_schema_id
 from udfs.config import JobConfig, config_from_dict
-from udfs.decode import decode
-from udfs.encode import result_row
 from udfs.errors import BadInput, ConfigError
-from udfs.prompts import fill_template
+from udfs.inference.prompts import fill_template
 from udfs.records import Completion, SourceRef
-from udfs.registry import RegistryUnavailable, SchemaNotFound
+from udfs.records.avro import AvroCodec, carried, result_schema, wire, wire_schema_id
+from udfs.records.decode import decode
+from udfs.records.encode import result_row
+from udfs.records.registry import RegistryUnavailable, SchemaNotFound
 
 SOURCE = SourceRef("docs", 0, 7, 1_700_000_000_000)
 DOC_V1 = {"type": "record", "name": "Doc", "namespace": "cdc", "fields": [

@@ -23,10 +23,15 @@ from aiohttp import web
 from jobs.dev.simulator import ThreadedSimulator, embedding_vector
 from tests.support.waiting import wait_until
 from tests.unit.fake_flink import Harness, KeyedState
-from udfs.batching import Batcher, is_rejection, share_usage, split_on_rejection
-from udfs.client import InferenceClient
 from udfs.config import JobConfig, config_from_dict
 from udfs.errors import ConfigError, PermanentError, RetryableError
+from udfs.inference.batching import (
+    Batcher,
+    is_rejection,
+    share_usage,
+    split_on_rejection,
+)
+from udfs.inference.client import InferenceClient
 from udfs.records import Completion, Request, SourceRef
 
 T = TypeVar("T")

@@ -23,16 +23,16 @@ from jobs.dev.bench.profile import (
 )
 
 BEAM = "process_bundle (apache_beam/runners/worker/sdk_worker.py:651)"
-ELEMENT = "process_element (udfs/operators.py:167)"
+ELEMENT = "process_element (udfs/stage/operators.py:167)"
 
 
 def test_a_stack_belongs_to_the_first_stage_any_of_its_frames_names() -> None:
-    json_in_decode = (BEAM, ELEMENT, "decode (udfs/decode.py:80)", "loads (json/__init__.py:346)")
+    json_in_decode = (BEAM, ELEMENT, "decode (udfs/records/decode.py:80)", "loads (json/__init__.py:346)")
     assert classify(json_in_decode, PYTHON_STAGES) == "decode (JSON/Avro in, request)"
-    socket_in_client = ("run_forever (asyncio/base_events.py:608)", "complete (udfs/client.py:120)",
+    socket_in_client = ("run_forever (asyncio/base_events.py:608)", "complete (udfs/inference/client.py:120)",
                         "_request (aiohttp/client.py:500)", "write (asyncio/selector_events.py:1000)")
     assert classify(socket_in_client, PYTHON_STAGES) == "client (HTTP, retries, limits)"
-    assert classify((BEAM, ELEMENT, "submit (udfs/inflight.py:80)"), PYTHON_STAGES) == "stage (admission, timers, emit)"
+    assert classify((BEAM, ELEMENT, "submit (udfs/stage/inflight.py:80)"), PYTHON_STAGES) == "stage (admission, timers, emit)"
     assert classify((BEAM, "decode_from_stream (pyflink/fn_execution/coder_impl_fast.py:1)"),
                     PYTHON_STAGES) == "Beam crossing (gRPC, coders)"
     assert classify(("<module> (x.py:1)",), PYTHON_STAGES) == OTHER
@@ -41,8 +41,8 @@ def test_a_stack_belongs_to_the_first_stage_any_of_its_frames_names() -> None:
 
 
 def test_collapsed_stacks_are_read_and_per_record_cpu_splits_by_share() -> None:
-    stacks = parse_collapsed(f"{BEAM};{ELEMENT};decode (udfs/decode.py:80) 30\n{BEAM} 70\nnot a line\n")
-    assert stacks == Counter({(BEAM, ELEMENT, "decode (udfs/decode.py:80)"): 30, (BEAM,): 70})
+    stacks = parse_collapsed(f"{BEAM};{ELEMENT};decode (udfs/records/decode.py:80) 30\n{BEAM} 70\nnot a line\n")
+    assert stacks == Counter({(BEAM, ELEMENT, "decode (udfs/records/decode.py:80)"): 30, (BEAM,): 70})
     proc = ProcessProfile("python 1", cpu_s=2.0, stacks=stacks, rules=PYTHON_STAGES)
     per = proc.per_record_us(records=1000)  # 2 CPU-s over 1,000 records: 2,000 µs, split 30/70
     assert per == {"Beam crossing (gRPC, coders)": 1400.0, "decode (JSON/Avro in, request)": 600.0}

@@ -13,9 +13,6 @@ import pytest
 from jobs.dev.simulator import ThreadedSimulator
 from tests.support.calls import run
 from tests.support.configs import job_config, request
-from udfs import pricing
-from udfs.budget import SpendBudget
-from udfs.client import InferenceClient
 from udfs.config import (
     BudgetConfig,
     PriceConfig,
@@ -23,7 +20,10 @@ from udfs.config import (
     to_dict,
     with_overrides,
 )
+from udfs.cost import pricing
+from udfs.cost.budget import SpendBudget
 from udfs.errors import ConfigError
+from udfs.inference.client import InferenceClient
 from udfs.metrics import InferenceMetrics
 
 
@@ -38,7 +38,7 @@ def test_calls_within_the_window_share_pass_and_the_next_waits_for_the_next_wind
         waits.append(await budget.acquire(30, 10))  # 120 > 100: next window
         return waits, int(time.time() / 0.5) - window
 
-    with caplog.at_level(logging.WARNING, logger="udfs.budget"):
+    with caplog.at_level(logging.WARNING, logger="udfs.cost.budget"):
         waits, windows_later = run(go)
     assert waits[0] < 0.1 and waits[1] < 0.1
     assert windows_later >= 1 and not budget.paused

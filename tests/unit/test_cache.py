@@ -19,7 +19,8 @@ from tests.redis_server import RedisServer
 from tests.support.calls import run
 from tests.support.configs import job_config, request
 from tests.support.waiting import wait_until_async
-from udfs.cache import (
+from udfs.config import JobConfig, ModelConfig, with_overrides
+from udfs.cost.cache import (
     GuardedCache,
     LocalCache,
     RedisCache,
@@ -27,10 +28,9 @@ from udfs.cache import (
     cacheable,
     is_deterministic,
 )
-from udfs.client import InferenceClient
-from udfs.config import JobConfig, ModelConfig, with_overrides
+from udfs.inference.client import InferenceClient
+from udfs.inference.prompts import build_payload
 from udfs.metrics import InferenceMetrics
-from udfs.prompts import build_payload
 
 ANSWER = {"output": "Paris.", "model": "sim", "finish_reason": "stop", "prompt_tokens": 7, "completion_tokens": 2}
 
@@ -113,7 +113,7 @@ def test_local_cache_round_trip_and_ttl(tmp_path: Path) -> None:
 
 def test_local_cache_is_shared_by_two_processes(tmp_path: Path) -> None:
     path = tmp_path / "shared.sqlite"
-    writer = ("import sys; from udfs.cache import LocalCache; c = LocalCache(sys.argv[1]); "
+    writer = ("import sys; from udfs.cost.cache import LocalCache; c = LocalCache(sys.argv[1]); "
               "[c.put_now(f'{sys.argv[2]}-{i}', {'i': i}) for i in range(200)]")
     procs = [subprocess.Popen([sys.executable, "-c", writer, str(path), name]) for name in ("a", "b")]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
@@ -179,7 +179,7 @@ def test_a_cache_outage_is_logged_once_counted_and_never_fails(redis_server: Red
         assert await guarded.get("k3") == ANSWER
         await guarded.close()
 
-    with caplog.at_level(logging.WARNING, logger="udfs.cache"):
+    with caplog.at_level(logging.WARNING, logger="udfs.cost.cache"):
         run(go)
     unavailable = [r for r in caplog.records if "unavailable" in r.getMessage()]
     back = [r for r in caplog.records if "is back after" in r.getMessage()]

@@ -18,14 +18,12 @@ import pytest
 from aiohttp import web
 
 from jobs.dev.simulator import ThreadedSimulator
-from jobs.ports import free_port
+from jobs.runtime.ports import free_port
 from tests.support.calls import complete_one, failure, run
 from tests.support.configs import job_config, request
 from tests.support.fakes import MetricGroup
 from tests.support.servers import serve_app
 from tests.support.waiting import wait_until
-from udfs import client as client_module
-from udfs.client import InferenceClient
 from udfs.config import with_overrides
 from udfs.errors import (
     BadInput,
@@ -36,6 +34,8 @@ from udfs.errors import (
     RetryableError,
     UnsupportedResponse,
 )
+from udfs.inference import client as client_module
+from udfs.inference.client import InferenceClient
 from udfs.metrics import InferenceMetrics
 from udfs.records import Completion
 
@@ -390,7 +390,7 @@ def test_close_from_another_loop_as_pyflink_does(make_sim: Callable[..., Threade
     assert sim.stats()["open_connections"] == 0
 
 
-# ------------------------------------------------------------------ a model fleet (udfs/fleet.py)
+# ------------------------------------------------------------------ a model fleet (udfs/inference/fleet.py)
 
 
 def fleet_config(endpoints: list[dict[str, Any]], *, fallback: dict[str, Any] | None = None,

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from udfs.config import LimitsConfig
-from udfs.decode import decode, record_id
 from udfs.errors import BadInput
 from udfs.records import SourceRef
+from udfs.records.decode import decode, record_id
 
 SOURCE = SourceRef("in", 0, 7, 1_700_000_000_000)
 LIMITS = LimitsConfig(max_record_bytes=10_000, max_prompt_chars=1_000, max_id_chars=64)

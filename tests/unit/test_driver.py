@@ -1,4 +1,4 @@
-"""The one drive loop (`jobs/driver.py`) on a fake job: what `run` and `submit --until-end` do with a
+"""The one drive loop (`jobs/launch/driver.py`) on a fake job: what `run` and `submit --until-end` do with a
 stop request, a finished backfill, a refused or late savepoint, a cancel and a failure."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from jobs.driver import JobDriver, StopRequest, drive
-from jobs.flink_rest import ClusterError
+from jobs.clients.flink_rest import ClusterError
+from jobs.launch.driver import JobDriver, StopRequest, drive
 
 SAVEPOINTS = "file:///state/savepoints"
 
@@ -171,7 +171,7 @@ def test_the_blocking_stop_returns_the_savepoint_once_the_job_ended() -> None:
 def test_the_reported_cause_is_the_chains_not_a_suppressed_one() -> None:
     """A failed job's report can end with a suppressed exception Java indents (the TaskExecutor
     shutting down); the cause `run` reports is the innermost "Caused by" of the chain."""
-    from jobs.flink_rest import last_error_line
+    from jobs.clients.flink_rest import last_error_line
 
     report = ("org.apache.flink.runtime.client.JobExecutionException: Job execution failed.\n"
               "\tat org.apache.flink.X.y(X.java:1)\n"
@@ -229,7 +229,7 @@ DENIED_OUT = ("org.apache.flink.kafka.shaded.org.apache.kafka.common.errors.Topi
 
 
 def test_the_log_names_each_task_failure_by_its_root_cause() -> None:
-    from jobs.driver import logged_failures
+    from jobs.launch.driver import logged_failures
 
     assert logged_failures(MINI_CLUSTER_LOG) == [
         DENIED_OUT, DENIED_OUT, "org.apache.flink.util.FlinkExpectedException: The TaskExecutor is shutting down."]
@@ -240,7 +240,7 @@ def test_when_the_job_result_names_only_the_shutdown_the_log_names_the_cause(tmp
     """The TaskManager died of the failed task's clean-up before the JobManager heard of the task's
     failure: the job's result and its exception history name only the shutdown; the log, read from
     where this job started, names the authorization error."""
-    from jobs.driver import FlinkLog, MiniClusterDriver
+    from jobs.launch.driver import FlinkLog, MiniClusterDriver
 
     class FailedResult:
         def done(self) -> bool:
@@ -273,7 +273,7 @@ def test_when_the_job_result_names_only_the_shutdown_the_log_names_the_cause(tmp
 def test_a_settled_restart_count_asks_again_after_the_metric_store_caught_up(monkeypatch: Any) -> None:
     """Flink's REST API answers job metrics from a store it refreshes only when asked: the first
     answer can be the old value. `settle_s` asks a second time and keeps the larger count."""
-    from jobs.flink_rest import FlinkRest
+    from jobs.clients.flink_rest import FlinkRest
 
     answers = iter(["0", "4"])
     asked: list[str] = []
@@ -283,7 +283,7 @@ def test_a_settled_restart_count_asks_again_after_the_metric_store_caught_up(mon
         return [{"id": "numRestarts", "value": next(answers)}]
 
     monkeypatch.setattr(FlinkRest, "rest", rest)
-    monkeypatch.setattr("jobs.flink_rest.time.sleep", lambda s: None)
+    monkeypatch.setattr("jobs.clients.flink_rest.time.sleep", lambda s: None)
     assert FlinkRest("http://127.0.0.1:1").num_restarts("j", settle_s=2.0) == 4
     assert asked == ["/jobs/j/metrics?get=numRestarts"] * 2
     answers = iter(["3"])
@@ -294,7 +294,7 @@ def test_a_long_trace_keeps_its_root_cause_once_frames_are_left_out() -> None:
     """The exception history's traces are cut to `TRACE_CHARS`: a Kafka send failure's authorization
     error came after ~30 long frames and was cut off (run under load reported "Failed to send data");
     without the frames the whole chain fits."""
-    from jobs.flink_rest import TRACE_CHARS, last_error_line, without_frames
+    from jobs.clients.flink_rest import TRACE_CHARS, last_error_line, without_frames
 
     frame = "\tat org.apache.flink.kafka.shaded.org.apache.kafka.clients.producer.internals.Sender.failBatch(Sender.java:843) ~[blob_p-7bf2:5.0.0-2.2]\n"
     trace = ("java.io.IOException: One or more Kafka Producer send requests have encountered exception\n" + frame * 15

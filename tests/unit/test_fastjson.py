@@ -1,4 +1,4 @@
-"""`udfs/fastjson.py`: orjson where it can, the standard library where orjson refuses, so every
+"""`udfs/records/fastjson.py`: orjson where it can, the standard library where orjson refuses, so every
 document reads to the same value as `json.loads` gives and writes to JSON that reads back equal."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from udfs import fastjson
+from udfs.records import fastjson
 
 DOCUMENTS = [
     {"id": "r-1", "output": "héllo \u2603 \"quoted\"\n", "usage": {"prompt_tokens": 3}, "cost": None, "cached": False},

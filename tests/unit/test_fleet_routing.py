@@ -1,4 +1,4 @@
-"""Routing over a model fleet (`udfs/fleet.py`), driven by a fake clock: shares by weight and
+"""Routing over a model fleet (`udfs/inference/fleet.py`), driven by a fake clock: shares by weight and
 limit, AIMD and Retry-After per endpoint, circuits opening, probing and closing, waiting while
 every circuit is open, and the fallback group. No sleeps: time moves only when a test moves it."""
 
@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from udfs.config import CircuitConfig
-from udfs.fleet import CircuitState, Endpoint, EndpointSpec, Fleet, Outcome
+from udfs.inference.fleet import CircuitState, Endpoint, EndpointSpec, Fleet, Outcome
 
 
 class FakeClock:

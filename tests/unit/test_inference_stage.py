@@ -1,4 +1,4 @@
-"""The inference stage (`udfs.operators.InferenceStage`) without a JVM: fake keyed state, timers
+"""The inference stage (`udfs.stage.operators.InferenceStage`) without a JVM: fake keyed state, timers
 and runtime context (tests/unit/fake_flink.py), the simulator over loopback HTTP.
 """
 
@@ -17,7 +17,7 @@ from jobs.dev.simulator import ThreadedSimulator
 from tests.support.waiting import wait_until
 from tests.unit.fake_flink import Harness, KeyedState, record
 from udfs.config import JobConfig, config_from_dict
-from udfs.operators import EMIT_PERIOD_MS, FLUSH_AT
+from udfs.stage.operators import EMIT_PERIOD_MS, FLUSH_AT
 
 
 def job_config(endpoint: str, capacity: int = 8, **sections: dict[str, Any]) -> JobConfig:
@@ -448,9 +448,9 @@ def test_a_paused_budget_parks_records_closes_the_gate_and_resumes_by_itself(
 def test_a_stop_with_a_savepoint_opens_a_paused_gate_and_the_stage_parks_what_comes(
         sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
     """A savepoint's barrier is aligned: it waits behind the input a closed gate holds back. Once
-    `llmstream run` marks the stop (`jobs.gate.open_for_stop`), a paused stage opens its gate
+    `llmstream run` marks the stop (`jobs.graph.gate_operator.open_for_stop`), a paused stage opens its gate
     and parks what arrives (it is in state, so the savepoint holds it), starting nothing."""
-    from jobs import gate
+    from jobs.graph import gate_operator as gate
 
     h = Harness(job_config(sim.url, capacity=2, budget={"max_tokens_per_hour": 1, "window_s": 10}),
                 gate_dir=str(tmp_path))

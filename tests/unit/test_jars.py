@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from jobs import jars
+from jobs.runtime import jars
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,7 +114,7 @@ def test_repo_root_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_the_gate_jar_without_javac_is_one_line_naming_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A budgeted job needs the admission gate's jar; where it is not built and no JDK is found,
     `llmstream run`/`submit` stop before any JVM starts with one line saying what to do."""
-    from jobs import gate
+    from jobs.graph import gate_operator as gate
 
     monkeypatch.setenv("LLMSTREAM_JAR_CACHE", str(tmp_path / "cache"))  # nothing built there
     monkeypatch.delenv("JAVA_HOME", raising=False)
@@ -132,7 +132,7 @@ def test_a_fleet_gets_the_gate_only_where_it_can_be_built(tmp_path: Path, monkey
     cooldown) instead of refusing to start on a machine with a JRE only."""
     import dataclasses
 
-    from jobs import gate
+    from jobs.graph import gate_operator as gate
     from tests.support.configs import job_config
     from udfs.config import BudgetConfig, EndpointConfig, RateLimitConfig
 

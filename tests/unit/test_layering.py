@@ -43,7 +43,7 @@ MODULES = _modules()
 
 
 def _resolve(name: str) -> str | None:
-    """The project module an imported name refers to (``jobs.jars`` for ``from jobs import jars``)."""
+    """The project module an imported name refers to (``jobs.runtime.jars`` for ``from jobs import jars``)."""
     while name:
         if name in MODULES:
             return name
@@ -79,7 +79,7 @@ def _imports(module: str, path: Path) -> Iterator[Import]:
                 anchor = package.split(".")
                 anchor = anchor[:len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            # `from jobs import jars` imports the module jobs.jars; `from jobs.jars import x`, jobs.jars.
+            # `from jobs import jars` imports the module jobs.runtime.jars; `from jobs.runtime.jars import x`, jobs.runtime.jars.
             names = [f"{base}.{alias.name}" for alias in node.names] if base else []
         for name in names:
             target = _resolve(name)

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from jobs.run import check_local_ports
+from jobs.launch.run import check_local_ports
 from udfs.config import load_config, with_overrides
 from udfs.errors import ConfigError
 

@@ -18,13 +18,13 @@ import pytest
 from aiohttp import web
 
 from jobs.dev.simulator import ThreadedSimulator
-from jobs.ports import free_port
+from jobs.runtime.ports import free_port
 from tests.support.calls import complete_one, failure, run
 from tests.support.configs import job_config, request
 from tests.support.servers import serve_app
 from tests.unit.tls_certs import OPENSSL, Certs, make_certs
-from udfs.client import InferenceClient
 from udfs.errors import ConfigError, PermanentError, TlsError
+from udfs.inference.client import InferenceClient
 from udfs.records import Completion
 
 API_KEY = "sk-llmstream-tls-4b1d9e7a"

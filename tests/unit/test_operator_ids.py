@@ -1,5 +1,5 @@
 """Operator ids as Flink derives them from uids, looked up in a snapshot's `_metadata`, the one
-restore that must leave state behind (a job whose admission gate was removed, `jobs/gate.py`),
+restore that must leave state behind (a job whose admission gate was removed, `jobs/graph/gate_operator.py`),
 and the gate's directories.
 
 The real round trip (a gated snapshot restored by a job without a budget, and back) is
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import gate
-from jobs.operator_ids import holds_operator, murmur3_128, operator_id
+from jobs.graph import gate_operator as gate
+from jobs.state.operator_ids import holds_operator, murmur3_128, operator_id
 from tests.support.configs import job_config
 from udfs.config import BudgetConfig
 
@@ -71,7 +71,7 @@ def test_killed_jobs_empty_gate_directories_are_swept_and_a_live_one_comes_back(
     import os
     import tempfile
 
-    from udfs.gate import GateSignal
+    from udfs.stage.admission import GateSignal
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     root = tmp_path / "llmstream-gate"

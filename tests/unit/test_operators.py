@@ -1,4 +1,4 @@
-"""Nothing raises out of the Flink function (`udfs.operators.InferenceStage`).
+"""Nothing raises out of the Flink function (`udfs.stage.operators.InferenceStage`).
 
 An exception out of `process_element` or `on_timer` fails the task and restarts the job, which
 then meets the same record again: one bad record would stop the stream for good. Every way a
@@ -19,7 +19,6 @@ import pytest
 from pyflink.common import Row
 
 from tests.unit.fake_flink import Harness, KeyedState, record
-from udfs import operators
 from udfs.config import JobConfig, config_from_dict
 from udfs.errors import (
     BadInput,
@@ -29,8 +28,9 @@ from udfs.errors import (
     PermanentError,
     RetryableError,
 )
-from udfs.operators import epoch_ms
 from udfs.records import Completion, PendingRecord, Request
+from udfs.stage import operators
+from udfs.stage.operators import epoch_ms
 
 TS = 1_700_000_000_000
 

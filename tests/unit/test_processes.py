@@ -1,5 +1,5 @@
 """Process control of the local services (jobs/dev/processes.py), on real child processes, and the
-loopback port helpers they and `llmstream run` share (jobs/ports.py)."""
+loopback port helpers they and `llmstream run` share (jobs/runtime/ports.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from jobs import pids, ports
 from jobs.dev import processes
 from jobs.dev.processes import pid_alive, terminate, wait_gone
+from jobs.runtime import pids, ports
 
 IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
 

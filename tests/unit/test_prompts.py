@@ -8,7 +8,7 @@ import pytest
 
 from udfs.config import ModelConfig
 from udfs.errors import BadInput, ContextTooLong
-from udfs.prompts import build_payload, estimate_tokens, input_tokens
+from udfs.inference.prompts import build_payload, estimate_tokens, input_tokens
 from udfs.records import Request, SourceRef
 
 SOURCE = SourceRef("requests", 0, 7)

@@ -1,4 +1,4 @@
-"""A run's end prints no traceback (jobs/python_worker_shutdown.py): the report Beam's Python worker
+"""A run's end prints no traceback (jobs/runtime/python_worker_shutdown.py): the report Beam's Python worker
 prints when its data channel closes mid-bundle goes to the debug log, everything else through,
 and the command line keeps it so until the process has exited (PyFlink stops its workers from
 an atexit hook, after `main` has returned)."""
@@ -16,7 +16,7 @@ import pytest
 from apache_beam.runners.worker.data_plane import _GrpcDataChannel
 
 from jobs import cli
-from jobs.python_worker_shutdown import QuietWorkerStderr
+from jobs.runtime.python_worker_shutdown import QuietWorkerStderr
 from tests.conftest import SHELL_ENV
 
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from udfs.config import RateLimitConfig
-from udfs.ratelimit import AdaptiveConcurrency, RateLimiter, TokenBucket
+from udfs.inference.ratelimit import AdaptiveConcurrency, RateLimiter, TokenBucket
 
 
 class FakeClock:

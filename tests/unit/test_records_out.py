@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from udfs import dead_letter
-from udfs.encode import result_row
 from udfs.errors import BadInput, ResultTooLarge, RetryableError
-from udfs.records import Completion, Request, SourceRef, forwarded_headers
+from udfs.records import Completion, Request, SourceRef, dead_letter, forwarded_headers
+from udfs.records.encode import result_row
 
 SOURCE = SourceRef("requests", 1, 42, 1_700_000_000_000)
 

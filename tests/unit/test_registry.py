@@ -1,4 +1,4 @@
-"""The registry client (udfs/registry.py) without a registry: a registry that never answers is
+"""The registry client (udfs/records/registry.py) without a registry: a registry that never answers is
 unavailable after `schema_registry.unavailable_timeout_s` (a closed loopback port, a fake clock),
 basic auth comes from placeholders and shows in no message, and the password is a placeholder only.
 What a registry answers (lookups, the cache, refusals not retried) is tested against the real
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import requests
 
-from jobs.ports import free_port
+from jobs.runtime.ports import free_port
 from udfs.config import SchemaRegistryConfig, config_from_dict
-from udfs.registry import RegistryClient, RegistryUnavailable
+from udfs.records.registry import RegistryClient, RegistryUnavailable
 
 
 def client(url: str, **settings: Any) -> tuple[RegistryClient, list[float]]:

@@ -11,7 +11,7 @@ import pytest
 
 from udfs.config import RetryConfig
 from udfs.errors import DeadlineExceeded, PermanentError, RateLimited, RetryableError
-from udfs.retry import (
+from udfs.inference.retry import (
     Deadline,
     RetryPolicy,
     classify,
@@ -197,11 +197,11 @@ def test_a_deadline_that_has_not_started_does_not_limit_the_wait_in_line() -> No
 
 
 def test_every_decision_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="udfs.retry")
+    caplog.set_level(logging.DEBUG, logger="udfs.inference.retry")
     call = Script(RetryableError("e", status=500), PermanentError("p", status=404))
     with pytest.raises(PermanentError):
         asyncio.run(policy(Sleeps()).run(call))
-    messages = [r.getMessage() for r in caplog.records if r.name == "udfs.retry"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "udfs.inference.retry"]
     assert len(messages) == 2
     assert "retrying in" in messages[0] and "permanently" in messages[1]
-    assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "udfs.retry")
+    assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "udfs.inference.retry")

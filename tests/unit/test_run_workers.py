@@ -1,10 +1,10 @@
-"""Which Python worker mode `llmstream run` asks PyFlink for (jobs.run.python_worker_processes)."""
+"""Which Python worker mode `llmstream run` asks PyFlink for (jobs.launch.run.python_worker_processes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from jobs.run import PYFLINK_WORKER_MODE, python_worker_processes
+from jobs.launch.run import PYFLINK_WORKER_MODE, python_worker_processes
 from udfs.config import config_from_dict
 
 

@@ -1,5 +1,5 @@
-"""Secrets by reference (`udfs/secrets.py`) and `kafka.properties` as kafka-python arguments
-(`udfs/kafka_security.py`): what resolves, what is refused at load, and that no message carries a secret."""
+"""Secrets by reference (`udfs/config/secrets.py`) and `kafka.properties` as kafka-python arguments
+(`udfs/config/kafka_security.py`): what resolves, what is refused at load, and that no message carries a secret."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from udfs import kafka_security, secrets
-from udfs.config import config_from_dict, load_config, to_dict
+from udfs.config import config_from_dict, kafka_security, load_config, secrets, to_dict
 from udfs.errors import ConfigError
 
 SECRET = "s3cr3t-canary-7f1d"
@@ -225,7 +224,7 @@ def test_no_flink_log_config_lets_beam_print_the_python_workers_environment(name
     variables, a key given by `model.api_key_env` among them) at INFO and WARN. The local run's
     canary hunt (test_security) covers log4j-cli.properties; the cluster and image configs are
     only covered here."""
-    from jobs.flink_cli import flink_conf_dir
+    from jobs.clients.flink_cli import flink_conf_dir
 
     settings = dict(line.split("=", 1) for line in (flink_conf_dir() / name).read_text().splitlines()
                     if "=" in line and not line.lstrip().startswith("#"))

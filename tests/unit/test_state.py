@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.state import (
+from jobs.state.snapshots import (
     StateDir,
     StateDirError,
     check_identity,

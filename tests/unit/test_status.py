@@ -9,10 +9,10 @@ from typing import Any
 
 from rich.console import Console
 
-from jobs.flink_rest import FlinkRest
-from jobs.observe import JobMetrics, Observer, figures, find_job
-from jobs.state import LocalRun, StateDir
-from jobs.status import line, render
+from jobs.clients.flink_rest import FlinkRest
+from jobs.observe.figures import JobMetrics, Observer, figures, find_job
+from jobs.observe.status import line, render
+from jobs.state.snapshots import LocalRun, StateDir
 from udfs.config import load_config, with_overrides
 
 JOB = "a" * 32

@@ -17,14 +17,11 @@ from jobs.dev.simulator import ThreadedSimulator
 from tests.support.calls import run
 from tests.support.configs import job_config, request
 from tests.support.servers import serve_app
-from udfs import dead_letter
-from udfs.client import InferenceClient
 from udfs.config import DEFAULT_CONFIG, config_from_dict, load_config, with_overrides
-from udfs.encode import result_value
 from udfs.errors import ConfigError, InvalidModelOutput, RetryableError
-from udfs.prompts import build_payload
-from udfs.records import Completion, Request, SourceRef
-from udfs.structured import (
+from udfs.inference.client import InferenceClient
+from udfs.inference.prompts import build_payload
+from udfs.inference.structured import (
     Invalid,
     StructuredOutput,
     extract_json_text,
@@ -32,6 +29,8 @@ from udfs.structured import (
     prompt_instruction,
     schema_name,
 )
+from udfs.records import Completion, Request, SourceRef, dead_letter
+from udfs.records.encode import result_value
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "jobs" / "examples" / "structured-sentiment.yaml"
 SCHEMA: dict[str, Any] = {

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.bench.measure import (
     CheckpointSampler,
@@ -82,7 +82,7 @@ class LlmstreamSettings:
 
     Only capacity depends on the scenario. The inference stage keeps calls in flight across
     bundles and checkpoints, so the bundle and checkpoint settings are the job config's
-    defaults (`udfs/config.py`): the benchmark measures the default config.
+    defaults (`udfs/config/__init__.py`): the benchmark measures the default config.
     """
 
     capacity: int = 128
@@ -242,7 +242,7 @@ def is_flink(approach: str) -> bool:
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of every child: this checkout first on `PYTHONPATH`, and
-    `LLMSTREAM_HOME` (where `jobs.jars` finds `pom-free/`) pointing at it."""
+    `LLMSTREAM_HOME` (where `jobs.runtime.jars` finds `pom-free/`) pointing at it."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["LLMSTREAM_HOME"] = str(REPO_ROOT)

@@ -26,7 +26,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from jobs import jars
 from jobs.dev import local_kafka
 from jobs.dev.bench import report
 from jobs.dev.bench.harness import (
@@ -43,6 +42,7 @@ from jobs.dev.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, S
 from jobs.dev.bench.soak import DEFAULT_RATE, FAULT_NAMES, fault_kinds, run_soak
 from jobs.dev.simulator import SpawnedFleet, spawn_fleet
 from jobs.dev.simulator import spawn as spawn_simulator
+from jobs.runtime import jars
 
 TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "bundle_target_ms", "checkpoint_interval_ms",
                 "checkpoint_timeout_ms", "parallelism", "cache")

@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs import jars
 from jobs.dev.bench.workload import MAX_TOKENS, MODEL, SYSTEM_PROMPT
+from jobs.runtime import jars
 
 ASYNC_OPTIONS = {"async": "true", "max-concurrent-operations": "64", "output-mode": "ALLOW_UNORDERED",
                  "timeout": "3 min"}

@@ -26,13 +26,14 @@ from typing import Any
 import psutil
 import requests
 
-from jobs import jars, kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.bench.harness import ApproachProcess, Topics
 from jobs.dev.bench.measure import Observer
 from jobs.dev.bench.scenarios import SCENARIOS
 from jobs.dev.bench.workload import InputProducer
 from jobs.dev.simulator import spawn as spawn_simulator
+from jobs.runtime import jars
 
 CASES: dict[str, dict[str, Any]] = {
     # One record that is not JSON, in the middle of the input (the model is fine).

@@ -63,11 +63,11 @@ async def http_ceiling(endpoint: str, seconds: float, concurrency: int) -> dict[
 
 
 async def client_ceiling(endpoint: str, seconds: float, concurrency: int) -> dict[str, float]:
-    from udfs.client import InferenceClient
     from udfs.config import load_config, with_overrides
-    from udfs.decode import decode
-    from udfs.encode import result_value
+    from udfs.inference.client import InferenceClient
     from udfs.records import SourceRef
+    from udfs.records.decode import decode
+    from udfs.records.encode import result_value
 
     config = with_overrides(load_config(), model={"endpoint": endpoint, "model": MODEL,
                                                   "system_prompt": SYSTEM_PROMPT, "max_tokens": MAX_TOKENS},

@@ -43,16 +43,16 @@ from jobs.dev.bench.measure import process_tree
 log = logging.getLogger("llmstream.bench")
 
 PYTHON_STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("decode (JSON/Avro in, request)", ("udfs/decode.py", "udfs/avro_format.py", "udfs/prompts.py")),
-    ("encode (result record)", ("udfs/encode.py",)),
-    ("client (HTTP, retries, limits)", ("udfs/client.py", "udfs/transport.py", "udfs/responses.py",
-                                        "udfs/batching.py", "udfs/fleet.py", "udfs/ratelimit.py", "udfs/retry.py",
-                                        "udfs/cache.py", "udfs/budget.py", "aiohttp/", "yarl/", "multidict/")),
+    ("decode (JSON/Avro in, request)", ("udfs/records/decode.py", "udfs/records/avro.py", "udfs/inference/prompts.py")),
+    ("encode (result record)", ("udfs/records/encode.py",)),
+    ("client (HTTP, retries, limits)", ("udfs/inference/client.py", "udfs/inference/transport.py", "udfs/inference/responses.py",
+                                        "udfs/inference/batching.py", "udfs/inference/fleet.py", "udfs/inference/ratelimit.py", "udfs/inference/retry.py",
+                                        "udfs/cost/cache.py", "udfs/cost/budget.py", "aiohttp/", "yarl/", "multidict/")),
     ("keyed state (PyFlink state over Beam)", ("pyflink/fn_execution/state_impl", "pyflink/fn_execution/internal_state",
                                                "apache_beam/runners/worker/sdk_worker.py:_StateRequest",
                                                "apache_beam/runners/worker/bundle_processor.py:_StateBackedIterable")),
-    ("stage (admission, timers, emit)", ("udfs/operators.py", "udfs/inflight.py", "udfs/ordering.py",
-                                         "udfs/records.py", "udfs/metrics.py", "udfs/dead_letter.py")),
+    ("stage (admission, timers, emit)", ("udfs/stage/operators.py", "udfs/stage/inflight.py", "udfs/stage/ordering.py",
+                                         "udfs/records/__init__.py", "udfs/metrics.py", "udfs/records/dead_letter.py")),
     ("Beam crossing (gRPC, coders)", ("apache_beam/", "grpc/", "pyflink/fn_execution/", "google/protobuf/",
                                       "pyflink/common/", "cloudpickle")),
     ("call loop (asyncio)", ("asyncio/", "selectors.py")),

@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from jobs import kafka_admin
+from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.bench.harness import LlmstreamSettings, Topics, llmstream_config
 from jobs.dev.bench.measure import CheckpointSampler, Observer, percentile, tree_rss_mb

@@ -1,5 +1,5 @@
 """Several simulated endpoints in one process, and a control port that kills, revives and
-misconfigures each: the stand-in for a model fleet (`model.endpoints`, `udfs/fleet.py`).
+misconfigures each: the stand-in for a model fleet (`model.endpoints`, `udfs/inference/fleet.py`).
 
 ``llmstream model-server --fleet 16,8,4`` serves one endpoint per number, each with the other
 flags' settings and that concurrency limit, on its own free port (a killed endpoint refuses

@@ -21,7 +21,7 @@ from typing import Any
 
 import jsonschema
 
-from udfs.structured import PROMPT_SCHEMA_MARKER
+from udfs.inference.structured import PROMPT_SCHEMA_MARKER
 
 _MAX_DEPTH = 8
 

@@ -1,0 +1,250 @@
+"""`llmstream run`: the job in a local Flink mini cluster that resumes from its own state.
+
+Every run keeps its checkpoints and savepoints in the job's state directory
+(`jobs/state/snapshots.py`) and resumes from the newest one there, so output and input positions
+restart together and nothing is written twice or skipped, whatever ended the last run:
+
+- Ctrl-C or SIGTERM stops the job with a savepoint (its transactions committed), falling
+  back to a cancel after `stop_timeout_s`; a second Ctrl-C cancels at once. A cancelled
+  job's last checkpoint is retained.
+- A run killed outright (SIGKILL, power loss) leaves its last completed checkpoint behind.
+- `--until-end` (a backfill) runs until the consumer group's committed offsets reach the
+  input's end offsets taken at start, then stops with a draining savepoint, which flushes
+  every call still in flight into that final, committed output.
+- `--fresh` ignores the state directory and starts from the group's committed offsets.
+
+The job is driven by `jobs/launch/driver.py` (the loop `llmstream submit --until-end` shares). Progress
+lines are the compact form of `llmstream status` (jobs/observe/status.py, figures from jobs/observe/figures.py):
+records in and out from Flink's metrics (the group's committed offsets lag behind under backpressure, when the
+source's offset commits wait for its blocked fetcher), lag, calls, latency and checkpoints;
+"starting" until the job has processed a record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+from jobs.clients.flink_cli import flink_conf_dir
+from jobs.clients.flink_rest import FlinkRest
+from jobs.clients.kafka_admin import GroupProgress
+from jobs.graph import gate_operator as gate
+from jobs.graph.pipeline import RunOptions, build_pipeline, create_environment
+from jobs.launch import preflight
+from jobs.launch.driver import (
+    FlinkLog,
+    MiniClusterDriver,
+    Outcome,
+    StopRequest,
+    drive,
+    stop_on_signals,
+)
+from jobs.observe.figures import Observer, RunFigures
+from jobs.runtime import jars
+from jobs.runtime.jvm_archive import GatewayArchive
+from jobs.runtime.ports import free_port, port_in_use
+from jobs.runtime.python_worker_shutdown import quiet_worker_shutdown
+from jobs.state.location import checked_state_dir
+from jobs.state.snapshots import (
+    LocalRun,
+    StateDir,
+    check_identity,
+    restore_refused,
+    resume_point,
+)
+from udfs.config import JobConfig
+from udfs.cost.cache import resolve_cache_location
+from udfs.errors import ConfigError
+
+__all__ = ["StopRequest", "check_local_ports", "exit_code", "run_job"]
+
+
+def run_job(
+    config: JobConfig,
+    options: RunOptions | None = None,
+    *,
+    progress_every_s: float = 5.0,
+    report: Callable[[str], None] = print,
+    stop: StopRequest | None = None,
+    stop_timeout_s: float = 60.0,
+    class_archive: bool = False,
+) -> str:
+    """Runs the job until it ends; returns FINISHED (a backfill done, or stopped with a
+    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume.
+
+    `class_archive` (the CLI's, which owns its process): the JVM starts from a class-data-sharing
+    archive, or makes one and is shut down at the end to write it (`jobs/runtime/jvm_archive.py`), so
+    nothing in this process may use PyFlink after this returns."""
+    options = options or RunOptions()
+    stop = stop or StopRequest.new()
+    state = checked_state_dir(config, options.state_dir, create=True)
+    # The local result cache lives beside the job's snapshots (the workers get this path pickled).
+    config = resolve_cache_location(config, state.path)
+    preflight.check(config)
+    check_local_ports(config)
+    jars.ensure("connector")
+    gate.ensure_for(config)
+    if config.metrics.prometheus_port is not None:
+        jars.ensure("metrics")
+    archive = GatewayArchive.find() if class_archive else None
+    state_name = _run(config, options, state, archive, progress_every_s=progress_every_s, report=report,
+                      stop=stop, stop_timeout_s=stop_timeout_s)
+    if archive is not None:
+        archive.save(report)
+    return state_name
+
+
+def check_local_ports(config: JobConfig) -> None:
+    """The mini cluster's fixed ports must be free: Flink would fail with a Java traceback on a
+    taken REST port and, worse, run without its Prometheus endpoint on a taken metrics port
+    (it logs the bind error and goes on), so a scrape would find nothing or another process."""
+    for setting, port in (("metrics.prometheus_port", config.metrics.prometheus_port),
+                          ("metrics.rest_port", config.metrics.rest_port)):
+        if port is not None and port_in_use(port):
+            raise ConfigError(setting, f"port {port} on 127.0.0.1 is taken (another run or service holds it); "
+                                       "choose a free one or leave it unset")
+
+
+def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: GatewayArchive | None, *,
+         progress_every_s: float, report: Callable[[str], None], stop: StopRequest, stop_timeout_s: float) -> str:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(state.exclusive())
+        check_identity(state, config, fresh=options.fresh)
+        restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
+        report(f"llmstream: {how}")  # before the JVM starts: a run killed while it starts has said so
+        leave_behind = gate.left_behind(config, restore)
+        if leave_behind:
+            report(f"llmstream: {leave_behind}")
+        progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
+        stack.enter_context(stop_on_signals(stop, report))
+        stack.enter_context(quiet_worker_shutdown())
+        targets = progress.end_offsets() if options.until_end else None
+        rest_port = config.metrics.rest_port or free_port()
+        workers = python_worker_processes(config)
+        if workers:
+            stack.enter_context(_environ(PYFLINK_WORKER_MODE, "process"))
+            report(f"llmstream: {workers} inference subtasks, each with a Python worker process of its own")
+        with flink_log_dir(state), _archive_applied(archive, state):
+            env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
+                                     leave_behind=leave_behind is not None, local_rest_port=rest_port)
+        gate_dir = build_pipeline(env, config)
+        stack.callback(gate.forget, gate_dir)
+        flink_log = FlinkLog.of_this_jvm()
+        try:
+            job_client = env.execute_async(config.name)
+        except Exception as err:  # py4j's Java error: one line when it is Flink refusing the snapshot
+            refused = restore_refused(err, restore, options.from_savepoint, options.state_dir)
+            if refused is not None:
+                raise refused from None
+            raise
+        local_run = LocalRun.starting(config, str(job_client.get_job_id()), rest_port)
+        stack.callback(local_run.ended, state)
+        local_run.record(state)
+        report(f"llmstream: job {config.name} ({job_client.get_job_id()}) started in a local mini cluster; "
+               f"{config.kafka.input_description()} -> {config.kafka.output_topic} | {config.kafka.dead_letter_topic}")
+        report(f"llmstream: web UI and REST API at {local_run.rest_url}"
+               + (f"; Prometheus metrics at {local_run.prometheus_url}" if local_run.prometheus_url else "")
+               + "; `llmstream status --config FILE` shows the job")
+        if targets is not None:
+            ends = ", ".join(f"{tp.topic}:{tp.partition}={end}" for tp, end in sorted(targets.items()))
+            report(f"llmstream: backfill: will stop once the group has committed {sum(targets.values())} "
+                   f"input records (end offsets {ends})")
+        observer = Observer(config, local_run.rest_url, job_id=local_run.job_id, progress=progress,
+                            local_run=local_run)
+        driver = MiniClusterDriver(job_client, FlinkRest(local_run.rest_url), flink_log)
+        outcome = drive(driver, stop, savepoints_uri=state.savepoints_uri, progress=progress,
+                        targets=targets, figures=RunFigures(observer, local_run, state),
+                        progress_every_s=progress_every_s, stop_timeout_s=stop_timeout_s,
+                        on_stop=lambda: gate.open_for_stop(gate_dir), report=report)
+        state_name = _conclude(outcome, progress, state, report)
+        if outcome.state == "FAILED" and flink_log is not None:
+            report(f"llmstream: Flink's log of this run: {flink_log.path}")
+        state.prune()
+        return state_name
+
+
+PYFLINK_WORKER_MODE = "_python_worker_execution_mode"
+"""PyFlink's switch (read when an environment is created) between `loopback`, its default in a
+mini cluster (every Python operator runs inside this process), and `process` (each runs in a
+worker process the TaskManager starts, as on a cluster)."""
+
+
+def python_worker_processes(config: JobConfig) -> int:
+    """How many Python worker processes `llmstream run` asks for: 0 (PyFlink's loopback default)
+    with one inference subtask, else one per subtask.
+
+    In loopback mode every subtask's Python shares this process and its GIL: measured (instant
+    model, 2 cores, 2026-12-03), two subtasks did 880/s with this process at 0.85 of a core, no
+    more than one; in worker processes they did 1,213-1,283/s (1.1 cores of Python over the two).
+    With one subtask the two modes were alike (0.78-0.79 of a core), and loopback keeps the
+    stage's log on this console. A `_python_worker_execution_mode` already set is left alone."""
+    subtasks = config.parallelism.of("inference")
+    if subtasks <= 1 or PYFLINK_WORKER_MODE in os.environ:
+        return 0
+    return subtasks
+
+
+@contextlib.contextmanager
+def flink_log_dir(state: StateDir) -> Iterator[None]:
+    """Flink's log of a run in this process goes to the state directory's ``log/`` (a local one),
+    unless FLINK_LOG_DIR says where: PyFlink's default is one file in its own package directory,
+    shared by every run on the machine and truncated by each JVM that starts. And it is written with
+    ``flink-conf/log4j-cli.properties`` (unless LOG4J_PROPERTIES says otherwise), not PyFlink's own,
+    which lets Beam print the Python worker's environment, a model API key included. PyFlink reads
+    both variables when it starts its JVM (the first run in a process), so they are set only meanwhile."""
+    local = None if state.path is None or "FLINK_LOG_DIR" in os.environ else str(state.path / "log")
+    log4j = flink_conf_dir() / "log4j-cli.properties"
+    ours = None if "LOG4J_PROPERTIES" in os.environ or not log4j.is_file() else str(log4j)
+    with _environ("FLINK_LOG_DIR", local), _environ("LOG4J_PROPERTIES", ours):
+        yield
+
+
+def _archive_applied(archive: GatewayArchive | None, state: StateDir) -> contextlib.AbstractContextManager[None]:
+    """``JVM_ARGS`` with the class archive's options while PyFlink starts its JVM (it reads it then)."""
+    if archive is None:
+        return contextlib.nullcontext()
+    log_file = None
+    if state.path is not None:
+        (state.path / "log").mkdir(parents=True, exist_ok=True)
+        log_file = state.path / "log" / "jvm-class-archive.log"
+    return _environ("JVM_ARGS", archive.jvm_args(os.environ.get("JVM_ARGS", ""), log_file))
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None) -> Iterator[None]:
+    """`name` set to `value` in this process's environment meanwhile (None: left as it is)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
+def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report: Callable[[str], None]) -> str:
+    """Says how the run ended and where the next one resumes from; returns the job's final state."""
+    if outcome.state == "CANCELED":
+        report(f"llmstream: job cancelled; the next run resumes from the last checkpoint in {state.location}")
+    elif outcome.state == "FAILED":
+        report(f"llmstream: job failed: {outcome.cause}")
+    else:
+        committed, end = progress.snapshot()
+        where = f"savepoint {outcome.savepoint}" if outcome.savepoint else f"the state in {state.location}"
+        report(f"llmstream: job finished; committed {committed}/{end} input records; the next run resumes from {where}")
+    return outcome.state
+
+
+def exit_code(state: str) -> int:
+    """0 for a finished, stopped or deliberately cancelled job, 1 for a failed one."""
+    return 1 if state == "FAILED" else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use: llmstream run --config FILE")

@@ -1,0 +1,173 @@
+"""`llmstream submit`, `stop` and `upgrade`: the job on a Flink cluster, resuming from its own state.
+
+A job is submitted with Flink's own ``bin/flink run -d -py jobs/inference_job.py``
+(`jobs/clients/flink_cli.py`) after `jobs.launch.preflight.check`, to ``--jobmanager HOST:PORT`` or by
+default to the local cluster of ``llmstream cluster``, found through the address it records
+(`jobs/clients/cluster_address.py`). Every submit
+restores the newest snapshot in the job's state directory (`jobs/state/snapshots.py`); ``stop`` and
+``upgrade`` go through a savepoint, so no restart writes output twice or skips input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kafka import TopicPartition  # type: ignore[import-untyped]
+
+from jobs.clients.cluster_address import target
+from jobs.clients.flink_cli import client_env, run_job_script
+from jobs.clients.flink_rest import ClusterError, FlinkRest
+from jobs.clients.kafka_admin import GroupProgress
+from jobs.graph import gate_operator as gate
+from jobs.launch.driver import RestDriver, StopRequest, drive
+from jobs.runtime import jars
+from jobs.state.location import checked_state_dir
+from jobs.state.snapshots import StateDir, check_identity, resume_point
+
+if TYPE_CHECKING:
+    from jobs.graph.pipeline import RunOptions
+    from udfs.config import JobConfig
+
+log = logging.getLogger("llmstream.submit")
+
+__all__ = ["stop_job", "submit", "upgrade"]
+
+STOP_TIMEOUT_S = 180.0
+"""How long a stop-with-savepoint is asked for again while Flink refuses it."""
+
+
+def _target(jobmanager: str | None) -> tuple[str, dict[str, str], FlinkRest]:
+    """(``flink run -m`` address, environment for Flink's CLI, REST client) of the cluster to use:
+    ``jobmanager``, else the local cluster (`jobs/clients/cluster_address.py`, which raises a `ConfigError`
+    naming ``--jobmanager`` if it does not answer)."""
+    cluster = target(jobmanager)
+    return cluster.address, client_env(Path(cluster.conf_dir), Path(cluster.log_dir)), cluster.rest()
+
+
+def _load(config_path: str | None) -> tuple[Path, JobConfig]:
+    from udfs.config import DEFAULT_CONFIG, load_config
+
+    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    return path, load_config(path)
+
+
+def _live_job(rest: FlinkRest, config: JobConfig) -> str:
+    live = rest.live_jobs(config.name)
+    if not live:
+        raise ClusterError(f"no running job called {config.name!r} at {rest.rest_url}")
+    return str(live[0]["jid"])
+
+
+def submit(config_path: str | None, jobmanager: str | None = None, options: RunOptions | None = None) -> int:
+    """``llmstream submit``: preflight, then submit to ``jobmanager`` (HOST:PORT; default the local
+    cluster), resuming from the newest snapshot in the job's state directory (`jobs/state/snapshots.py`).
+
+    Refuses while a job of the same name is live: two jobs committing the same state and
+    transactional ids would duplicate output. With ``until_end`` it then waits until the group
+    has committed the records present at submission and stops the job with a draining
+    savepoint. Returns 0. Raises `ConfigError` for a setting (the state directory, the cluster's
+    address, the broker; exit 2), `ClusterError` when the cluster refuses or the job fails (exit 1).
+    """
+    from jobs.graph.pipeline import RunOptions
+    from jobs.launch import preflight
+
+    options = options or RunOptions()
+    path, config = _load(config_path)
+    state = checked_state_dir(config, options.state_dir, create=True)
+    preflight.check(config)
+    address, env, rest = _target(jobmanager)
+    jars.ensure("connector")
+    gate.ensure_for(config)
+    live = rest.live_jobs(config.name)
+    if live:
+        raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
+                           "use `llmstream upgrade` to change it or `llmstream stop` first")
+    check_identity(state, config, fresh=options.fresh)
+    restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
+    print(f"llmstream: {how}")
+    leave_behind = gate.left_behind(config, restore)
+    if leave_behind:
+        print(f"llmstream: {leave_behind}")
+    targets = _end_offsets(config) if options.until_end else None
+    job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location,
+                            leave_behind=leave_behind is not None)
+    print(f"llmstream: submitted job {config.name} as {job_id}")
+    print(f"llmstream: web UI {rest.rest_url}/#/job/running/{job_id}/overview")
+    if targets is not None:
+        return _finish_backfill(rest, job_id, config, state, targets)
+    return 0
+
+
+def _end_offsets(config: JobConfig) -> dict[TopicPartition, int]:
+    with contextlib.closing(GroupProgress(config)) as progress:
+        return progress.end_offsets()
+
+
+def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: StateDir,
+                     targets: dict[TopicPartition, int]) -> int:
+    """Waits until the group has committed ``targets``, then stops the job with a draining savepoint
+    (`jobs.launch.driver.drive`, the loop `llmstream run` uses too)."""
+    print(f"llmstream: backfill: waiting until the group has committed {sum(targets.values())} input records")
+    with contextlib.closing(GroupProgress(config)) as progress:
+        outcome = drive(RestDriver(rest, job_id), StopRequest.new(), savepoints_uri=state.savepoints_uri,
+                        progress=progress, targets=targets, stop_timeout_s=STOP_TIMEOUT_S, cancel_on_timeout=False)
+    if outcome.savepoint is None:
+        if outcome.stop_error:
+            raise ClusterError(outcome.stop_error)
+        raise ClusterError(f"job {job_id} ended {outcome.state} before the backfill was done: {outcome.cause}")
+    print(f"llmstream: backfill done; stopped with savepoint {outcome.savepoint}")
+    return 0
+
+
+def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: bool) -> str:
+    """Stop-with-savepoint into the job's state directory, retried while Flink refuses it because
+    a task is still starting or restarting."""
+    return RestDriver(rest, job_id).stop_with_savepoint(drain=drain, directory=state.savepoints_uri,
+                                                        timeout_s=STOP_TIMEOUT_S)
+
+
+def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
+    """``llmstream stop``: stop the config's running job with a savepoint in its state directory.
+    Returns 0; raises as `submit` does (``ClusterError`` also when no such job runs)."""
+    _, config = _load(config_path)
+    state = checked_state_dir(config, state_dir, create=False)
+    _, _, rest = _target(jobmanager)
+    job_id = _live_job(rest, config)
+    print(f"llmstream: stopping job {config.name} ({job_id}) with a savepoint ...")
+    savepoint = _stop_when_running(rest, job_id, state, drain=False)
+    print(f"llmstream: stopped; savepoint {savepoint}")
+    print("llmstream: `llmstream submit` resumes from it")
+    return 0
+
+
+def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
+    """``llmstream upgrade``: stop the running job with a savepoint and resubmit it from there with
+    the (changed) config: capacity, retries, endpoint, parallelism. The config, the state directory,
+    the broker and the cluster are checked first, so a broken one never stops a healthy job.
+    Returns 0; raises as `submit` does."""
+    from jobs.launch import preflight
+
+    path, config = _load(config_path)
+    state = checked_state_dir(config, state_dir, create=state_dir is None)
+    preflight.check(config)
+    address, env, rest = _target(jobmanager)
+    jars.ensure("connector")
+    gate.ensure_for(config)
+    job_id = _live_job(rest, config)
+    check_identity(state, config, fresh=False)
+    print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")
+    savepoint = _stop_when_running(rest, job_id, state, drain=False)
+    print(f"llmstream: savepoint {savepoint}; resubmitting with {path}")
+    leave_behind = gate.left_behind(config, savepoint)
+    if leave_behind:
+        print(f"llmstream: {leave_behind}")
+    try:
+        new_id = run_job_script(path, address, env=env, savepoint=savepoint, state_dir=state.location,
+                                leave_behind=leave_behind is not None)
+    except ClusterError as err:
+        raise ClusterError(f"{err}; the job is stopped: `llmstream submit` resumes it from {savepoint}") from None
+    print(f"llmstream: upgraded: job {config.name} runs as {new_id}, restored from {savepoint}")
+    return 0

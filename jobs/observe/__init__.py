@@ -1,0 +1,1 @@
+"""The job's figures and `llmstream status`."""

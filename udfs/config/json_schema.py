@@ -1,0 +1,43 @@
+"""A JSON Schema given in the config: inline, or a JSON/YAML file read when the config loads.
+
+The config loader calls `load_schema` for `model.response_format` (a `Loaded` field, see
+`udfs/config/__init__.py`), so a bad schema is a `ConfigError` naming the key before the job starts, and the
+config then carries the schema itself: a cluster's workers never need the file. It lives apart from
+`udfs/inference/structured.py`, which uses the schema, so that the config depends on neither.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from jsonschema.exceptions import SchemaError
+
+from udfs.errors import ConfigError
+
+
+def load_schema(value: Any, key: str) -> dict[str, Any]:
+    """The JSON Schema `value` names: a mapping is the schema, a string a JSON or YAML file
+    (relative paths from the current directory). Raises `ConfigError(key, ...)` when the file
+    cannot be read or parsed, or the schema is not a valid JSON Schema of its draft."""
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(key, f"cannot read schema file {str(path)!r}: {err.strerror}") from None
+        try:
+            value = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as err:
+            raise ConfigError(key, f"schema file {str(path)!r} is not valid JSON/YAML: {err}"[:500]) from None
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"expected a JSON Schema (a mapping) or a file path, got {type(value).__name__}")
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except SchemaError as err:
+        where = "/".join(str(p) for p in err.absolute_path) or "(root)"
+        raise ConfigError(key, f"not a valid JSON Schema at {where}: {err.message}"[:500]) from None
+    return value

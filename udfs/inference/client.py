@@ -1,0 +1,488 @@
+"""The inference call: one `Request` in, one `Completion` out, or an `InferenceError`.
+
+`InferenceClient` is created in the inference stage's `open()` (`udfs/stage/operators.py`) and its
+calls run on the stage's `CallRunner` event loop (`udfs/stage/inflight.py`), which outlives Flink's
+bundles; so it does no network I/O in `__init__` and its HTTP session is created on first
+use, in the running loop. What it builds on, each in its own module:
+
+- `udfs/inference/transport.py`: the HTTP session, TLS, request headers and secrets, one POST, the
+  mapping of a status or connection failure to an error.
+- `udfs/inference/responses.py`: a 2xx body -> output, finish reason, usage (pure functions).
+- `udfs/cost/pricing.py`: what the tokens cost (also used by the spend budget and `status`).
+- `udfs/cost/single_flight.py`: the result cache, with identical requests sharing one call.
+- `udfs/inference/structured.py`, `udfs/inference/batching.py`, `udfs/cost/budget.py`, `udfs/inference/ratelimit.py`,
+  `udfs/inference/retry.py`: answers that must validate, micro-batches, the spend budget, the rate
+  limit and adaptive concurrency, the one retry layer.
+- `udfs/inference/fleet.py`: with `model.endpoints` (or `model.fallback`), which endpoint each attempt
+  goes to (weighted least-outstanding, a circuit, AIMD and a Retry-After pause per endpoint);
+  each endpoint has its own `Transport` and rate limits (a `Route`). `model.endpoint` alone
+  takes the path below unchanged.
+
+One record goes: cache (a hit ends here) -> structured output (asks again when an answer does
+not validate) -> micro-batch (embeddings with `model.batch.max_size` > 1) -> spend budget ->
+and for each attempt: a concurrency slot (AIMD; in a fleet, an endpoint's slot, waiting while
+no endpoint may take it) -> rate-limit tokens -> send, with
+`async.request_timeout_s` per attempt. Failures go through `RetryPolicy`; its
+`async.record_deadline_s` covers every attempt, wait and queue from the moment the first
+attempt is dispatched; time spent waiting in line for a slot or tokens before that is
+backpressure, not failure, and does not count.
+
+A micro-batch takes that path as one call (one budget, slot, rate-limit and retry sequence)
+and each record gets its own vector and its share of the usage. A batch rejected with a
+permanent 4xx is sent again record by record, so one bad input is dead-lettered alone.
+
+Secrets (the API key, resolved `model.headers` placeholders) never reach a repr, a log line
+or an error detail: `complete` redacts every error it raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Self
+
+import aiohttp
+
+from udfs.config import EndpointConfig, JobConfig, RateLimitConfig
+from udfs.cost import pricing
+from udfs.cost.budget import SpendBudget
+from udfs.cost.cache import cache_key, cacheable, open_cache
+from udfs.cost.single_flight import SingleFlightCache, Stored, cached_completion
+from udfs.errors import (
+    InferenceError,
+    InternalError,
+    InvalidModelOutput,
+    RateLimited,
+    RecordError,
+    RetryableError,
+)
+from udfs.inference import responses
+from udfs.inference.batching import (
+    Batcher,
+    batch_group,
+    batch_payload,
+    share_usage,
+    split_on_rejection,
+)
+from udfs.inference.fleet import CircuitState, EndpointSpec, Fleet, Outcome
+from udfs.inference.prompts import build_payload, input_tokens
+from udfs.inference.ratelimit import AdaptiveConcurrency, RateLimiter
+from udfs.inference.retry import Deadline, RetryPolicy
+from udfs.inference.structured import Invalid, StructuredOutput
+from udfs.inference.transport import Transport
+from udfs.metrics import InferenceMetrics
+from udfs.records import Completion, Request
+
+log = logging.getLogger(__name__)
+
+Entry = tuple[Request, dict[str, Any]]
+"""A record and the request body made of it: what a micro-batch collects."""
+
+PAUSE_AFTER_S = 1.0
+"""A wait at the rate limit or for a Retry-After longer than this is a pause (`pause_reason`): the
+stage parks new records behind the admission gate instead of waiting for a slot in its bundle.
+Shorter waits are pacing, as the stage's own backpressure has always been."""
+
+
+def _epoch_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A request that got a 2xx answer: its `body`, the `attempts` it took, when the first was
+    sent (`started_ms`, epoch ms) and `latency_ms` from then to the answer; the `endpoint` URL
+    that answered and the `payload` sent to it (a fleet endpoint may ask for another model)."""
+
+    body: dict[str, Any]
+    attempts: int
+    started_ms: int
+    latency_ms: float
+    endpoint: str
+    payload: dict[str, Any]
+
+
+class _Attempts:
+    """Counts the attempts of one request as they are sent, for the `Attempt` or the error."""
+
+    def __init__(self, endpoint: str, payload: dict[str, Any]) -> None:
+        self.count = 0
+        self.started_ms = 0
+        self._first_sent = 0.0
+        self.endpoint = endpoint
+        self.payload = payload
+        self.tried: list[int] = []  # fleet endpoints that failed this request
+
+    def sending(self) -> float:
+        """Notes an attempt being sent now; returns its `time.perf_counter()`."""
+        now = time.perf_counter()
+        if self.count == 0:
+            self.started_ms, self._first_sent = _epoch_ms(), now
+        self.count += 1
+        return now
+
+    def answered(self, body: dict[str, Any]) -> Attempt:
+        return Attempt(body, self.count, self.started_ms, (time.perf_counter() - self._first_sent) * 1000,
+                       self.endpoint, self.payload)
+
+
+@contextmanager
+def _counted(attempts: int) -> Iterator[None]:
+    """An error reading an answer counts the attempts that got it."""
+    try:
+        yield
+    except InferenceError as err:
+        err.attempts = attempts
+        raise
+
+
+class InferenceClient:
+    """Calls an OpenAI-compatible server for one inference subtask.
+
+    `subtasks` is the parallelism of the inference operator: each subtask paces itself to
+    its share of the job-wide rate limits. `complete` raises only `InferenceError`
+    subclasses (call failures) and `BadInput` (a record that cannot become a request, e.g.
+    a template field it lacks); anything unexpected is a bug, an `InternalError`. Token
+    counts come from the response's `usage`, estimated (chars / 4) when a server omits it.
+    Use it from one event loop; `close()` may come from another (see `Transport.close`).
+    A bad `model.tls` file or an unresolvable `model.headers` placeholder is a `ConfigError`
+    here, at `open()`, rather than on every record.
+    """
+
+    def __init__(self, config: JobConfig, *, subtasks: int = 1, metrics: InferenceMetrics | None = None) -> None:
+        self._config = config
+        self.metrics = metrics if metrics is not None else InferenceMetrics()
+        self.routes: list[Route] = []
+        self.fleet: Fleet | None = None
+        if config.model.routed:
+            self._open_fleet(config, subtasks)  # sets transport and url: the first endpoint's
+        else:
+            self.transport = Transport(config, self.metrics)
+            self.url = self.transport.url
+        self.retry = RetryPolicy(config.retry)
+        self._retry_after_until = 0.0  # monotonic: the one server's latest Retry-After ends
+        self.rate_limiter = RateLimiter(config.rate_limit, subtasks)
+        self.concurrency = AdaptiveConcurrency(
+            config.async_.capacity, config.rate_limit.min_concurrency,
+            adaptive=config.rate_limit.adaptive_concurrency)
+        if self.fleet is None:
+            self.metrics.concurrency_limit = self.concurrency.limit
+        self.budget = SpendBudget(config.budget, config.model.prices, subtasks, on_pause=self._on_budget_pause)
+        self.structured = StructuredOutput.from_config(config.model)
+        self.cache = open_cache(config, self.metrics)
+        self._single_flight = SingleFlightCache(self.cache, self.metrics) if self.cache is not None else None
+        batch = config.model.batch
+        self._batcher: Batcher[Entry, Completion] | None = None
+        if config.model.api == "embeddings" and batch.max_size > 1:
+            self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_entry),
+                                    max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
+
+    def _open_fleet(self, config: JobConfig, subtasks: int) -> None:
+        """A route (transport, rate limits) per endpoint of `model.endpoints` and
+        `model.fallback`, and the `Fleet` that chooses among them."""
+        primaries, fallbacks = config.fleet()
+        for endpoint in primaries + fallbacks:
+            limits = RateLimitConfig(requests_per_minute=endpoint.requests_per_minute,
+                                     tokens_per_minute=endpoint.tokens_per_minute)
+            self.routes.append(Route(endpoint, Transport(config, self.metrics, endpoint),
+                                     RateLimiter(limits, subtasks)))
+        capacity = config.async_.capacity
+        specs = [EndpointSpec(e.label, e.weight, min(capacity, e.max_concurrency or capacity), fallback=i >= len(primaries))
+                 for i, e in enumerate(primaries + fallbacks)]
+        self.fleet = Fleet(specs, config.model.circuit, min_concurrency=config.rate_limit.min_concurrency,
+                           adaptive=config.rate_limit.adaptive_concurrency,
+                           fallback_after_attempts=config.model.fallback.after_attempts if config.model.fallback else None)
+        for state in self.fleet.endpoints:
+            self.metrics.add_endpoint(state.label, state.figures)
+        self.transport = self.routes[0].transport
+        self.url = self.transport.url
+        self._fleet_limit()
+
+    def _fleet_limit(self) -> None:
+        assert self.fleet is not None
+        self.metrics.concurrency_limit = min(self._config.async_.capacity,
+                                             sum(e.limit for e in self.fleet.endpoints
+                                                 if e.circuit.state is CircuitState.CLOSED))
+
+    def __repr__(self) -> str:
+        return f"InferenceClient(url={self.url!r}, capacity={self._config.async_.capacity})"
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The HTTP session, once the first call created it."""
+        return self.transport.session
+
+    @property
+    def pause_reason(self) -> str | None:
+        """Why no new call can start for a while: a spend-budget window, every endpoint's
+        cooldown or Retry-After (a fleet's `stalled`), the one server's Retry-After, or the
+        calls already queued at the rate limit taking longer than `PAUSE_AFTER_S` to be let
+        through; None when calls can start. The stage parks new records and closes its admission
+        gate meanwhile (`udfs/stage/operators.py`), rather than waiting for a slot inside a bundle that
+        a checkpoint waits for. Read from Flink's thread; reads only."""
+        if self.budget.paused:
+            return "the spend budget is paused"
+        if self.fleet is not None and self.fleet.stalled:
+            return "every endpoint's circuit is open or paused by Retry-After"
+        if self.fleet is None and self._retry_after_until - time.monotonic() > PAUSE_AFTER_S:
+            return "the model server asked to wait (Retry-After)"
+        if self.rate_limiter.wait_s > PAUSE_AFTER_S:
+            return f"the calls queued at rate_limit take over {PAUSE_AFTER_S:g} s to be let through"
+        return None
+
+    def _on_budget_pause(self, paused: bool) -> None:
+        self.metrics.budget_paused = paused
+
+    async def close(self) -> None:
+        """Cancels pending batches, closes the cache and the session; the client may be used again after."""
+        if self._batcher is not None:
+            await self._batcher.close()
+        if self._single_flight is not None:
+            await self._single_flight.close()
+        if self.routes:
+            for route in self.routes:
+                await route.transport.close()
+        else:
+            await self.transport.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ one record, layer by layer
+
+    async def complete(self, request: Request) -> Completion:
+        """The model's answer to `request`, after any retries; see the class for what it raises."""
+        try:
+            return await self._complete(request)
+        except InferenceError as err:
+            log.debug("request %s failed after %d attempt(s): %s", request.id, err.attempts, err.reason)
+            raise self._redacted(err) from None
+        except RecordError:  # bad input, or already a known kind
+            raise
+        except Exception as err:
+            log.debug("request %s: unexpected %s", request.id, type(err).__name__, exc_info=True)
+            raise InternalError(self._redact(InternalError.from_exception(err).detail)) from None
+
+    def _redact(self, text: str) -> str:
+        for transport in [route.transport for route in self.routes] or [self.transport]:
+            text = transport.redact(text)
+        return text
+
+    def _redacted(self, err: InferenceError) -> InferenceError:
+        clean = self._redact(err.detail)
+        if clean == err.detail:
+            return err
+        redacted = copy.copy(err)  # keeps every attribute, e.g. an invalid answer's last output
+        redacted.detail, redacted.args = clean, (clean,)
+        return redacted
+
+    async def _complete(self, request: Request) -> Completion:
+        """From the result cache when it has the answer (see `udfs/cost/single_flight.py`), else from the model."""
+        payload = build_payload(request, self._config.model)
+        api = self._config.model.api
+        if self._single_flight is None or not cacheable(self._config.cache, api, payload):
+            return await self._answer(request, payload)
+        key = cache_key(api, self._first_route_payload(payload))
+        looked_up = time.perf_counter()
+
+        def store_key(completion: Completion) -> str:
+            """The key of the model the answering endpoint was asked for."""
+            if completion.requested_model is None:
+                return key
+            return cache_key(api, {**payload, "model": completion.requested_model})
+
+        return await self._single_flight.answer(key, lambda: self._answer(request, payload),
+                                                lambda stored: self._from_cache(payload, stored, looked_up),
+                                                store_key)
+
+    def _first_route_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`payload` as the first primary endpoint is asked (its model, if it names one): what the
+        cache is looked up under."""
+        return self.routes[0].payload(payload) if self.routes else payload
+
+    def _from_cache(self, payload: dict[str, Any], stored: Stored, looked_up: float) -> Completion:
+        """A stored answer as this record's completion. Only valid answers are stored, under a key
+        that covers the schema; a structured one is parsed again."""
+        completion = cached_completion(stored, model=str(payload["model"]), endpoint=self.url,
+                                       priced=self._config.model.prices is not None, looked_up=looked_up)
+        if self.structured is None:
+            return completion
+        checked = self.structured.check(completion.output)
+        if isinstance(checked, Invalid):
+            raise InvalidModelOutput(f"cached answer: {checked.message}", last_output=completion.output, attempts=0)
+        return dataclasses.replace(completion, output_json=checked, structured=True)
+
+    async def _answer(self, request: Request, payload: dict[str, Any]) -> Completion:
+        """The model's answer; with `model.response_format`, a valid one (`StructuredOutput.until_valid`
+        asks again, above the retry layer, when an answer does not validate)."""
+        if self.structured is None:
+            return await self._call(request, payload)
+        return await self.structured.until_valid(lambda: self._call(request, payload),
+                                                 on_invalid=self.metrics.invalid_answers.inc)
+
+    async def _call(self, request: Request, payload: dict[str, Any]) -> Completion:
+        """The model's answer to one record: alone, or in a micro-batch when `model.batch` says so."""
+        if self._batcher is not None:
+            return await self._batcher.submit((request, payload), batch_group(payload))
+        return await self._call_one(request, payload)
+
+    async def _call_entry(self, entry: Entry) -> Completion:
+        return await self._call_one(*entry)
+
+    async def _call_one(self, request: Request, payload: dict[str, Any]) -> Completion:
+        budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
+        estimated = sum(budgeted)
+        attempt = await self._attempts(payload, request.id, estimated, budgeted)
+        api = self._config.model.api
+        with _counted(attempt.attempts):
+            answer = responses.answer(api, attempt.body)
+        usage = responses.usage(api, attempt.body, payload, answer.output)
+        self._settle(estimated, usage, budgeted)
+        self.metrics.latency_ms.update(int(attempt.latency_ms))
+        return Completion(
+            output=answer.output, model=responses.model_name(attempt.body, attempt.payload),
+            finish_reason=answer.finish_reason, prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens, latency_ms=attempt.latency_ms, attempts=attempt.attempts,
+            endpoint=attempt.endpoint, started_ms=attempt.started_ms, completed_ms=_epoch_ms(),
+            cost=pricing.cost_or_none(self._config.model.prices, usage.prompt_tokens, usage.completion_tokens),
+            requested_model=str(attempt.payload["model"]))
+
+    async def _call_batch(self, entries: list[Entry]) -> list[Completion | BaseException]:
+        """One embeddings request for `entries` (same `batch_group`), retried as a batch; one
+        completion per entry, in order, with its share of the batch's usage and cost."""
+        payloads = [payload for _, payload in entries]
+        estimates = [input_tokens(payload) for payload in payloads]
+        estimated = sum(estimates)
+        body = batch_payload(payloads)
+        label = f"{entries[0][0].id} (+{len(entries) - 1} in batch)"
+        attempt = await self._attempts(body, label, estimated, (estimated, 0))
+        with _counted(attempt.attempts):
+            vectors = responses.batch_vectors(attempt.body, len(entries))
+        total = responses.batch_prompt_tokens(attempt.body, estimated)
+        self._settle(estimated, responses.Usage(total, 0), (estimated, 0))
+        model = responses.model_name(attempt.body, attempt.payload)
+        completed_ms = _epoch_ms()
+        out: list[Completion | BaseException] = []
+        for vector, share in zip(vectors, share_usage(total, estimates), strict=True):
+            self.metrics.latency_ms.update(int(attempt.latency_ms))
+            out.append(Completion(
+                output=vector, model=model, finish_reason=None, prompt_tokens=share, completion_tokens=0,
+                latency_ms=attempt.latency_ms, attempts=attempt.attempts, endpoint=attempt.endpoint,
+                started_ms=attempt.started_ms, completed_ms=completed_ms,
+                cost=pricing.cost_or_none(self._config.model.prices, share, 0),
+                requested_model=str(attempt.payload["model"])))
+        return out
+
+    def _settle(self, estimated: int, usage: responses.Usage, budgeted: tuple[int, int]) -> None:
+        """Corrects the rate limiter's and the budget's charge from the estimate to the usage
+        reported, and counts the tokens."""
+        self.rate_limiter.settle(estimated, usage.total)
+        self.budget.settle(budgeted, (usage.prompt_tokens, usage.completion_tokens))
+        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    # ------------------------------------------------------------------ the attempts of one request
+
+    async def _attempts(self, payload: dict[str, Any], label: str, estimated: int,
+                        budgeted: tuple[int, int]) -> Attempt:
+        """One request body through the spend budget, then `RetryPolicy` over attempts that each
+        wait for a concurrency slot and rate-limit tokens before they are sent."""
+        deadline = Deadline(self._config.async_.record_deadline_s)
+        attempts = _Attempts(self.url, payload)
+        await self.budget.acquire(*budgeted)
+
+        async def attempt(number: int) -> dict[str, Any]:
+            if self.fleet is not None:
+                return await self._fleet_attempt(payload, label, number, estimated, deadline, attempts)
+            return await self._attempt(payload, label, number, estimated, deadline, attempts)
+
+        try:
+            body = await self.retry.run(attempt, deadline)
+        except InferenceError as err:
+            err.attempts = attempts.count
+            raise
+        return attempts.answered(body)
+
+    async def _attempt(self, payload: dict[str, Any], label: str, number: int, estimated: int,
+                       deadline: Deadline, attempts: _Attempts) -> dict[str, Any]:
+        """One attempt: a slot, tokens, the deadline started (at the first), the POST; a 429/503
+        shrinks the concurrency limit (AIMD), an answer grows it."""
+        async with self.concurrency.slot():
+            await self.rate_limiter.acquire(estimated)
+            deadline.start()
+            if attempts.count:
+                self.metrics.retries.inc()
+            sent = attempts.sending()
+            try:
+                body = await self.transport.post(payload, label, number)
+            except RateLimited as err:
+                self.concurrency.on_overload()
+                self.metrics.concurrency_limit = self.concurrency.limit
+                if err.retry_after_s is not None:  # every call waits that long: the stage parks new records
+                    self._retry_after_until = max(self._retry_after_until, time.monotonic() + err.retry_after_s)
+                raise
+            self.concurrency.on_success(time.perf_counter() - sent)
+            self.metrics.concurrency_limit = self.concurrency.limit
+            return body
+
+    async def _fleet_attempt(self, payload: dict[str, Any], label: str, number: int, estimated: int,
+                             deadline: Deadline, attempts: _Attempts) -> dict[str, Any]:
+        """One attempt on the endpoint `Fleet` chooses (waiting while none may take it), then as
+        `_attempt`: rate-limit tokens (job-wide, then the endpoint's), the deadline started, the
+        POST. The outcome feeds that endpoint's AIMD, Retry-After pause and circuit; an endpoint
+        that failed is avoided by this request's next attempt, and its Retry-After is its own
+        pause rather than the request's wait, so the retry may go to another endpoint at once."""
+        assert self.fleet is not None
+        endpoint = await self.fleet.acquire(attempts.tried, number)
+        route = self.routes[endpoint.index]
+        outcome, latency_s, retry_after_s = Outcome.NEUTRAL, None, None
+        try:
+            await self.rate_limiter.acquire(estimated)
+            await route.rate_limiter.acquire(estimated)
+            deadline.start()
+            if attempts.count:
+                self.metrics.retries.inc()
+            sent_payload = route.payload(payload)
+            sent = attempts.sending()
+            body = await route.transport.post(sent_payload, label, number)
+            outcome, latency_s = Outcome.SUCCESS, time.perf_counter() - sent
+            attempts.endpoint, attempts.payload = route.transport.url, sent_payload
+            return body
+        except RateLimited as err:
+            if err.status == 429:
+                outcome, retry_after_s = Outcome.OVERLOAD, err.retry_after_s
+                err.retry_after_s = None
+            else:  # 503: unavailable
+                outcome = Outcome.FAILURE
+            attempts.tried.append(endpoint.index)
+            raise
+        except RetryableError:
+            outcome = Outcome.FAILURE
+            attempts.tried.append(endpoint.index)
+            raise
+        finally:
+            self.fleet.release(endpoint, outcome, latency_s=latency_s, retry_after_s=retry_after_s)
+            self._fleet_limit()
+
+
+@dataclass(frozen=True)
+class Route:
+    """One endpoint of a fleet as the client sends to it: its config, transport and rate limits."""
+
+    endpoint: EndpointConfig
+    transport: Transport
+    rate_limiter: RateLimiter
+
+    def payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The request body for this endpoint: its `model`, when it names one."""
+        if self.endpoint.model is None or payload.get("model") == self.endpoint.model:
+            return payload
+        return {**payload, "model": self.endpoint.model}

@@ -1,0 +1,317 @@
+"""The HTTP side of an inference call: one JSON body POSTed to the model server, one parsed
+2xx body back, or an `InferenceError` saying what went wrong.
+
+`Transport` owns the pooled `aiohttp` session (aiohttp because this is the hot path, NOTES:
+~6,800 req/s vs ~820 for requests), created on first use in the running event loop with
+`async.capacity` connections; the request headers (`model.headers`, their `${env:}` /
+`${file:}` placeholders resolved once per client, and the API key read for each call by
+`JobConfig.api_key()`); `redact`, which keeps those secrets out of every error detail; and
+the mapping of an answer to an error: `status_error` (429/503 -> `RateLimited`, 408/409/5xx
+-> `RetryableError`, any other non-2xx -> `PermanentError`), timeouts and connection errors
+-> `RetryableError`, TLS failures -> `TlsError`. It sends once: retrying is `RetryPolicy`'s
+business (`udfs/inference/retry.py`), reading a 2xx body is `udfs/inference/responses.py`'s.
+
+TLS: `tls_context` is built once per client, on the worker: a CA bundle replaces the
+system's trust store, a client certificate and key are presented for mutual TLS, and
+`verify: false` (allowed only with `allow_insecure`, checked at load) turns certificate
+checks off. A key file that is encrypted is refused instead of letting OpenSSL prompt on the
+worker's terminal. `tls_failure` tells a TLS failure (untrusted or misnamed certificate, a
+refused or missing client certificate, a failed handshake) from a connection that merely
+dropped: the first is a setting to fix, a `TlsError` dead-lettered after one attempt; the
+second is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import ssl
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from udfs.config import secrets
+from udfs.errors import (
+    ConfigError,
+    InferenceError,
+    PermanentError,
+    RateLimited,
+    RetryableError,
+    TlsError,
+)
+from udfs.inference.retry import classify, parse_retry_after
+from udfs.metrics import InferenceMetrics
+from udfs.records import fastjson
+
+if TYPE_CHECKING:
+    from udfs.config import EndpointConfig, JobConfig, ModelTlsConfig
+
+log = logging.getLogger(__name__)
+
+API_PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
+OVERLOAD_STATUSES = frozenset({429, 503})
+MAX_DETAIL_CHARS = 300
+SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "cookie", "signature")
+
+
+class Transport:
+    """POSTs request bodies to the endpoint of `model.api`; see the module for what it raises.
+
+    Counts `requests` (every attempt sent), `in_flight` and `rate_limited` (429s) in
+    `metrics`. Use from one event loop; `close()` may come from another (see there).
+    """
+
+    def __init__(self, config: JobConfig, metrics: InferenceMetrics, endpoint: EndpointConfig | None = None) -> None:
+        """`endpoint`: one endpoint of a fleet (its URL, headers and key); none: `model.endpoint`."""
+        self._config = config
+        self._metrics = metrics
+        self._endpoint = endpoint
+        base = endpoint.url if endpoint is not None else config.model.endpoint
+        assert base is not None, "model.endpoint or an endpoint of model.endpoints"
+        self.url = base.rstrip("/") + API_PATHS[config.model.api]
+        parts = urlsplit(self.url)
+        self._host = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
+        self._timeout = aiohttp.ClientTimeout(total=config.async_.request_timeout_s)
+        self._ssl = tls_context(config.model.tls)
+        configured = {**config.model.headers, **(endpoint.headers if endpoint is not None else {})}
+        self._headers = secrets.resolve_all(configured, "model.headers")
+        if not any(name.lower() == "content-type" for name in self._headers):
+            self._headers["Content-Type"] = "application/json"  # the body is sent as bytes (`post`)
+        self._secret_headers = [self._headers[name] for name, value in configured.items()
+                                if secrets.has_placeholder(value)
+                                or any(word in name.lower() for word in SECRET_HEADER_WORDS)]
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"Transport(url={self.url!r})"
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The HTTP session, once the first call created it."""
+        return self._session
+
+    def _session_in_loop(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            if self._session is not None and not self._session.closed:
+                log.warning("inference client used from a new event loop; its old session is abandoned")
+            connector = aiohttp.TCPConnector(limit=self._config.async_.capacity, limit_per_host=0, ssl=self._ssl)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+            self._session_loop = loop
+        return self._session
+
+    def _request_headers(self) -> dict[str, str]:
+        headers = dict(self._headers)
+        key = self._api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def _api_key(self) -> str | None:
+        return self._endpoint.api_key() if self._endpoint is not None else self._config.api_key()
+
+    def redact(self, text: str) -> str:
+        """`text` without the API key or the value of a configured header that came from a
+        placeholder or whose name looks secret."""
+        for secret in [self._api_key() or "", *self._secret_headers]:
+            if len(secret) >= 4:
+                text = text.replace(secret, "***")
+        return text
+
+    async def post(self, payload: dict[str, Any], label: str, attempt: int) -> dict[str, Any]:
+        """One HTTP call; returns the parsed 2xx body or raises `RetryableError`/`PermanentError`."""
+        session = self._session_in_loop()
+        self._metrics.requests.inc()
+        self._metrics.in_flight += 1
+        log.debug("request %s attempt %d: POST %s", label, attempt, self.url)
+        try:
+            # The body as orjson writes it (`fastjson`): aiohttp's `json=` wants a str, which would
+            # be decoded from those bytes only to be encoded again.
+            async with session.post(self.url, data=fastjson.dumps(payload), headers=self._request_headers(),
+                                    allow_redirects=False) as response:
+                status = response.status
+                if 200 <= status < 300:
+                    body = await _json_object(response)
+                    log.debug("request %s attempt %d: HTTP %d", label, attempt, status)
+                    return body
+                text = await response.text(errors="replace")
+                location = response.headers.get("Location")
+                retry_after = parse_retry_after(response.headers, max_s=self._config.retry.max_retry_after_s)
+        except InferenceError:
+            raise
+        except TimeoutError:
+            raise RetryableError(f"no response within {self._config.async_.request_timeout_s:g} s") from None
+        except aiohttp.InvalidURL as err:
+            raise PermanentError(f"invalid URL: {err}") from None
+        except aiohttp.ClientError as err:
+            tls = tls_failure(err, self._host)
+            if tls is not None:
+                raise tls from None
+            raise RetryableError(f"{type(err).__name__}: {err}"[:MAX_DETAIL_CHARS]) from None
+        finally:
+            self._metrics.in_flight -= 1
+        log.debug("request %s attempt %d: HTTP %d, retry-after %s", label, attempt, status, retry_after)
+        if status == 429:
+            self._metrics.rate_limited.inc()
+        raise status_error(status, server_message(text), location=location, retry_after_s=retry_after)
+
+    async def close(self) -> None:
+        """Closes the session and its pooled connections; the transport may be used again after.
+
+        Usually called on the loop the calls ran on (`CallRunner.close` runs the client's
+        `close()` there before it stops that loop). Safe from another loop too: if the calls'
+        loop still runs, the session is closed on it; if it is closed, the sockets cannot be
+        closed through it, so the session drops them and a garbage collection closes them now
+        rather than at some later collection.
+        """
+        session, loop = self._session, self._session_loop
+        self._session = self._session_loop = None
+        if session is None or session.closed:
+            return
+        if loop is None or loop is asyncio.get_running_loop():
+            await session.close()
+        elif loop.is_running():
+            done = asyncio.run_coroutine_threadsafe(session.close(), loop)
+            await asyncio.wait_for(asyncio.wrap_future(done), timeout=5.0)
+        else:
+            log.debug("inference client closed after its event loop; collecting its connections")
+            await session.close()
+            gc.collect()
+
+
+async def _json_object(response: aiohttp.ClientResponse) -> dict[str, Any]:
+    status = response.status
+    try:
+        body = fastjson.loads(await response.read())
+    except ValueError as err:
+        raise PermanentError(f"HTTP {status} with a body that is not JSON: {err}"[:MAX_DETAIL_CHARS],
+                             status=status) from None
+    if not isinstance(body, dict):
+        raise PermanentError(f"HTTP {status} with a JSON {type(body).__name__}, expected an object", status=status)
+    return body
+
+
+def status_error(status: int, message: str, *, location: str | None = None,
+                 retry_after_s: float | None = None) -> InferenceError:
+    """The error a non-2xx answer becomes: `RateLimited` for 429/503 (the client also slows
+    down), `RetryableError` for what `classify` calls retryable, else `PermanentError`."""
+    detail = f"HTTP {status}: {message}"
+    if 300 <= status < 400:
+        detail += f" (redirect to {location!r}: set model.endpoint to the final URL)"
+    if status in OVERLOAD_STATUSES:
+        return RateLimited(detail, status=status, retry_after_s=retry_after_s)
+    if classify(status) == "retryable":
+        return RetryableError(detail, status=status, retry_after_s=retry_after_s)
+    return PermanentError(detail, status=status)
+
+
+def server_message(body: str) -> str:
+    """The `error.message` of an OpenAI-style error body, else the body's start."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body.strip()[:MAX_DETAIL_CHARS]
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"][:MAX_DETAIL_CHARS]
+        if isinstance(error, str):
+            return error[:MAX_DETAIL_CHARS]
+    return body.strip()[:MAX_DETAIL_CHARS]
+
+
+# ------------------------------------------------------------------ TLS
+
+
+def _no_password() -> str:
+    raise ConfigError("model.tls.client_key_file", "the key is encrypted; give an unencrypted key file "
+                                                   "(readable only by the job's user)")
+
+
+def tls_context(tls: ModelTlsConfig, path: str = "model.tls") -> ssl.SSLContext | bool:
+    """The context for HTTPS calls to the model server, or `True` (aiohttp's default verified
+    context) when `model.tls` sets nothing. A file that is not a usable certificate or key is a
+    `ConfigError` naming its key."""
+    if not (tls.ca_file or tls.client_cert_file or not tls.verify):
+        return True
+    try:
+        context = ssl.create_default_context(cafile=str(Path(tls.ca_file).expanduser()) if tls.ca_file else None)
+    except (ssl.SSLError, OSError) as err:
+        raise ConfigError(f"{path}.ca_file", f"{tls.ca_file} holds no usable CA certificate ({_ssl_text(err)})") from None
+    if tls.client_cert_file and tls.client_key_file:
+        try:
+            context.load_cert_chain(str(Path(tls.client_cert_file).expanduser()),
+                                    str(Path(tls.client_key_file).expanduser()), password=_no_password)
+        except (ssl.SSLError, OSError) as err:
+            raise ConfigError(f"{path}.client_cert_file", f"{tls.client_cert_file} and {tls.client_key_file} are "
+                                                          f"not a usable certificate and key ({_ssl_text(err)})") from None
+    if not tls.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _ssl_text(err: BaseException) -> str:
+    """The readable part of an OpenSSL message (`[SSL: X] text (_ssl.c:N)` -> `text`)."""
+    if isinstance(err, ssl.SSLCertVerificationError) and err.verify_message:
+        return f"certificate verify failed: {err.verify_message}"
+    text = str(err.args[1]) if len(err.args) > 1 and isinstance(err.args[1], str) else str(err)
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.rsplit(" (_ssl.c:", 1)[0]
+
+
+def _hint(err: ssl.SSLError) -> str:
+    reason = (err.reason or "").upper()
+    if isinstance(err, ssl.SSLCertVerificationError):
+        if "hostname" in (err.verify_message or "").lower() or "IP address mismatch" in (err.verify_message or ""):
+            return "the server's certificate does not name this host: fix model.endpoint or the certificate"
+        return "the server's certificate is not trusted: set model.tls.ca_file to the CA that signed it"
+    if "CERTIFICATE_REQUIRED" in reason:
+        return "the server requires a client certificate: set model.tls.client_cert_file and client_key_file"
+    if "ALERT" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):
+        return "the server refused the client certificate (model.tls.client_cert_file)"
+    if "WRONG_VERSION_NUMBER" in reason:
+        return "the server does not speak TLS on this port: is model.endpoint http:// rather than https://?"
+    return "check model.endpoint and model.tls"
+
+
+def _is_tls_failure(err: BaseException, during_connect: bool) -> bool:
+    if isinstance(err, aiohttp.ClientError):  # some are ssl errors too: what counts is behind them
+        return False
+    if isinstance(err, ssl.SSLCertVerificationError):
+        return True
+    # EOF and other ssl.SSLError subclasses are dropped connections; an alert is the server's verdict
+    return type(err) is ssl.SSLError and (during_connect or "ALERT" in (err.reason or "").upper())
+
+
+def _ssl_cause(err: BaseException, during_connect: bool) -> ssl.SSLError | None:
+    """The SSL error behind an aiohttp error if it is a TLS failure rather than a dropped
+    connection: a certificate check, an alert from the server, or any handshake error
+    other than an unexpected EOF."""
+    todo: list[BaseException | None] = [err]
+    seen: set[int] = set()
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if _is_tls_failure(current, during_connect):
+            assert isinstance(current, ssl.SSLError)
+            return current
+        todo += [current.__cause__, current.__context__, getattr(current, "certificate_error", None),
+                 getattr(current, "os_error", None)]
+    return None
+
+
+def tls_failure(err: aiohttp.ClientError, host: str) -> TlsError | None:
+    """A `TlsError` saying what failed and which setting to look at, if `err` is a TLS failure."""
+    cause = _ssl_cause(err, during_connect=isinstance(err, aiohttp.ClientSSLError))
+    if cause is None:
+        return None
+    return TlsError(f"TLS with {host} failed: {_ssl_text(cause)}; {_hint(cause)}"[:MAX_DETAIL_CHARS])

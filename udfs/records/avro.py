@@ -1,0 +1,278 @@
+"""Avro in the Confluent wire format, for `input.format: avro` and `output.format: avro`.
+
+Input: a value is a magic byte 0, a 4-byte big-endian schema id and the Avro binary record
+written with that schema (the writer's schema, fetched from the registry by id and kept,
+`udfs/records/registry.py`). The record's id is `input.id_field` (a top-level field) or the Kafka key
+as UTF-8; `model.prompt_template` is filled from its top-level fields; `output.carry_fields`
+are copied into the result. Anything that cannot be read raises `BadInput` with reason
+`schema_error` (no magic byte, an id the registry does not have, bytes that do not match the
+schema) or `registry_unavailable` (the registry did not answer within
+`schema_registry.unavailable_timeout_s`), so the stage dead-letters the record with its
+original bytes and the job goes on.
+
+Decoding is here, in Python, rather than in Flink's `avro-confluent` format, because that
+format can only fail the job or drop the record (`ignore-parse-errors`) on a bad one: a
+dead letter with a reason and the original bytes needs the bytes to reach this stage.
+It costs ~10-20 µs of CPU per record (docs/formats.md).
+
+Output: a record schema derived from the job config (`result_schema`), registered at start
+under `output.subject` (default `<output_topic>-value`); every field the config can add or
+take away (the answer's kind, structured output, carried fields) is optional with a null
+default, so a config change keeps the subject BACKWARD compatible.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import fastavro
+
+from udfs.errors import BadInput
+from udfs.records import Completion, Request, SourceRef
+from udfs.records.registry import (
+    RegistryClient,
+    RegistryError,
+    RegistryRefused,
+    RegistryUnavailable,
+    SchemaNotFound,
+)
+
+if TYPE_CHECKING:
+    from udfs.config import JobConfig, LimitsConfig
+
+MAGIC = 0
+HEADER_BYTES = 5
+NAMESPACE = "llmstream"
+CARRIED_TYPE = ["null", "boolean", "int", "long", "double", "string", "bytes"]
+"""A carried field's type: its value keeps its primitive type; a nested or logical value (a
+record, array, map, date, decimal) is carried as its JSON text. The writer's schema is only known
+per record, the output schema is fixed at start: so a union, not the input field's own type."""
+
+
+def _optional(avro_type: Any) -> dict[str, Any]:
+    return {"type": ["null", avro_type], "default": None}
+
+
+def result_schema(config: JobConfig) -> dict[str, Any]:
+    """The output record's Avro schema for this config (see the module docstring on evolution).
+
+    `output` (chat, completions) or `embedding` (array<float>) by `model.api`; with
+    `model.response_format`, `output_json` is the validated answer as JSON text (a typed schema
+    is not derived from the JSON Schema) and `invalid_answers` how many came before it."""
+    fields: list[dict[str, Any]] = [{"name": "id", "type": "string"}]
+    if config.model.api == "embeddings":
+        fields.append({"name": "embedding", **_optional({"type": "array", "items": "float"})})
+    else:
+        fields.append({"name": "output", **_optional("string")})
+    if config.model.response_format is not None:
+        fields.append({"name": "output_json", **_optional("string")})
+        fields.append({"name": "invalid_answers", **_optional("int")})
+    fields += [
+        {"name": "model", "type": "string"},
+        {"name": "finish_reason", **_optional("string")},
+        {"name": "usage", "type": {"type": "record", "name": "Usage", "fields": [
+            {"name": n, "type": "long"} for n in ("prompt_tokens", "completion_tokens", "total_tokens")]}},
+        {"name": "latency_ms", "type": "double"},
+        {"name": "attempts", "type": "int"},
+        {"name": "endpoint", "type": "string"},
+        {"name": "cost", **_optional("double")},
+        {"name": "cached", "type": "boolean"},
+        {"name": "timestamps", "doc": "epoch milliseconds", "type": {"type": "record", "name": "Timestamps", "fields": [
+            {"name": "produced", **_optional("long")},
+            {"name": "started", "type": "long"},
+            {"name": "completed", "type": "long"}]}},
+        {"name": "source", "type": {"type": "record", "name": "Source", "fields": [
+            {"name": "topic", "type": "string"},
+            {"name": "partition", "type": "int"},
+            {"name": "offset", "type": "long"},
+            {"name": "timestamp", **_optional("long")}]}},
+    ]
+    fields += [{"name": name, "type": CARRIED_TYPE, "default": None} for name in config.output.carry_fields or []]
+    return {"type": "record", "name": "Result", "namespace": NAMESPACE,
+            "doc": "An llmstream result (docs/formats.md)", "fields": fields}
+
+
+def output_subject(config: JobConfig) -> str:
+    return config.output.subject or f"{config.kafka.output_topic}-value"
+
+
+def wire(schema_id: int, payload: bytes) -> bytes:
+    """`payload` (Avro binary) framed in the Confluent wire format."""
+    return bytes([MAGIC]) + schema_id.to_bytes(4, "big") + payload
+
+
+def wire_schema_id(value: bytes) -> int | None:
+    """The schema id a Confluent wire-format value names, or None if it is not framed that way."""
+    if len(value) < HEADER_BYTES or value[0] != MAGIC:
+        return None
+    return int.from_bytes(value[1:HEADER_BYTES], "big")
+
+
+def carried(value: Any) -> Any:
+    """A decoded field's value as `CARRIED_TYPE` holds it (primitives as they are, else JSON text)."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return value
+    if isinstance(value, int):
+        return value if -2**63 <= value < 2**63 else str(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+class AvroCodec:
+    """The registry client and the parsed schemas of one worker: `decode` for `input.format: avro`,
+    `result_value` for `output.format: avro` (the output schema registered by `open_output`)."""
+
+    def __init__(self, config: JobConfig, registry: RegistryClient) -> None:
+        self._config = config
+        self._registry = registry
+        self._parsed: dict[int, Any] = {}
+        self._output_schema: Any = None
+        self.output_id: int | None = None
+
+    @property
+    def decodes(self) -> bool:
+        return self._config.input.format == "avro"
+
+    @property
+    def encodes(self) -> bool:
+        return self._config.output.format == "avro"
+
+    def close(self) -> None:
+        self._registry.close()
+
+    # ------------------------------------------------------------------ output
+    def open_output(self) -> int:
+        """Registers the output schema under its subject (start-up; raises `RegistryError`). A subject
+        this creates is set to BACKWARD compatibility, which Confluent's registry has by default and
+        Apicurio's has not, so a later config's schema is checked against this one."""
+        schema = result_schema(self._config)
+        subject = output_subject(self._config)
+        new = not self._registry.subject_exists(subject)
+        self.output_id = self._registry.register(subject, schema)
+        if new:
+            self._registry.set_compatibility(subject, "BACKWARD")
+        self._output_schema = fastavro.parse_schema(schema)
+        return self.output_id
+
+    def result_value(self, request: Request, completion: Completion) -> bytes:
+        """The output record's value in the wire format, under the registered output schema."""
+        if self.output_id is None:
+            self.open_output()
+        assert self.output_id is not None
+        body = self._result(request, completion)
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, self._output_schema, body)
+        return wire(self.output_id, out.getvalue())
+
+    def _result(self, request: Request, completion: Completion) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": request.id,
+            "model": completion.model,
+            "finish_reason": completion.finish_reason,
+            "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+                      "total_tokens": completion.prompt_tokens + completion.completion_tokens},
+            "latency_ms": round(completion.latency_ms, 1),
+            "attempts": completion.attempts,
+            "endpoint": completion.endpoint,
+            "cost": completion.cost,
+            "cached": completion.cached,
+            "timestamps": {"produced": request.source.timestamp_ms, "started": completion.started_ms,
+                           "completed": completion.completed_ms},
+            "source": request.source.as_json(),
+        }
+        if self._config.model.api == "embeddings":
+            body["embedding"] = completion.output
+        else:
+            body["output"] = completion.output if isinstance(completion.output, str) or completion.output is None \
+                else json.dumps(completion.output, ensure_ascii=False)
+        if self._config.model.response_format is not None:
+            body["output_json"] = json.dumps(completion.output_json, ensure_ascii=False) if completion.structured \
+                else None
+            body["invalid_answers"] = completion.invalid_answers if completion.structured else None
+        for name in self._config.output.carry_fields or []:
+            body[name] = carried(request.fields.get(name))
+        return body
+
+    # ------------------------------------------------------------------ input
+    def writer_schema(self, schema_id: int) -> Any:
+        """The parsed writer schema of `schema_id`; `BadInput` if it cannot be had."""
+        parsed = self._parsed.get(schema_id)
+        if parsed is not None:
+            return parsed
+        try:
+            kind, schema = self._registry.schema(schema_id)
+        except (RegistryUnavailable, RegistryRefused) as err:
+            raise BadInput("registry_unavailable", str(err)) from None
+        except SchemaNotFound:
+            raise BadInput("schema_error", f"unknown schema id {schema_id} (the registry has none)") from None
+        except RegistryError as err:
+            raise BadInput("schema_error", str(err)) from None
+        if kind != "AVRO":
+            raise BadInput("schema_error", f"schema id {schema_id} is {kind}, not Avro")
+        try:
+            parsed = fastavro.parse_schema(schema)
+        except Exception as err:  # noqa: BLE001 - fastavro raises several types for a bad schema
+            raise BadInput("schema_error", f"schema id {schema_id} is not a valid Avro schema: {err}"[:300]) from None
+        registry = self._config.schema_registry
+        if registry is not None and len(self._parsed) >= registry.cache_size:
+            self._parsed.pop(next(iter(self._parsed)))  # the oldest: ids are few, a bound is what matters
+        self._parsed[schema_id] = parsed
+        return parsed
+
+    def decode(self, key: bytes | None, value: bytes, source: SourceRef, limits: LimitsConfig) -> Request:
+        """One wire-format record as a `Request` (prompt from the template, fields for it and the carry)."""
+        if len(value) > limits.max_record_bytes:
+            raise BadInput("record_too_large", f"value has {len(value)} bytes, limit {limits.max_record_bytes}")
+        schema_id = wire_schema_id(value)
+        if schema_id is None:
+            raise BadInput("schema_error", "not the Confluent wire format (no magic byte 0 and schema id)")
+        schema = self.writer_schema(schema_id)
+        buffer = io.BytesIO(value)
+        buffer.seek(HEADER_BYTES)
+        try:
+            record = fastavro.schemaless_reader(buffer, schema, None)
+        except Exception as err:  # noqa: BLE001 - truncated or garbled bytes fail in many ways
+            raise BadInput("schema_error", f"value does not match schema id {schema_id}: "
+                                           f"{type(err).__name__}: {err}"[:300]) from None
+        if buffer.tell() != len(value):
+            raise BadInput("schema_error", f"{len(value) - buffer.tell()} bytes left after the record of "
+                                           f"schema id {schema_id}")
+        if not isinstance(record, dict):
+            raise BadInput("schema_error", f"schema id {schema_id} is not a record schema")
+        return Request(id=self._id(key, record, limits), key=key, source=source, fields=record, raw=value)
+
+    def _id(self, key: bytes | None, record: dict[str, Any], limits: LimitsConfig) -> str:
+        field = self._config.input.id_field
+        if field is None:
+            if key is None:
+                raise BadInput("missing_field", "the record has no Kafka key to be its id (or set input.id_field)")
+            try:
+                found: Any = key.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadInput("invalid_utf8", "the Kafka key (the record's id) is not UTF-8") from None
+        else:
+            found = record.get(field)
+            if isinstance(found, bool) or not isinstance(found, (str, int)):
+                raise BadInput("missing_field" if found is None else "wrong_type",
+                               f"input.id_field {field!r} must be a string or an integer, got {type(found).__name__}")
+            found = str(found)
+        if not found.strip():
+            raise BadInput("empty_id", "the record's id is empty")
+        if len(found) > limits.max_id_chars:
+            raise BadInput("id_too_long", f"the id has {len(found)} characters, limit {limits.max_id_chars}")
+        return str(found)
+
+
+def codec_for(config: JobConfig) -> AvroCodec | None:
+    """The worker's codec when either end is Avro (output schema registered here), else None."""
+    if config.input.format != "avro" and config.output.format != "avro":
+        return None
+    assert config.schema_registry is not None  # JobConfig.validate: avro needs a registry
+    codec = AvroCodec(config, RegistryClient(config.schema_registry))
+    if codec.encodes:
+        codec.open_output()
+    return codec

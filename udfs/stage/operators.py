@@ -1,0 +1,442 @@
+"""The Python function Flink runs: decode, inference and dead letters in one keyed operator.
+
+`InferenceStage` keeps every request it has started in keyed `MapState` until its answer
+(or dead letter) is emitted, and runs the calls on a `CallRunner` event loop that lives
+outside Flink's bundles. So neither a bundle end nor a checkpoint waits for a model call:
+a checkpoint snapshots the pending requests, and a restored job starts them again. This
+replaced PyFlink's `AsyncDataStream`, whose operator drains every call at each bundle end
+and checkpoint barrier (see README, "Architecture", and NOTES for the measurements).
+
+Keys are a few buckets (the input offset modulo `buckets`, computed before the shuffle),
+only so that keyed state and timers exist; they have no meaning. Per bucket:
+
+- `process_element` decodes the record (bad input: a dead letter at once), stores it as a
+  `PendingRecord` under `topic:partition:offset`, waits for a free slot while
+  `async.capacity` calls are in flight (backpressure) and starts the call; then emits the
+  bucket's finished calls.
+- a processing-time timer `EMIT_PERIOD_MS` ahead, set while the bucket has calls out,
+  emits finished calls when no input arrives.
+- an event-time timer at `FLUSH_AT` fires on the final MAX watermark (end of a bounded
+  input, stop-with-savepoint --drain): it waits for every call of the bucket and emits it.
+  Processing-time timers do not fire at the end of input.
+- the first element or timer of a bucket in a new function instance (after a restore)
+  starts again every request in its state: nothing is live in a fresh instance. Ticks
+  (`None` elements from a slow generator source, see `jobs/graph/pipeline.py`) reach every bucket
+  about every 1/8 s, so this happens even when no input comes: restored
+  processing-time timers did not reach the Python function (measured).
+
+A result leaves state in the same call that emits it, so a snapshot never holds a request
+whose answer is already downstream.
+
+`ordering: per_key` (the buckets are then a hash of the Kafka key, `jobs/graph/pipeline.py`): every
+outcome of a keyed record, dead letters and forwarded tombstones included, goes through a
+`udfs.stage.ordering.KeyOrder` and leaves only after the earlier records of its key; a record that
+must wait is kept in state like a call in flight. A restore admits a bucket's pending records
+again sorted by (topic, partition, offset). `ordering: none` takes none of these steps.
+
+A null value (a tombstone) is, by `input.tombstones`: forwarded as a null value with the
+same key on the output topic (a record with no key to delete stays a `null_value` dead letter),
+a `null_value` dead letter, or skipped. Results and dead letters carry the input record's
+headers as `kafka.forward_headers` lets through (`records.forwarded_headers`).
+
+Nothing raises out of the function: an unexpected exception is a bug, an `InternalError`;
+it becomes an `internal_error` dead letter and is logged with its traceback
+(tests/unit/test_operators.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Coroutine, Generator, Iterator
+from typing import Any
+
+from pyflink.common import Row, Types
+from pyflink.datastream import KeyedProcessFunction, RuntimeContext
+from pyflink.datastream.state import MapStateDescriptor
+
+from udfs.config import JobConfig
+from udfs.errors import BadInput, InternalError, RecordError
+from udfs.records import (
+    PendingRecord,
+    Request,
+    SinkHeaders,
+    SinkRow,
+    dead_letter,
+    forwarded_headers,
+)
+from udfs.records.decode import decode, record_id
+from udfs.records.encode import result_row
+from udfs.stage.ordering import KeyOrder, restore_order
+
+log = logging.getLogger("llmstream.udfs")
+
+_BYTES = Types.PRIMITIVE_ARRAY(Types.BYTE())
+_HEADERS = Types.MAP(Types.STRING(), _BYTES)
+SINK_ROW_TYPE = Types.ROW_NAMED(["k", "v", "topic", "headers"], [_BYTES, _BYTES, Types.STRING(), _HEADERS])
+"""One outgoing Kafka record (`SinkRow`): the topic says output or dead letter."""
+INPUT_ROW_TYPE = Types.ROW_NAMED(
+    ["k", "v", "topic", "partition", "offset", "ts", "headers"],
+    [_BYTES, _BYTES, Types.STRING(), Types.INT(), Types.LONG(), Types.INSTANT(), _HEADERS])
+"""One Kafka record as the source table hands it over (the value of the keyed stream)."""
+PENDING_STATE = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
+"""`PendingRecord.handle` -> `PendingRecord`: the record, to start again after a restore. A state
+written before that type holds `partition:offset` -> 6-tuple; `PendingRecord.restored` reads both."""
+FLUSH_AT = 2**62
+"""Event time of the end-of-input timer: only the final MAX watermark reaches it."""
+EMIT_PERIOD_MS = 20
+"""How long a finished call may wait for its bucket's next element before a timer emits it."""
+SLOT_WAIT_S = 0.05
+"""Admission re-checks this often for the bucket's finished calls while waiting for a slot."""
+
+
+def epoch_ms(ts: Any) -> int | None:
+    """A Kafka timestamp as PyFlink hands it over (Instant, datetime or millis) in epoch ms."""
+    if ts is None or isinstance(ts, int):
+        return ts
+    to_ms = getattr(ts, "to_epoch_milli", None)
+    if to_ms is not None:
+        return int(to_ms())
+    timestamp = getattr(ts, "timestamp", None)
+    return int(timestamp() * 1000) if timestamp is not None else None
+
+
+def pending_record(row: Row) -> PendingRecord:
+    """An `INPUT_ROW_TYPE` row as the record kept in state. The headers arrive as a map (the
+    table connector's `headers` metadata); none, or an empty map, are kept as None."""
+    headers = row[6]
+    return PendingRecord(row[0], row[1], row[2], row[3], row[4], epoch_ms(row[5]),
+                         tuple(headers.items()) if headers else None)
+
+
+def _salvage(row: Any) -> PendingRecord:
+    """What can be read of a row that `pending_record` could not read, for its dead letter."""
+    def field(i: int) -> Any:
+        try:
+            return row[i]
+        except Exception:  # noqa: BLE001 - a row that cannot be read still gets a dead letter
+            return None
+
+    key, value = field(0), field(1)
+    return PendingRecord(key if isinstance(key, bytes) else None, value if isinstance(value, bytes) else None,
+                         "unknown", -1, -1)
+
+
+def _row(row: SinkRow) -> Row:
+    return Row(row.key, row.value, row.topic, row.headers)
+
+
+Outcome = tuple[SinkRow, str | None]
+"""What a record becomes: its outgoing row and, for a dead letter, the reason."""
+
+
+class InferenceStage(KeyedProcessFunction):
+    """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick).
+    Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
+
+    `capacity` bounds the calls in flight per subtask (`async.capacity`). `gate_dir`: the
+    job has an admission gate in front (`udfs/stage/admission.py`: a spend budget, a fleet or a rate limit); while no
+    call can start before a window or a cooldown ends (`InferenceClient.pause_reason`) the stage
+    parks what it cannot start (it is in state already) instead of waiting for a slot inside
+    the bundle, and tells the gate to stop its input.
+    """
+
+    def __init__(self, config: JobConfig, gate_dir: str | None = None) -> None:
+        self._config = config
+        self._gate_dir = gate_dir
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self, runtime_context: RuntimeContext) -> None:
+        from udfs.inference.client import InferenceClient
+        from udfs.metrics import InferenceMetrics
+        from udfs.records.avro import codec_for
+        from udfs.stage.inflight import CallRunner
+
+        subtasks = runtime_context.get_number_of_parallel_subtasks()
+        # `flink.python.metric.enabled: false` gives no group: the same figures, kept in Python only.
+        group = runtime_context.get_metrics_group()
+        self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
+        self._pending = runtime_context.get_map_state(PENDING_STATE)
+        self._runner = CallRunner(self._config.async_.capacity)
+        self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
+        self._codec = codec_for(self._config)  # Avro and its registry client, when a format is avro
+        self._outstanding: dict[Any, int] = {}
+        self._timer_at: dict[Any, int] = {}
+        self._order = KeyOrder() if self._config.ordering == "per_key" else None
+        self._parked: deque[tuple[Any, str, Callable[[], Coroutine[Any, Any, Outcome]]]] = deque()
+        self._gate = None
+        if self._gate_dir is not None:
+            from udfs.stage.admission import GateSignal
+            self._gate = GateSignal(self._gate_dir, runtime_context.get_index_of_this_subtask())
+        model = self._config.model
+        where = model.endpoint or ", ".join(e.url for e in model.endpoints or [])
+        log.info("inference subtask %s/%s: %s %s model=%s capacity=%s",
+                 runtime_context.get_index_of_this_subtask() + 1, subtasks, model.api,
+                 where, model.model, self._config.async_.capacity)
+
+    def close(self) -> None:
+        runner = getattr(self, "_runner", None)
+        if runner is not None:
+            runner.close(before_stop=self._client.close)
+        gate = getattr(self, "_gate", None)
+        if gate is not None:
+            gate.close()
+        codec = getattr(self, "_codec", None)
+        if codec is not None:
+            codec.close()  # the registry client's connections
+
+    # ------------------------------------------------------------------ Flink callbacks
+    def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
+        bucket = ctx.get_current_key()
+        try:
+            if bucket not in self._outstanding:
+                yield from self._adopt(bucket, ctx)
+            if value is None:  # a tick: only wakes the bucket
+                yield from self._emit(bucket)
+                self._admit_parked()
+                self._ensure_timer(bucket, ctx)
+                return
+            self._metrics.records_in.inc()
+            record = pending_record(value)
+        except Exception as err:
+            log.exception("unexpected error reading an input row")
+            yield self._failed(InternalError.from_exception(err), _salvage(value))
+            return
+        yield from self._start(bucket, record)
+        yield from self._emit(bucket)
+        self._admit_parked()
+        self._ensure_timer(bucket, ctx)
+
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
+        bucket = ctx.get_current_key()
+        if bucket not in self._outstanding:
+            yield from self._adopt(bucket, ctx)
+        if timestamp >= FLUSH_AT:
+            yield from self._flush(bucket)
+            return
+        if self._timer_at.get(bucket) == timestamp:
+            del self._timer_at[bucket]
+        yield from self._emit(bucket)
+        self._admit_parked()
+        self._ensure_timer(bucket, ctx)
+
+    # ------------------------------------------------------------------ the stage
+    def _adopt(self, bucket: Any, ctx: Any) -> Iterator[Row]:
+        """First sight of `bucket` in this instance: arm the end-of-input timer and start again
+        whatever its state holds (after a restore; empty otherwise), each under the handle it
+        was stored with."""
+        self._outstanding[bucket] = 0
+        ctx.timer_service().register_event_time_timer(FLUSH_AT)
+        try:
+            stored = list(self._pending.items())
+        except Exception as err:  # a state backend failure
+            log.exception("reading the pending requests of bucket %r failed", bucket)
+            yield self._failed(InternalError.from_exception(err), _salvage(None))
+            return
+        if stored:
+            log.info("bucket %r: starting %d pending request(s) again after a restore", bucket, len(stored))
+        records: list[tuple[str, PendingRecord]] = []
+        for handle, value in stored:
+            try:
+                records.append((handle, PendingRecord.restored(value)))
+            except Exception as err:
+                log.exception("bucket %r: state entry %r is not a pending record", bucket, handle)
+                self._pending.remove(handle)
+                yield self._failed(InternalError.from_exception(err), _salvage(value))
+        if self._order is not None:
+            records = restore_order(records)
+        for handle, record in records:
+            yield from self._start(bucket, record, handle)
+        if stored:
+            self._ensure_timer(bucket, ctx)
+
+    def _start(self, bucket: Any, record: PendingRecord, stored_as: str | None = None) -> Iterator[Row]:
+        """Decodes `record` and starts its call, waiting for a slot; bad input and tombstones are
+        settled at once. `stored_as`: the record is already in state under that handle (a restore)."""
+        reissue = stored_as is not None
+        handle = stored_as if stored_as is not None else record.handle
+        tombstones = self._config.input.tombstones
+        if record.value is None and tombstones != "dead-letter":
+            if tombstones == "skip":
+                if reissue:
+                    self._pending.remove(handle)
+                return
+            if record.key is not None:  # forward; without a key there is nothing to delete: a dead letter
+                tombstone = SinkRow(record.key, None, self._config.kafka.output_topic, self._forwarded(record))
+                yield from self._settle(bucket, record, handle, reissue, (tombstone, None))
+                return
+        try:
+            request = decode(record.key, record.value, record.source, self._config.limits, self._codec)
+        except BadInput as err:
+            self._metrics.bad_input.inc()
+            yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(err, record), err.reason))
+            return
+        except Exception as err:
+            log.exception("unexpected error decoding %s-%s@%s", record.topic, record.partition, record.offset)
+            self._metrics.bad_input.inc()
+            failure = InternalError.from_exception(err)
+            yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(failure, record), failure.reason))
+            return
+        if not reissue:
+            self._pending.put(handle, record)
+        else:
+            self._metrics.reissued.inc()
+        if self._order is not None:
+            self._order.admit(bucket, record.key, handle)
+        self._outstanding[bucket] += 1
+
+        def call() -> Coroutine[Any, Any, Outcome]:
+            return self._call(request, record)
+
+        # In line behind any parked records, and started with them; it stays parked only while a
+        # pause holds the line (a job without a gate never parks: `_slot` just waits).
+        self._parked.append((bucket, handle, call))
+        yield from self._start_parked(bucket)
+
+    def _slot(self, bucket: Any) -> Generator[Row, None, bool]:
+        """Waits for a free slot, emitting the bucket's finished calls meanwhile: the stage's
+        backpressure. False at once while the client is paused and a gate is in front: no slot
+        frees before a budget window or a cooldown ends, so the record is parked instead."""
+        runner = self._runner
+        while not runner.has_slot():
+            if self._paused():
+                return False
+            runner.wait_for_slot(SLOT_WAIT_S)
+            yield from self._emit(bucket)
+        return True
+
+    def _paused(self) -> bool:
+        """Whether the client is paused (budget, fleet, Retry-After or rate limit) and a gate is
+        in front; tells the gate on a change."""
+        gate = self._gate
+        if gate is None:
+            return False
+        reason = self._client.pause_reason
+        gate.set(reason)
+        return reason is not None
+
+    def _start_parked(self, bucket: Any) -> Iterator[Row]:
+        """Starts every parked record, oldest first, waiting for slots (the stage's backpressure);
+        stops, leaving the rest parked, while the client is paused. A parked record may belong to
+        another bucket: starting it touches no keyed state (it is removed under its own bucket
+        when its answer is emitted)."""
+        while self._parked and (yield from self._slot(bucket)):
+            parked_bucket, handle, call = self._parked.popleft()
+            self._runner.submit(parked_bucket, handle, call)
+        self._metrics.admitted = self._runner.in_flight
+
+    def _admit_parked(self, *, at_end: bool = False) -> None:
+        """Starts parked records, oldest first, while slots are free and the client is not paused
+        (`at_end`: paused or not; the calls then wait for the window themselves). Never waits."""
+        if self._gate is None:
+            return
+        paused = self._paused()  # read on every element and timer: it also tells the gate
+        runner = self._runner
+        while self._parked and runner.has_slot() and (at_end or not paused):
+            bucket, handle, call = self._parked.popleft()
+            runner.submit(bucket, handle, call)
+        self._metrics.admitted = runner.in_flight
+
+    def _settle(self, bucket: Any, record: PendingRecord, handle: str, reissue: bool,
+                outcome: Outcome) -> Iterator[Row]:
+        """A record whose outcome needs no call (bad input, a tombstone): emitted at once, unless
+        an earlier record of its key is still out under `ordering: per_key`; then it waits in
+        state, like a call in flight, and leaves in its turn."""
+        order = self._order
+        if order is None or not order.waiting(bucket, record.key):
+            if reissue:
+                self._pending.remove(handle)
+            yield self._out(outcome)
+            return
+        if not reissue:
+            self._pending.put(handle, record)
+        order.admit(bucket, record.key, handle)
+        yield from self._release(order.finish(handle, outcome))
+
+    async def _call(self, request: Request, record: PendingRecord) -> Outcome:
+        """The output row of `request`, or its dead letter and reason; never raises. Runs on the
+        runner's loop, so the dead letter is counted when it is emitted, on the operator thread."""
+        failure: RecordError
+        try:
+            completion = await self._client.complete(request)
+            return result_row(request, completion, self._config.kafka.output_topic,
+                              self._config.limits.max_result_bytes, self._forwarded(record), self._codec), None
+        except InternalError as err:
+            log.error("internal error in inference for id=%s: %s", request.id, err.detail)
+            failure = err
+        except RecordError as err:
+            failure = err
+        except Exception as err:
+            log.exception("unexpected error in inference for id=%s", request.id)
+            failure = InternalError.from_exception(err)
+        return self._dead_letter(failure, record, request.id), failure.reason
+
+    def _emit(self, bucket: Any) -> Iterator[Row]:
+        """The bucket's finished calls, each removed from state as it is emitted (under
+        `ordering: per_key`, those whose turn has come)."""
+        done = self._runner.take(bucket)
+        if not done:
+            return
+        order = self._order
+        for handle, outcome in done:
+            if outcome is None:  # the runner caught a raise that `_call` should have prevented
+                err = InternalError("the inference call raised")
+                outcome = (self._dead_letter(err, self._stored(handle)), err.reason)
+            if order is None:
+                self._pending.remove(handle)
+                yield self._out(outcome)
+            else:
+                yield from self._release(order.finish(handle, outcome))
+        self._outstanding[bucket] -= len(done)
+        self._metrics.admitted = self._runner.in_flight
+
+    def _release(self, released: list[tuple[Any, Outcome]]) -> Iterator[Row]:
+        for handle, outcome in released:
+            self._pending.remove(handle)
+            yield self._out(outcome)
+
+    def _out(self, outcome: Outcome) -> Row:
+        """An outcome as the row it leaves as, its dead letter counted by reason."""
+        row, dead_letter_reason = outcome
+        if dead_letter_reason is not None:
+            self._metrics.dead_letter(dead_letter_reason)
+        return _row(row)
+
+    def _flush(self, bucket: Any) -> Iterator[Row]:
+        """End of input: every call of `bucket`, waited for and emitted."""
+        while self._outstanding.get(bucket, 0) > 0:
+            self._admit_parked(at_end=True)
+            self._runner.wait(SLOT_WAIT_S, bucket)
+            yield from self._emit(bucket)
+
+    def _ensure_timer(self, bucket: Any, ctx: Any) -> None:
+        if bucket in self._timer_at or self._outstanding.get(bucket, 0) <= 0:
+            return
+        at = ctx.timer_service().current_processing_time() + EMIT_PERIOD_MS
+        ctx.timer_service().register_processing_time_timer(at)
+        self._timer_at[bucket] = at
+
+    def _stored(self, handle: Any) -> PendingRecord:
+        """The record kept under `handle`, or what can be salvaged of it."""
+        value = self._pending.get(handle)
+        try:
+            return PendingRecord.restored(value)
+        except TypeError:
+            return _salvage(value)
+
+    # ------------------------------------------------------------------ outgoing records
+    def _forwarded(self, record: PendingRecord) -> SinkHeaders:
+        return forwarded_headers(record.headers, self._config.kafka.forward_headers)
+
+    def _dead_letter(self, err: RecordError, record: PendingRecord, request_id: str | None = None) -> SinkRow:
+        """The dead letter of `record`: the one place a record becomes one. `request_id`: the
+        decoded id, when there is one (else the best guess from the original bytes)."""
+        return dead_letter.for_error(
+            err, key=record.key, value=record.value, source=record.source,
+            record_id=request_id if request_id is not None else record_id(record.value),
+            job=self._config.name, topic=self._config.kafka.dead_letter_topic, headers=self._forwarded(record))
+
+    def _failed(self, err: RecordError, record: PendingRecord) -> Row:
+        """A dead letter emitted on the operator thread, counted by reason as it leaves."""
+        self._metrics.dead_letter(err.reason)
+        return _row(self._dead_letter(err, record))
