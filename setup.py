@@ -1,4 +1,4 @@
-"""Packaging for llmstream: the `jobs` and `udfs` packages and the `llmstream` command."""
+"""Packaging for llmstream: the `jobs` and `udfs` packages (without `jobs/dev/`) and the `llmstream` command."""
 from setuptools import find_packages, setup
 
 setup(
@@ -6,7 +6,9 @@ setup(
     version="0.1.0",
     description="PyFlink job: LLM inference over Kafka with bounded concurrency and exactly-once output",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["jobs", "jobs.*", "udfs", "udfs.*"]),
+    # The development tools (jobs/dev/: simulator, bench, local services) are not part of the product:
+    # they run from a checkout (`pip install -e .`), never from the wheel.
+    packages=find_packages(include=["jobs", "jobs.*", "udfs", "udfs.*"], exclude=["jobs.dev", "jobs.dev.*"]),
     package_data={"jobs": ["*.yaml", "examples/*.yaml", "data/*.jsonl"]},
     install_requires=[
         "apache-flink==2.2.1",

@@ -3,8 +3,8 @@
 The job's own commands (run, plan, demo, submit, stop, upgrade) are defined here; each
 service (kafka, cluster, model-server, bench, status) brings its module's own
 `add_arguments(parser)` / `run(args)` pair. Nothing here imports PyFlink, so `--help` and
-config errors answer at once. The development services live in `jobs/dev/`; where that is left
-out (an image that only runs the job), their commands are simply not offered.
+config errors answer at once. The development services live in `jobs/dev/`, which the wheel
+leaves out (setup.py): there their commands stay listed and answer in one line where to get them.
 
 Every expected failure ends in one line on stderr and an exit code: 2 when a setting is wrong or
 names something that does not answer (a `ConfigError`, naming the config key or the flag:
@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", default=None)
     plan.set_defaults(handler=_plan)
 
-    if importlib.util.find_spec("jobs.dev") is not None:  # the demo starts a broker and a model server from it
+    if importlib.util.find_spec("jobs.dev") is None:  # the demo starts a broker and a model server from it
+        _missing_dev_command(sub, "demo", "broker + model server + sample prompts + the job, end to end")
+    else:
         demo = sub.add_parser("demo", help="broker + simulator + sample prompts + the job, end to end")
         demo.add_argument("--records", type=int, default=None, help="how many sample prompts to send (default: all)")
         demo.add_argument("--keep", action="store_true", help="leave the broker running afterwards")
@@ -177,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in SERVICES.items():
         module = _dev_module(module_name)
         if module is None:
+            _missing_dev_command(sub, name, help_text)
             continue
         service = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text),
                                  epilog=getattr(module, "EPILOG", None),
@@ -195,7 +198,28 @@ def build_parser() -> argparse.ArgumentParser:
         simulator.add_arguments(server)
         real_models.add_arguments(server)
         server.set_defaults(handler=_model_server)
+    else:
+        _missing_dev_command(sub, "model-server", "the model-server simulator and real small model servers")
     return parser
+
+
+DEV_TOOLS_MISSING = ("needs llmstream's development tools (jobs/dev/: the simulator, the bench, the local "
+                     "broker and cluster), which the installed package leaves out; run it from a source "
+                     "checkout (`make demo`, `make test`, or `pip install -e .` there)")
+
+
+def _missing_dev_command(sub: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    """A command of the development tools where they are not installed: it says so in one line
+    (exit 2) instead of argparse's "invalid choice", so a user of the wheel learns where it lives."""
+    command = sub.add_parser(name, help=f"{help_text} (not installed: {name} comes with a source checkout)",
+                             add_help=False)
+    command.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def handler(args: argparse.Namespace) -> int:
+        print(f"llmstream: {name} {DEV_TOOLS_MISSING}", file=sys.stderr)
+        return 2
+
+    command.set_defaults(handler=handler)
 
 
 def _dev_module(name: str) -> ModuleType | None:

@@ -163,3 +163,53 @@ def test_no_import_cycles_among_jobs_and_udfs() -> None:
 
 def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+ENTRY_POINTS = {"jobs.cli", "jobs.demo", "jobs.inference_job"}
+"""The commands and the cluster's entry script: the top of the graph, which nothing below imports."""
+
+
+def _concern(module: str) -> str:
+    """The package a module belongs to by concern (``udfs.inference`` for ``udfs.inference.client``);
+    a module directly under ``jobs/`` or ``udfs/`` (``udfs.errors``, ``jobs.cli``) is its own."""
+    parts = module.split(".")
+    if parts[:2] == ["jobs", "dev"]:
+        return "jobs.dev"
+    return ".".join(parts[:2])
+
+
+def _concern_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for i in IMPORTS:
+        source, target = _concern(i.module), _concern(i.target)
+        graph.setdefault(source, set())
+        graph.setdefault(target, set())
+        if not i.type_checking and source != target:
+            graph[source].add(target)
+    return graph
+
+
+def test_packages_per_concern_form_layers_without_cycles() -> None:
+    """Packages per concern (udfs/config, records, cost, inference, stage; jobs/clients, runtime,
+    state, graph, observe, launch): a package may lean on those below it, never on one that leans on it."""
+    cycles = _cycles(_concern_graph())
+    assert not cycles, "cycles between packages: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_only_the_commands_import_the_commands() -> None:
+    offending = [f"{MODULES[i.module].relative_to(ROOT)}:{i.line} imports {i.target}" for i in IMPORTS
+                 if i.target in ENTRY_POINTS and i.module not in ENTRY_POINTS and not _is_dev(i.module)]
+    assert not offending, "an entry point imported from below:\n" + "\n".join(offending)
+
+
+def test_what_flink_runs_never_imports_the_commands_side() -> None:
+    """`udfs/` is shipped to the Python workers alone: it cannot lean on `jobs/`."""
+    offending = [f"{MODULES[i.module].relative_to(ROOT)}:{i.line} imports {i.target}" for i in IMPORTS
+                 if i.module.startswith("udfs") and i.target.startswith("jobs")]
+    assert not offending, "udfs/ imports jobs/:\n" + "\n".join(offending)
+
+
+def test_concern_graph_sees_the_packages() -> None:
+    """The checks can fail: the stage leans on inference, and inference on records."""
+    graph = _concern_graph()
+    assert "udfs.inference" in graph["udfs.stage"] and "udfs.records" in graph["udfs.inference"]
