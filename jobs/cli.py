@@ -212,8 +212,8 @@ def _missing_dev_command(sub: argparse._SubParsersAction, name: str, help_text: 
     """A command of the development tools where they are not installed: it says so in one line
     (exit 2) instead of argparse's "invalid choice", so a user of the wheel learns where it lives."""
     command = sub.add_parser(name, help=f"{help_text} (not installed: {name} comes with a source checkout)",
-                             add_help=False)
-    command.add_argument("rest", nargs=argparse.REMAINDER)
+                             add_help=False, prefix_chars="\0")  # every word, --help too, is taken as is
+    command.add_argument("words", nargs="*")
 
     def handler(args: argparse.Namespace) -> int:
         print(f"llmstream: {name} {DEV_TOOLS_MISSING}", file=sys.stderr)

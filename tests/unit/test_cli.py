@@ -70,6 +70,7 @@ codes = {name: main([*argv.split(), "--config", sys.argv[1]]) for name, argv in 
     "status": "status --jobmanager 127.0.0.1:9",
     "run": "run --state-dir " + sys.argv[1],
 }.items()}
+codes |= {name: main([name, "--help"]) for name in ("demo", "bench", "model-server")}
 print(json.dumps({"commands": commands, "codes": codes}))
 """
 
@@ -77,7 +78,8 @@ print(json.dumps({"commands": commands, "codes": codes}))
 def test_the_jobs_commands_work_without_the_dev_wing(tmp_path: Path) -> None:
     """An image that only runs the job could leave jobs/dev/ out: the job's commands still parse
     and fail as they should (here: no cluster at --jobmanager, a state directory that is a file or
-    missing; checked before the broker), the development commands are simply not offered."""
+    missing; checked before the broker); the development commands stay listed and each says in one
+    line where it lives (exit 2), --help included, instead of argparse's "invalid choice"."""
     path = tmp_path / "job.yaml"
     path.write_text("kafka: {bootstrap_servers: '127.0.0.1:9', input_topic: i, output_topic: o, "
                     "dead_letter_topic: d, group_id: g, transactional_id_prefix: t}\n"
@@ -86,8 +88,11 @@ def test_the_jobs_commands_work_without_the_dev_wing(tmp_path: Path) -> None:
                             text=True, timeout=180, env=SHELL_ENV, check=False)
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])
-    assert outcome["commands"] == sorted(["run", "plan", "submit", "stop", "upgrade", "fetch-jars", "status"])
-    assert outcome["codes"] == {"submit": 2, "upgrade": 2, "stop": 2, "status": 2, "run": 2}
+    assert outcome["commands"] == sorted(["run", "plan", "submit", "stop", "upgrade", "fetch-jars", "status",
+                                          "demo", "kafka", "cluster", "bench", "model-server"])
+    assert outcome["codes"] == {"submit": 2, "upgrade": 2, "stop": 2, "status": 2, "run": 2,
+                                "demo": 2, "bench": 2, "model-server": 2}
+    assert result.stderr.count("which the installed package leaves out; run it from a source checkout") == 3
     assert "Traceback" not in result.stderr
     assert result.stderr.count("--jobmanager: no Flink REST API answers") == 2
     assert result.stderr.count("--state-dir: ") == 3
