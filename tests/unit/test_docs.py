@@ -157,9 +157,33 @@ def test_every_dead_letter_reason_in_the_code_is_in_the_record_contract() -> Non
     """A reason code a user may find in a dead letter has a row in docs/record-contract.md."""
     import re
 
-    code = "".join(path.read_text() for path in (ROOT / "udfs").glob("*.py"))
+    code = "".join(path.read_text() for path in (ROOT / "udfs").rglob("*.py"))
     reasons = set(re.findall(r'BadInput\(\s*"([a-z_]+)"', code)) | set(re.findall(r'reason = "([a-z_]+)"', code))
     table = (ROOT / "docs" / "record-contract.md").read_text()
     documented = {code for row in table.splitlines() if row.startswith("| `")
                   for code in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
     assert reasons and not sorted(reasons - documented), f"undocumented reasons: {sorted(reasons - documented)}"
+
+
+CODE_PATH = re.compile(r"(?<![\w./-])((?:jobs|udfs|tests|pom-free|flink-conf|grafana)/[\w./-]*\w)(?![\w*-]|/\w)")
+"""A path into the project's code as docs and docstrings name it (`udfs/inference/client.py`, `jobs/dev/`)."""
+
+
+def _named_paths(text: str) -> set[str]:
+    return {m.rstrip(".") for m in CODE_PATH.findall(text) if "*" not in m and "<" not in m}
+
+
+def test_every_code_path_the_docs_and_docstrings_name_exists() -> None:
+    """A file moved or renamed leaves no doc or docstring pointing at where it was."""
+    sources = [*DOCS, *(ROOT / "jobs").rglob("*.py"), *(ROOT / "udfs").rglob("*.py"),
+               *(ROOT / "jobs" / "dev" / "bench").glob("*.md")]
+    missing = sorted({f"{src.relative_to(ROOT)}: {path}" for src in sources
+                      for path in _named_paths(src.read_text(encoding="utf-8"))
+                      if not (ROOT / path).exists() and not path.startswith(("pom-free/cache", "tests/tmp"))})
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_named_paths_are_found() -> None:
+    assert _named_paths("see `udfs/inference/client.py`, jobs/dev/ and (tests/unit/test_docs.py), "
+                        "not a pattern like jobs/dev/bench/results/d-orjson-*.md.") == {
+        "udfs/inference/client.py", "jobs/dev", "tests/unit/test_docs.py"}
