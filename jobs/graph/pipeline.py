@@ -179,7 +179,11 @@ def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateD
             conf.set_string(key, value)
     conf.set_string("python.executable", sys.executable)
     conf.set_string("python.client.executable", sys.executable)
-    conf.set_string("python.fn-execution.bundle.size", str(config.python.bundle_size))
+    if config.stage == "vectorized":  # the bundle is one Arrow batch: a checkpoint waits for about one
+        conf.set_string("python.fn-execution.arrow.batch.size", str(config.vectorized.batch_size))
+        conf.set_string("python.fn-execution.bundle.size", str(config.vectorized.batch_size))
+    else:
+        conf.set_string("python.fn-execution.bundle.size", str(config.python.bundle_size))
     conf.set_string("python.fn-execution.bundle.time", str(config.python.bundle_time_ms))
     conf.set_string("pipeline.name", config.name)
     # Stable uids for the table source and sink too, so savepoints restore after a change of
@@ -469,6 +473,9 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
         f"CREATE TEMPORARY TABLE {SINK_TABLE} (k BYTES, v BYTES, `topic` STRING METADATA, `headers` {HEADERS_SQL} METADATA)\n"
         f"WITH (\n  {_with(sink_options(config))}\n)"
     )
+    if config.stage == "vectorized":
+        vectorized_lane(t_env, config, with_headers)
+        return None
     inference_parallelism = config.parallelism.of("inference")
     if config.python.unaligned_checkpoints:
         env.get_checkpoint_config().enable_unaligned_checkpoints()
@@ -486,3 +493,29 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
     statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
     statements.attach_as_datastream()
     return gate_dir
+
+
+VECTORIZED_FUNCTION = "llmstream_infer"
+
+
+def vectorized_lane(t_env: StreamTableEnvironment, config: JobConfig, with_headers: bool) -> None:
+    """`stage: vectorized`: the source table through one Arrow-batched Python function
+    (`udfs/stage/vectorized.py`) into the same exactly-once sink, in SQL; no keyed state, ticks
+    or gate. The function returns one row per input row; a skipped tombstone's row is filtered."""
+    from udfs.stage.vectorized import vectorized_function
+
+    t_env.create_temporary_function(VECTORIZED_FUNCTION, vectorized_function(config))
+    # Arrow maps need non-null keys: the headers cross as MAP<STRING NOT NULL, BYTES> both ways.
+    arrow_headers = "MAP<STRING NOT NULL, BYTES>"
+    headers = f"CAST(`headers` AS {arrow_headers})" if with_headers else f"CAST(NULL AS {arrow_headers})"
+    # One SQL statement plans the whole lane, and two of its operators are calcs, so a uid format of
+    # "<name>_<transformation>" would repeat itself. Flink's own operator ids (hashes of the graph's
+    # shape, the same for the same config) take their place: a savepoint of this lane restores into it.
+    t_env.get_config().set("table.exec.uid.generation", "DISABLED")
+    statements = t_env.create_statement_set()
+    statements.add_insert_sql(
+        f"INSERT INTO {SINK_TABLE}\n"
+        f"SELECT r.k, r.v, r.`topic`, CAST(r.`headers` AS {HEADERS_SQL}) FROM (\n"
+        f"  SELECT {VECTORIZED_FUNCTION}(k, v, `topic`, `partition`, `offset`, ts, {headers}) AS r FROM {SOURCE_TABLE}\n"
+        ") WHERE r.emit")
+    statements.attach_as_datastream()

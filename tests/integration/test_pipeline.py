@@ -48,11 +48,15 @@ def _run_until_end(config: JobConfig) -> None:
     assert run_job(config, RunOptions(until_end=True), progress_every_s=0) == "FINISHED"
 
 
-@pytest.mark.parametrize("python", [{}, {"bundle_size": 1000, "bundle_target_ms": 250}], ids=["fixed", "adaptive"])
-def test_thousand_records_exactly_once(job_config: JobConfigFactory, python: dict[str, int]) -> None:
+@pytest.mark.parametrize(("stage", "python"), [
+    ("keyed", {}), ("keyed", {"bundle_size": 1000, "bundle_target_ms": 250}), ("vectorized", {}),
+], ids=["fixed", "adaptive", "vectorized"])
+def test_thousand_records_exactly_once(job_config: JobConfigFactory, stage: str, python: dict[str, int]) -> None:
     """Also with bundles that follow throughput (`python.bundle_target_ms`: another operator class
-    in the stage's place, test_plan.py)."""
-    config = job_config(python=python)
+    in the stage's place, test_plan.py), and in the vectorized lane (Arrow batches of 100 here, so
+    the thousand records cross in several)."""
+    config = job_config(python=python, **({"stage": stage, "vectorized": {"batch_size": 100}}
+                                          if stage == "vectorized" else {}))
     records = _good(1000, "r")
     produce(config.kafka.bootstrap_servers, config.kafka.input_topic, records)
     _run_until_end(config)
@@ -87,9 +91,10 @@ BAD_RECORDS: list[tuple[bytes | None, str]] = [
 ]
 
 
-def test_bad_records_are_dead_lettered_good_ones_answered(job_config: JobConfigFactory) -> None:
+@pytest.mark.parametrize("stage", ["keyed", "vectorized"])
+def test_bad_records_are_dead_lettered_good_ones_answered(job_config: JobConfigFactory, stage: str) -> None:
     # A keyed null value is a delete forwarded by default (test_ordering.py); here it is bad input.
-    config = job_config(kafka={"topic_partitions": 1}, input={"tombstones": "dead-letter"})
+    config = job_config(kafka={"topic_partitions": 1}, input={"tombstones": "dead-letter"}, stage=stage)
     good = _good(100, "g")
     stream: list[tuple[bytes | None, bytes | None]] = []
     expected_reason: dict[int, str] = {}

@@ -29,7 +29,7 @@ from udfs.errors import (
     RetryableError,
 )
 from udfs.records import Completion, PendingRecord, Request
-from udfs.stage import operators
+from udfs.stage import record_path
 from udfs.stage.operators import epoch_ms
 
 TS = 1_700_000_000_000
@@ -119,14 +119,14 @@ def test_a_row_that_cannot_be_read_is_a_dead_letter(harnesses: list[Harness]) ->
 
 def test_a_decoder_bug_is_a_dead_letter_and_the_next_record_still_flows(
         harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch) -> None:
-    real_decode = operators.decode
+    real_decode = record_path.decode
 
     def decode(key: bytes | None, raw: bytes | None, *args: Any) -> Request:
         if raw == record(1):
             raise AttributeError("a decoder bug")
         return real_decode(key, raw, *args)
 
-    monkeypatch.setattr(operators, "decode", decode)
+    monkeypatch.setattr(record_path, "decode", decode)
     h = stage(harnesses)
     h.element(0, record(1), offset=1)
     h.element(0, record(2), offset=2)
@@ -146,7 +146,7 @@ def test_a_restored_record_the_decoder_now_fails_on_leaves_state_as_a_dead_lette
     def decode(*args: Any) -> Request:
         raise RuntimeError("decoder bug after an upgrade")
 
-    monkeypatch.setattr(operators, "decode", decode)
+    monkeypatch.setattr(record_path, "decode", decode)
     h = stage(harnesses, state=state)
     h.tick(0)
     [dead] = dead_letters(h)
@@ -158,7 +158,7 @@ def test_an_encoder_bug_is_a_dead_letter(harnesses: list[Harness], monkeypatch: 
     def result_row(*args: Any) -> Any:
         raise TypeError("cannot encode")
 
-    monkeypatch.setattr(operators, "result_row", result_row)
+    monkeypatch.setattr(record_path, "result_row", result_row)
     h = stage(harnesses)
     h.element(1, record(3), offset=3)
     h.end_of_input()
@@ -169,14 +169,14 @@ def test_an_encoder_bug_is_a_dead_letter(harnesses: list[Harness], monkeypatch: 
 
 def test_a_call_that_raises_past_its_own_guard_is_a_dead_letter_with_the_stored_record(
         harnesses: list[Harness]) -> None:
-    """The runner's last line of defence: `_call` should never raise, and if it does, the record
+    """The runner's last line of defence: `RecordPath.call` should never raise, and if it does, the record
     still gets its dead letter from what the state kept."""
     h = stage(harnesses)
 
-    async def broken_call(request: Request) -> Any:
+    async def broken_call(request: Request, stored: PendingRecord) -> Any:
         raise MemoryError("out of luck")
 
-    h.function._call = broken_call  # type: ignore[method-assign]
+    h.function._path.call = broken_call  # type: ignore[method-assign]
     h.element(2, record(4), offset=4, key=b"key-4")
     h.end_of_input()
     [dead] = dead_letters(h)

@@ -466,6 +466,16 @@ ADAPTIVE_MIN_BUNDLE = 10
 
 
 @dataclass(frozen=True)
+class VectorizedConfig:
+    """The vectorized lane (`stage: vectorized`, `udfs/stage/vectorized.py`): Flink hands the
+    Python function `batch_size` records at once (`python.fn-execution.arrow.batch.size`), and
+    the Python bundle is the same size, so a checkpoint waits for about one batch, not for
+    Flink's default 100,000 rows (docs/tuning.md, "Which lane")."""
+
+    batch_size: PositiveInt = 1000
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     """Input guards: records beyond these go to the dead-letter topic, never to the model."""
 
@@ -627,6 +637,8 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     schema_registry: SchemaRegistryConfig | None = None
     ordering: Literal["none", "per_key"] = "none"
+    stage: Literal["keyed", "vectorized"] = "keyed"
+    vectorized: VectorizedConfig = field(default_factory=VectorizedConfig)
     flink: dict[str, str] = field(default_factory=dict)
 
     def validate(self, path: str) -> None:
@@ -648,6 +660,7 @@ class JobConfig:
                  "(PEMJA) every record and timer waits for that thread to let go of the GIL (measured: fewer than "
                  "45 records/s; PEMJA also crashed the JVM once); use process, the default")
         _validate_formats(self)
+        _validate_stage(self)
         request_limit = int(self.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
         _require(self.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
                  f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
@@ -816,6 +829,27 @@ def _validate_formats(config: JobConfig) -> None:
              "which would time out and restart the job")
 
 
+def _validate_stage(config: JobConfig) -> None:
+    """What the vectorized lane does not do (yet), refused at load rather than half done."""
+    if config.stage != "vectorized":
+        return
+    keyed_only = "needs the keyed stage (stage: keyed): "
+    unsupported = {
+        "ordering": (config.ordering == "per_key",
+                     keyed_only + "the vectorized lane does not route a key's records to one subtask"),
+        "budget": (config.budget.enabled, keyed_only + "a paused budget would hold the batch in progress, "
+                   "and with it every checkpoint, for up to its window"),
+        "python.bundle_target_ms": (config.python.bundle_target_ms > 0,
+                                    "is for the keyed stage; the vectorized lane's bundle is vectorized.batch_size"),
+        "parallelism.inference": (config.parallelism.of("inference") != config.parallelism.default,
+                                  "the vectorized lane runs at parallelism.default (set that instead)"),
+        "input.format": (config.input.format == "avro", "avro is not yet supported with stage: vectorized"),
+        "output.format": (config.output.format == "avro", "avro is not yet supported with stage: vectorized"),
+    }
+    for key, (refused, why) in unsupported.items():
+        _require(not refused, key, f"{why}")
+
+
 def config_from_dict(data: Any) -> JobConfig:
     """Builds a `JobConfig` from already-parsed YAML, validating every key."""
     return typing.cast(JobConfig, _build(JobConfig, data, ""))
@@ -836,12 +870,13 @@ def load_config(path: str | os.PathLike[str] | None = None) -> JobConfig:
         raise ConfigError(err.key, f"{err.problem} (in {path})") from None
 
 
-def with_overrides(config: JobConfig, **sections: dict[str, Any]) -> JobConfig:
-    """Returns a copy with some section fields replaced, re-validated (used by tests and tools)."""
+def with_overrides(config: JobConfig, **sections: Any) -> JobConfig:
+    """Returns a copy with some section fields replaced (a top-level value such as `stage`
+    replaced whole), re-validated (used by tests and tools)."""
     data = to_dict(config)
     for section, values in sections.items():
         key = "async" if section == "async_" else section
-        data[key] = {**(data.get(key) or {}), **values}
+        data[key] = {**(data.get(key) or {}), **values} if isinstance(values, dict) else values
     return config_from_dict(data)
 
 

@@ -56,18 +56,10 @@ from pyflink.datastream import KeyedProcessFunction, RuntimeContext
 from pyflink.datastream.state import MapStateDescriptor
 
 from udfs.config import JobConfig
-from udfs.errors import BadInput, InternalError, RecordError
-from udfs.records import (
-    PendingRecord,
-    Request,
-    SinkHeaders,
-    SinkRow,
-    dead_letter,
-    forwarded_headers,
-)
-from udfs.records.decode import decode, record_id
-from udfs.records.encode import result_row
+from udfs.errors import InternalError, RecordError
+from udfs.records import PendingRecord, Request, SinkRow
 from udfs.stage.ordering import KeyOrder, restore_order
+from udfs.stage.record_path import SKIP, Outcome, RecordPath
 
 log = logging.getLogger("llmstream.udfs")
 
@@ -126,10 +118,6 @@ def _row(row: SinkRow) -> Row:
     return Row(row.key, row.value, row.topic, row.headers)
 
 
-Outcome = tuple[SinkRow, str | None]
-"""What a record becomes: its outgoing row and, for a dead letter, the reason."""
-
-
 class InferenceStage(KeyedProcessFunction):
     """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick).
     Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
@@ -160,6 +148,7 @@ class InferenceStage(KeyedProcessFunction):
         self._runner = CallRunner(self._config.async_.capacity)
         self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
         self._codec = codec_for(self._config)  # Avro and its registry client, when a format is avro
+        self._path = RecordPath(self._config, self._client, self._codec, self._metrics)
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
@@ -255,28 +244,15 @@ class InferenceStage(KeyedProcessFunction):
         settled at once. `stored_as`: the record is already in state under that handle (a restore)."""
         reissue = stored_as is not None
         handle = stored_as if stored_as is not None else record.handle
-        tombstones = self._config.input.tombstones
-        if record.value is None and tombstones != "dead-letter":
-            if tombstones == "skip":
-                if reissue:
-                    self._pending.remove(handle)
-                return
-            if record.key is not None:  # forward; without a key there is nothing to delete: a dead letter
-                tombstone = SinkRow(record.key, None, self._config.kafka.output_topic, self._forwarded(record))
-                yield from self._settle(bucket, record, handle, reissue, (tombstone, None))
-                return
-        try:
-            request = decode(record.key, record.value, record.source, self._config.limits, self._codec)
-        except BadInput as err:
-            self._metrics.bad_input.inc()
-            yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(err, record), err.reason))
+        prepared = self._path.prepare(record)
+        if prepared is SKIP:
+            if reissue:
+                self._pending.remove(handle)
             return
-        except Exception as err:
-            log.exception("unexpected error decoding %s-%s@%s", record.topic, record.partition, record.offset)
-            self._metrics.bad_input.inc()
-            failure = InternalError.from_exception(err)
-            yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(failure, record), failure.reason))
+        if not isinstance(prepared, Request):  # bad input or a forwarded tombstone: no call
+            yield from self._settle(bucket, record, handle, reissue, prepared)
             return
+        request = prepared
         if not reissue:
             self._pending.put(handle, record)
         else:
@@ -286,7 +262,7 @@ class InferenceStage(KeyedProcessFunction):
         self._outstanding[bucket] += 1
 
         def call() -> Coroutine[Any, Any, Outcome]:
-            return self._call(request, record)
+            return self._path.call(request, record)
 
         # In line behind any parked records, and started with them; it stays parked only while a
         # pause holds the line (a job without a gate never parks: `_slot` just waits).
@@ -353,24 +329,6 @@ class InferenceStage(KeyedProcessFunction):
         order.admit(bucket, record.key, handle)
         yield from self._release(order.finish(handle, outcome))
 
-    async def _call(self, request: Request, record: PendingRecord) -> Outcome:
-        """The output row of `request`, or its dead letter and reason; never raises. Runs on the
-        runner's loop, so the dead letter is counted when it is emitted, on the operator thread."""
-        failure: RecordError
-        try:
-            completion = await self._client.complete(request)
-            return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes, self._forwarded(record), self._codec), None
-        except InternalError as err:
-            log.error("internal error in inference for id=%s: %s", request.id, err.detail)
-            failure = err
-        except RecordError as err:
-            failure = err
-        except Exception as err:
-            log.exception("unexpected error in inference for id=%s", request.id)
-            failure = InternalError.from_exception(err)
-        return self._dead_letter(failure, record, request.id), failure.reason
-
     def _emit(self, bucket: Any) -> Iterator[Row]:
         """The bucket's finished calls, each removed from state as it is emitted (under
         `ordering: per_key`, those whose turn has come)."""
@@ -425,16 +383,8 @@ class InferenceStage(KeyedProcessFunction):
             return _salvage(value)
 
     # ------------------------------------------------------------------ outgoing records
-    def _forwarded(self, record: PendingRecord) -> SinkHeaders:
-        return forwarded_headers(record.headers, self._config.kafka.forward_headers)
-
     def _dead_letter(self, err: RecordError, record: PendingRecord, request_id: str | None = None) -> SinkRow:
-        """The dead letter of `record`: the one place a record becomes one. `request_id`: the
-        decoded id, when there is one (else the best guess from the original bytes)."""
-        return dead_letter.for_error(
-            err, key=record.key, value=record.value, source=record.source,
-            record_id=request_id if request_id is not None else record_id(record.value),
-            job=self._config.name, topic=self._config.kafka.dead_letter_topic, headers=self._forwarded(record))
+        return self._path.dead_letter(err, record, request_id)
 
     def _failed(self, err: RecordError, record: PendingRecord) -> Row:
         """A dead letter emitted on the operator thread, counted by reason as it leaves."""

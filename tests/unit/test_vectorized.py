@@ -1,0 +1,58 @@
+"""The vectorized lane's pieces that need no JVM: what its config refuses at load, and how it reads
+the columns of an Arrow batch (pandas values) back into the records both lanes work on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import pytest
+import yaml
+
+from udfs.config import DEFAULT_CONFIG, config_from_dict
+from udfs.errors import ConfigError
+from udfs.stage.vectorized import VectorizedInference
+
+
+def _vectorized(**overrides: Any) -> dict[str, Any]:
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["stage"] = "vectorized"
+    for key, value in overrides.items():
+        data[key] = {**(data.get(key) or {}), **value} if isinstance(value, dict) else value
+    return data
+
+
+def test_the_vectorized_lane_loads_with_its_batch_size() -> None:
+    config = config_from_dict(_vectorized(vectorized={"batch_size": 500}))
+    assert config.stage == "vectorized" and config.vectorized.batch_size == 500
+    assert config_from_dict(yaml.safe_load(DEFAULT_CONFIG.read_text())).stage == "keyed"
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"ordering": "per_key"}, "ordering"),
+    ({"budget": {"max_tokens_per_hour": 1000}}, "budget"),
+    ({"python": {"bundle_target_ms": 250}}, "python.bundle_target_ms"),
+    ({"parallelism": {"default": 1, "inference": 2}}, "parallelism.inference"),
+])
+def test_what_the_vectorized_lane_does_not_do_is_one_line_naming_the_key(overrides: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(_vectorized(**overrides))
+    assert info.value.key == key and "\n" not in str(info.value)
+
+
+def test_an_unknown_stage_names_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(_vectorized(stage="batched"))
+    assert info.value.key == "stage"
+
+
+def test_a_batch_reads_back_into_records() -> None:
+    ts = pd.Series([pd.Timestamp(1_700_000_000_123, unit="ms", tz="UTC"), pd.NaT])
+    records = VectorizedInference.records(
+        pd.Series([b"k1", None], dtype=object), pd.Series([b'{"id": "a"}', None], dtype=object),
+        pd.Series(["in", "in"]), pd.Series([0, 1], dtype="int32"), pd.Series([5, 6], dtype="int64"), ts,
+        pd.Series([[("traceparent", b"00-1")], None], dtype=object))
+    assert [(r.key, r.value, r.partition, r.offset, r.timestamp_ms, r.headers) for r in records] == [
+        (b"k1", b'{"id": "a"}', 0, 5, 1_700_000_000_123, (("traceparent", b"00-1"),)),
+        (None, None, 1, 6, None, None),
+    ]

@@ -1,0 +1,193 @@
+"""The vectorized lane (`stage: vectorized`): Flink's Arrow-batched Python function instead of the
+keyed stage, for fast models and embedding backfills.
+
+The keyed stage moves every record across into Python alone and through keyed `MapState`; that
+crossing and that state are most of a record's CPU when the model answers in a millisecond. Here
+Flink hands Python a whole Arrow batch of records (`vectorized.batch_size` rows) at once; the
+function starts every call of the batch on its call loop (at most `async.capacity` at a time),
+waits for all of them, and returns one outgoing record per input row, in input order. The rules
+for a record are the keyed stage's own (`udfs/stage/record_path.py`): the same decode, client
+(retries, per-attempt and per-record deadlines, rate limits, AIMD, fleet, cache), output record
+and dead letters.
+
+Its price is head-of-line blocking: a batch is done when its slowest call is, and a checkpoint
+waits for the batch in progress and the rows already handed to Python (`vectorized.batch_size`
+is also the Python bundle). The per-record deadline (`async.record_deadline_s`) bounds that
+wait: a call past it is a dead letter, so no batch waits longer. Nothing holds calls in
+flight across a checkpoint: a failover sends the calls since the last checkpoint again (the
+result cache, `cache.*`, makes those replays free). Heavy-tailed models belong in the keyed lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pandas as pd
+from pyflink.table import DataTypes
+from pyflink.table.udf import (
+    FunctionContext,
+    ScalarFunction,
+    UserDefinedScalarFunctionWrapper,
+    udf,
+)
+
+from udfs.config import JobConfig
+from udfs.errors import InternalError
+from udfs.records import PendingRecord, Request
+from udfs.stage.record_path import SKIP, Outcome, RecordPath
+
+log = logging.getLogger("llmstream.udfs")
+
+RESULT_TYPE = DataTypes.ROW([
+    DataTypes.FIELD("k", DataTypes.BYTES()),
+    DataTypes.FIELD("v", DataTypes.BYTES()),
+    DataTypes.FIELD("topic", DataTypes.STRING()),
+    # Arrow maps need non-null keys (Flink refuses a nullable key type when it writes the batch).
+    DataTypes.FIELD("headers", DataTypes.MAP(DataTypes.STRING(False), DataTypes.BYTES())),
+    DataTypes.FIELD("emit", DataTypes.BOOLEAN()),
+])
+"""One outgoing Kafka record per input row; `emit` is false for a skipped tombstone, which the
+job's SQL filters out (a pandas function returns exactly one row per input row)."""
+
+DEADLINE_SLACK_S = 30.0
+"""How long past `async.record_deadline_s` a batch may take before its unfinished calls are given
+up as `internal_error` dead letters: the client's own deadline ends every call first; this only
+keeps a bug from holding the lane (and every checkpoint) forever."""
+
+
+def _epoch_ms(ts: Any) -> int | None:
+    """A Kafka timestamp as the Arrow batch holds it (a pandas Timestamp, NaT or None) in epoch ms."""
+    if ts is None:
+        return None
+    try:
+        value = ts.value  # pandas.Timestamp: ns since the epoch; NaT has no usable value
+    except AttributeError:
+        return int(ts) if isinstance(ts, int) else None
+    return None if pd.isna(ts) else int(value // 1_000_000)
+
+
+def _headers(value: Any) -> tuple[tuple[str, bytes], ...] | None:
+    """The `headers` map as the Arrow batch holds it (a list of pairs, a dict, or null)."""
+    if value is None or (isinstance(value, float) and pd.isna(value)):
+        return None
+    pairs = value.items() if isinstance(value, dict) else value
+    found = tuple((str(k), bytes(v) if v is not None else b"") for k, v in pairs)
+    return found or None
+
+
+def _as_bytes(value: Any) -> bytes | None:
+    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+
+
+class VectorizedInference(ScalarFunction):
+    """A pandas scalar function over the source table's columns (key, value, topic, partition,
+    offset, timestamp, headers): a DataFrame of `RESULT_TYPE` out, one row per input row."""
+
+    def __init__(self, config: JobConfig) -> None:
+        self._config = config
+
+    def is_deterministic(self) -> bool:
+        # The planner must not call it once per projected field of its result: every call is a model call.
+        return False
+
+    def open(self, function_context: FunctionContext) -> None:
+        from udfs.inference.client import InferenceClient
+        from udfs.metrics import InferenceMetrics
+        from udfs.records.avro import codec_for
+        from udfs.stage.inflight import CallRunner
+
+        group = function_context.get_metric_group()
+        self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
+        self._runner = CallRunner(self._config.async_.capacity, name="llmstream-vectorized-calls")
+        self._client = InferenceClient(self._config, subtasks=self._config.parallelism.of("inference"),
+                                       metrics=self._metrics)
+        self._codec = codec_for(self._config)
+        self._path = RecordPath(self._config, self._client, self._codec, self._metrics)
+        self._slots = asyncio.Semaphore(self._config.async_.capacity)
+        model = self._config.model
+        log.info("vectorized inference: %s %s model=%s capacity=%s batch=%s", model.api,
+                 model.endpoint or ", ".join(e.url for e in model.endpoints or []), model.model,
+                 self._config.async_.capacity, self._config.vectorized.batch_size)
+
+    def close(self) -> None:
+        runner = getattr(self, "_runner", None)
+        if runner is not None:
+            runner.close(before_stop=self._client.close)
+        codec = getattr(self, "_codec", None)
+        if codec is not None:
+            codec.close()
+
+    def eval(self, k: Any, v: Any, topic: Any, partition: Any, offset: Any, ts: Any, headers: Any) -> Any:
+        outcomes = self.outcomes(self.records(k, v, topic, partition, offset, ts, headers))
+        return pd.DataFrame({
+            "k": pd.Series([o[0].key if o else None for o in outcomes], dtype=object),
+            "v": pd.Series([o[0].value if o else None for o in outcomes], dtype=object),
+            "topic": pd.Series([o[0].topic if o else None for o in outcomes], dtype=object),
+            "headers": pd.Series([list(o[0].headers.items()) if o and o[0].headers else None for o in outcomes],
+                                 dtype=object),
+            "emit": pd.Series([o is not None for o in outcomes], dtype=bool),
+        })
+
+    @staticmethod
+    def records(k: Any, v: Any, topic: Any, partition: Any, offset: Any, ts: Any, headers: Any) -> list[PendingRecord]:
+        """The batch's rows as the records both lanes work on."""
+        return [PendingRecord(_as_bytes(k[i]), _as_bytes(v[i]), str(topic[i]), int(partition[i]), int(offset[i]),
+                              _epoch_ms(ts[i]), _headers(headers[i]))
+                for i in range(len(k))]
+
+    def outcomes(self, records: list[PendingRecord]) -> list[Outcome | None]:
+        """Each record's outcome, in input order (None: a skipped tombstone); every call of the
+        batch runs at once on the call loop, at most `async.capacity` at a time. Never raises."""
+        self._metrics.records_in.inc(len(records))
+        outcomes: list[Outcome | None] = [None] * len(records)
+        calls: list[tuple[int, Request, PendingRecord]] = []
+        for i, record in enumerate(records):
+            try:
+                prepared = self._path.prepare(record)
+            except Exception as err:  # prepare settles bad input itself; this is a bug
+                log.exception("unexpected error preparing %s", record.handle)
+                prepared = self._path.dead_letter(InternalError.from_exception(err), record), "internal_error"
+            if prepared is SKIP:
+                continue
+            if isinstance(prepared, Request):
+                calls.append((i, prepared, record))
+            else:
+                outcomes[i] = prepared
+        if calls:
+            timeout_s = self._config.async_.record_deadline_s + DEADLINE_SLACK_S
+            answers = self._runner.run_sync(self._batch(calls, timeout_s), timeout_s + DEADLINE_SLACK_S)
+            for (i, _, _), outcome in zip(calls, answers, strict=True):
+                outcomes[i] = outcome
+        for outcome in outcomes:
+            if outcome is not None and outcome[1] is not None:
+                self._metrics.dead_letter(outcome[1])
+        return outcomes
+
+    async def _batch(self, calls: list[tuple[int, Request, PendingRecord]], timeout_s: float) -> list[Outcome]:
+        async def one(request: Request, record: PendingRecord) -> Outcome:
+            async with self._slots:
+                self._metrics.admitted += 1
+                try:
+                    return await self._path.call(request, record)
+                finally:
+                    self._metrics.admitted -= 1
+
+        tasks = [asyncio.ensure_future(one(request, record)) for _, request, record in calls]
+        await asyncio.wait(tasks, timeout=timeout_s)
+        answers: list[Outcome] = []
+        for task, (_, request, record) in zip(tasks, calls, strict=True):
+            if task.done() and not task.cancelled() and task.exception() is None:
+                answers.append(task.result())
+                continue
+            task.cancel()
+            err = InternalError(f"the call did not end within {timeout_s:g} s, past its own deadline")
+            answers.append((self._path.dead_letter(err, record, request.id), err.reason))
+        return answers
+
+
+def vectorized_function(config: JobConfig) -> UserDefinedScalarFunctionWrapper:
+    """The lane's function, registered by the job (`jobs/graph/pipeline.py`)."""
+    return udf(VectorizedInference(config), result_type=RESULT_TYPE, func_type="pandas")
+
