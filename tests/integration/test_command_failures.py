@@ -45,7 +45,7 @@ from jobs.clients.cluster_address import RECORD
 from jobs.dev.local_kafka import LocalBroker
 from jobs.runtime.ports import free_port
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import JobConfigFactory, unique_records, write_config
+from tests.support.job_setup import JobConfigFactory, unique_records, write_config
 from udfs.config import load_config, to_dict, with_overrides
 
 pytestmark = pytest.mark.integration

@@ -31,7 +31,8 @@ from jobs.clients import kafka_admin
 from jobs.dev import containers
 from jobs.runtime import jars
 from jobs.runtime.ports import free_port
-from tests.integration.helpers import Tally, check_exactly_once, tally, unique_records
+from tests.support.committed import Tally, check_exactly_once, tally
+from tests.support.job_setup import unique_records
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.containers]

@@ -21,7 +21,8 @@ from kafka.consumer.fetcher import ConsumerRecord
 from jobs.clients.kafka_admin import consume_committed, create_topics, produce
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import StopRequest, run_job
-from tests.integration.helpers import JobConfigFactory, check_exactly_once, tally
+from tests.support.committed import check_exactly_once, tally
+from tests.support.job_setup import JobConfigFactory
 from udfs.config import JobConfig, with_overrides
 
 pytestmark = pytest.mark.integration

@@ -26,10 +26,7 @@ from jobs.clients.kafka_admin import (
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import run_job
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import (
-    JobConfigFactory,
-    write_config,
-)
+from tests.support.job_setup import JobConfigFactory, write_config
 from udfs.config import JobConfig
 
 pytestmark = pytest.mark.integration

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from jobs.dev.simulator import ThreadedSimulator
-from tests.redis_server import RedisServer
 from tests.support.calls import run
 from tests.support.configs import job_config, request
+from tests.support.redis_server import RedisServer
 from tests.support.waiting import wait_until_async
 from udfs.config import JobConfig, ModelConfig, with_overrides
 from udfs.cost.cache import (

@@ -1,5 +1,5 @@
 """The inference stage (`udfs.stage.operators.InferenceStage`) without a JVM: fake keyed state, timers
-and runtime context (tests/unit/fake_flink.py), the simulator over loopback HTTP.
+and runtime context (tests/support/fake_flink.py), the simulator over loopback HTTP.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jobs.dev.simulator import ThreadedSimulator
+from tests.support.fake_flink import Harness, KeyedState, record
 from tests.support.waiting import wait_until
-from tests.unit.fake_flink import Harness, KeyedState, record
 from udfs.config import JobConfig, config_from_dict
 from udfs.stage.operators import EMIT_PERIOD_MS, FLUSH_AT
 

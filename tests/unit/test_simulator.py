@@ -23,8 +23,8 @@ from jobs.dev.simulator import (
     SimulatorConfig,
     ThreadedSimulator,
 )
+from tests.support.tls_certs import make_certs
 from tests.support.waiting import wait_until
-from tests.unit.tls_certs import make_certs
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
