@@ -20,6 +20,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from jobs.clients import kafka_admin
 from tests.support.job_setup import JobSetup
+from tests.support.waiting import wait_until
 
 log = logging.getLogger("llmstream.tests.cluster")
 
@@ -106,17 +107,20 @@ class CommittedReader(threading.Thread):
 
     def wait_for(self, n: int, timeout: float, *, unique: bool = True,
                  check: Callable[[], None] | None = None) -> bool:
-        """Wait until ``n`` (unique-id) records arrived; ``check`` runs each second (e.g. job not FAILED)."""
-        deadline = time.monotonic() + timeout
+        """Wait until ``n`` (unique-id) records arrived; ``check`` runs each second (e.g. job not FAILED).
+        False at the timeout: the caller's assertion says what it waited for and what arrived."""
         last_check = 0.0
-        while time.monotonic() < deadline:
+
+        def arrived() -> bool:
+            nonlocal last_check
             if (self.unique_ids() if unique else self.count()) >= n:
                 return True
             if check is not None and time.monotonic() - last_check >= 1:
                 last_check = time.monotonic()
                 check()
-            time.sleep(0.2)
-        return False
+            return False
+
+        return wait_until(arrived, timeout, interval=0.2, or_last=True)
 
     def first_arrival_after(self, t: float) -> float | None:
         times = [a.t for a in self.snapshot() if a.t > t]
