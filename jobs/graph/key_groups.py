@@ -3,7 +3,8 @@
 The stage is keyed by a one-field `Row(Integer)` (`jobs.graph.pipeline.keyed_requests`). Choosing the
 bucket keys so that every subtask gets the same number takes a few hundred candidate keys per
 parallelism, and the job ticks the keys of every parallelism from 1 to 16: asked of the JVM over
-Py4J (four calls per candidate) that took 8.3 s of every job's start, measured. These functions
+Py4J (four calls per candidate) that was seconds of every job's start (docs/performance.md, "Job
+start"). These functions
 are Flink's own arithmetic (`KeyGroupRangeAssignment`, `MathUtils.murmurHash`, `Row.hashCode`);
 `tests/integration/test_plan.py` checks them against the JVM's.
 """

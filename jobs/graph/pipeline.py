@@ -126,10 +126,10 @@ def sink_options(config: JobConfig) -> dict[str, str]:
 
 # Savepoints are always aligned: a stop-with-savepoint (Ctrl-C, `llmstream stop`, upgrades)
 # waits until the barrier has passed every record already in the network buffers in front of
-# the inference stage, and under a backlog those hold thousands of requests (measured: 5,000
-# queued requests at ~60/s, Ctrl-C not done after 120 s). 4 KB buffers with buffer debloating
-# (about a second of records in flight) stopped the same run in 2.5-3.2 s. The mini cluster
-# takes these from the job; a standalone cluster from flink-conf/config.yaml, which sets the same.
+# the inference stage, and under a backlog those hold thousands of requests, every one a call.
+# 4 KB buffers with buffer debloating (about a second of records in flight) stop it in seconds
+# (docs/operations.md, "Fault tolerance"). The mini cluster takes these from the job; a standalone
+# cluster from flink-conf/config.yaml, which sets the same.
 SMALL_NETWORK_BUFFERS = {
     "taskmanager.memory.segment-size": "4kb",
     "taskmanager.network.memory.buffer-debloat.enabled": "true",
@@ -358,7 +358,8 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
         rate = PER_KEY_TICKS_PER_BUCKET_PER_S
     # Tick slots: each own key `rate` times, each other key OTHER_TICKS_PER_BUCKET_PER_S.
     slots = keys * rate + other_keys * OTHER_TICKS_PER_BUCKET_PER_S
-    # An array indexed by slot, not a CASE: the planner took 1.3 s over a 122-branch CASE, 0.14 s over this.
+    # An array indexed by slot, not a CASE: the planner is slow over a CASE of a branch per slot
+    # (docs/performance.md, "Job start").
     tick_slots = "ARRAY[" + ", ".join(str(key) for key in slots) + "]"
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {TICKS_TABLE} (n BIGINT) WITH (\n  " + _with({

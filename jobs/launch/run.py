@@ -175,11 +175,10 @@ def python_worker_processes(config: JobConfig) -> int:
     """How many Python worker processes `llmstream run` asks for: 0 (PyFlink's loopback default)
     with one inference subtask, else one per subtask.
 
-    In loopback mode every subtask's Python shares this process and its GIL: measured (instant
-    model, 2 cores, 2026-12-03), two subtasks did 880/s with this process at 0.85 of a core, no
-    more than one; in worker processes they did 1,213-1,283/s (1.1 cores of Python over the two).
-    With one subtask the two modes were alike (0.78-0.79 of a core), and loopback keeps the
-    stage's log on this console. A `_python_worker_execution_mode` already set is left alone."""
+    In loopback mode every subtask's Python shares this process and its GIL, so a second subtask
+    adds nothing; in worker processes each has a GIL of its own (docs/performance.md, "Scale-out").
+    With one subtask the two modes are alike, and loopback keeps the stage's log on this console.
+    A `_python_worker_execution_mode` already set is left alone."""
     subtasks = config.parallelism.of("inference")
     if subtasks <= 1 or PYFLINK_WORKER_MODE in os.environ:
         return 0

@@ -2,13 +2,13 @@
 
 Every `llmstream run` starts a JVM (PyFlink's gateway, which hosts the mini cluster) that loads,
 parses and verifies the same tens of thousands of classes from Flink's jars. A dynamic CDS archive
-(JDK 13+) keeps them ready to map: measured on this project's 2-core machine, a run's whole
-process tree used ~14 CPU-s less and reached "started" ~5 s sooner with one
-([Performance](../docs/performance.md#job-start)).
+(JDK 13+) keeps them ready to map, so a run's whole process tree spends less CPU and starts
+sooner ([Performance](../docs/performance.md#job-start) has the figures).
 
 How it is made: a run that finds no archive for its JVM (this `java`, this classpath) starts the
 JVM with ``-XX:ArchiveClassesAtExit=<tmp>``; when the run ends it shuts the JVM down, which
-writes every class it loaded (~170 MB, ~10 s, once). The file is kept only if a JVM starts with
+writes every class it loaded (once; its size and time are in docs/operations.md, "Running
+locally"). The file is kept only if a JVM starts with
 it under ``-Xshare:on``, and that check is repeated before each use: a truncated archive crashes a
 JVM (SIGBUS) instead of being ignored. An archive of another classpath is ignored by the JVM
 itself; the file name's hash changes with the java binary, the classpath and its jars.

@@ -31,13 +31,8 @@ import requests
 import yaml
 
 from jobs.clients import kafka_admin
-from tests.integration.helpers import (
-    check_exactly_once,
-    estimated_tokens,
-    final_tally,
-    make_job,
-    unique_records,
-)
+from tests.support.committed import check_exactly_once, final_tally
+from tests.support.job_setup import estimated_tokens, make_job, unique_records
 
 REPO = Path(__file__).resolve().parents[2]
 

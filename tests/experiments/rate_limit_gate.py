@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jobs.clients import kafka_admin
 from tests.experiments.budget_hour import _percentile, start_watched
-from tests.integration.helpers import make_job, unique_records
+from tests.support.job_setup import make_job, unique_records
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ own name because each means one pace:
 - ``slow_simulator``: 2 s a call, per test, so a checkpoint holds a full capacity of calls in flight;
 - ``spawn_simulator``: a factory for any other flags, every simulator stopped after the test.
 
-Plain helpers (job configs on uuid topics, the committed reader, the exactly-once tally, the
-fault report) are in ``tests/integration/helpers.py``.
+Plain helpers (job configs on uuid topics, the shared cluster's healing, the committed reader, the
+exactly-once tally, the fault report) are in ``tests/support/``.
 """
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ from typing import Any
 
 import pytest
 
-pytest.register_assert_rewrite("tests.integration.helpers")  # before its import: its asserts explain themselves
-
 from jobs.clients.kafka_admin import create_topics, delete_topics
 from jobs.dev import simulator
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
@@ -34,13 +32,9 @@ from jobs.dev.local_kafka import BrokerConfig, LocalBroker
 from jobs.dev.schema_registry import LocalRegistry
 from jobs.dev.secure_kafka import SecureBroker, SecureBrokerConfig
 from jobs.dev.simulator import SpawnedSimulator
-from tests.integration.helpers import (
-    SIM_ARGS,
-    FaultReport,
-    JobConfigFactory,
-    SpawnSimulator,
-    heal,
-)
+from tests.support.cluster import heal
+from tests.support.fault_report import FaultReport
+from tests.support.job_setup import SIM_ARGS, JobConfigFactory, SpawnSimulator
 from udfs.config import JobConfig, load_config, with_overrides
 
 log = logging.getLogger("llmstream.tests")

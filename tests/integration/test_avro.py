@@ -29,7 +29,7 @@ from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.schema_registry import LocalRegistry
 from jobs.dev.simulator import SpawnedSimulator
 from jobs.launch.preflight import _check_registry
-from tests.integration.helpers import make_job
+from tests.support.job_setup import make_job
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
 from udfs.config import config_from_dict
 from udfs.errors import ConfigError

@@ -18,7 +18,7 @@ import pytest
 from jobs.clients.kafka_admin import consume_committed, produce
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import run_job
-from tests.integration.helpers import JobConfigFactory
+from tests.support.job_setup import JobConfigFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

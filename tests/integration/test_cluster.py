@@ -25,13 +25,9 @@ from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from jobs.graph.pipeline import RunOptions
 from jobs.launch import submit as submit_mod
-from tests.integration.helpers import (
-    FaultReport,
-    FaultResult,
-    make_job,
-    unique_records,
-    wait_for_checkpoints,
-)
+from tests.support.cluster import wait_for_checkpoints
+from tests.support.fault_report import FaultReport, FaultResult
+from tests.support.job_setup import make_job, unique_records
 from tests.support.waiting import METRICS_SETTLE_S
 
 pytestmark = pytest.mark.integration

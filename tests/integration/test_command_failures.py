@@ -45,7 +45,8 @@ from jobs.clients.cluster_address import RECORD
 from jobs.dev.local_kafka import LocalBroker
 from jobs.runtime.ports import free_port
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import JobConfigFactory, unique_records, write_config
+from tests.support.job_setup import JobConfigFactory, unique_records, write_config
+from tests.support.waiting import wait_until
 from udfs.config import load_config, to_dict, with_overrides
 
 pytestmark = pytest.mark.integration
@@ -215,13 +216,6 @@ PROCESSING = re.compile(r"RUNNING\s+in [1-9]")
 """A progress line once the job has read records ("RUNNING   in 66 (4.8/s) | out 65 ...")."""
 
 
-def _wait_for(what: str, check: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.5)
-
-
 @pytest.mark.slow
 def test_ctrl_c_stops_a_run_cleanly_without_a_traceback(job_config: JobConfigFactory, tmp_path: Path) -> None:
     """SIGINT to the run's process group (what Ctrl-C in a terminal sends) while records flow: the
@@ -241,7 +235,7 @@ def test_ctrl_c_stops_a_run_cleanly_without_a_traceback(job_config: JobConfigFac
                 assert process.poll() is None, f"run exited {process.returncode}:\n{err_path.read_text()[-3000:]}"
                 return PROCESSING.search(out_path.read_text()) is not None
 
-            _wait_for("the run to process records", processing, timeout=240)
+            wait_until(processing, 240, message="the run to process records")
             os.killpg(process.pid, signal.SIGINT)
             code = process.wait(timeout=240)
         finally:

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +30,8 @@ from jobs.clients import kafka_admin
 from jobs.dev import containers
 from jobs.runtime import jars
 from jobs.runtime.ports import free_port
-from tests.integration.helpers import Tally, check_exactly_once, tally, unique_records
+from tests.support.committed import Tally, check_exactly_once, tally
+from tests.support.job_setup import unique_records
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.containers]
@@ -130,12 +130,10 @@ def committed(project: ComposeProject) -> Tally:
 
 
 def wait_for_all(project: ComposeProject, timeout: float = 300) -> Tally:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = committed(project)
-        if result.lost == 0 or time.monotonic() > deadline:
-            return result
-        time.sleep(2)
+    """`committed` once nothing is lost, or as it stands at the timeout: the caller's exactly-once
+    check then names the ids lost."""
+    return wait_until(lambda: committed(project), timeout, interval=2, done=lambda result: result.lost == 0,
+                      or_last=True)
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,10 @@ import pytest
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
-from tests.integration.helpers import (
-    FaultReport,
-    FaultResult,
-    JobSetup,
-    Tally,
-    check_exactly_once,
-    estimated_tokens,
-    make_job,
-    unique_records,
-)
-from tests.redis_server import RedisServer
+from tests.support.committed import Tally, check_exactly_once
+from tests.support.fault_report import FaultReport, FaultResult
+from tests.support.job_setup import JobSetup, estimated_tokens, make_job, unique_records
+from tests.support.redis_server import RedisServer
 from tests.support.runs import RECORDS, Run, start_records, start_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]

@@ -18,7 +18,7 @@ from jobs.clients.kafka_admin import consume_committed, produce
 from jobs.dev.simulator import embedding_vector
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import run_job
-from tests.integration.helpers import JobConfigFactory, SpawnSimulator
+from tests.support.job_setup import JobConfigFactory, SpawnSimulator
 
 pytestmark = pytest.mark.integration
 

@@ -22,14 +22,9 @@ from jobs.clients import kafka_admin
 from jobs.dev import local_kafka, simulator
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
-from tests.integration.helpers import (
-    FaultReport,
-    FaultResult,
-    Tally,
-    check_exactly_once,
-    make_job,
-    unique_records,
-)
+from tests.support.committed import Tally, check_exactly_once
+from tests.support.fault_report import FaultReport, FaultResult
+from tests.support.job_setup import make_job, unique_records
 from tests.support.runs import Run, start_run
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
 

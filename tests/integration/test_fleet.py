@@ -23,7 +23,8 @@ from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedFleet, spawn_fleet
-from tests.integration.helpers import check_exactly_once, make_job
+from tests.support.committed import check_exactly_once
+from tests.support.job_setup import make_job
 from tests.support.runs import start_run
 from tests.support.waiting import wait_until
 

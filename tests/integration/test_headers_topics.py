@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -21,7 +20,9 @@ from kafka.consumer.fetcher import ConsumerRecord
 from jobs.clients.kafka_admin import consume_committed, create_topics, produce
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import StopRequest, run_job
-from tests.integration.helpers import JobConfigFactory, check_exactly_once, tally
+from tests.support.committed import check_exactly_once, tally
+from tests.support.job_setup import JobConfigFactory
+from tests.support.waiting import wait_until
 from udfs.config import JobConfig, with_overrides
 
 pytestmark = pytest.mark.integration
@@ -41,13 +42,13 @@ def _traced(rid: str, i: int) -> list[tuple[str, bytes | None]]:
 def _read_all(config: JobConfig, expected: int, timeout_s: float = 60) -> tuple[list[ConsumerRecord], list[ConsumerRecord]]:
     """Output and dead letters once `expected` records are committed across both (or the timeout)."""
     kafka = config.kafka
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = consume_committed(kafka.bootstrap_servers, kafka.output_topic, timeout_s=30)
-        dead = consume_committed(kafka.bootstrap_servers, kafka.dead_letter_topic, timeout_s=30)
-        if len(out) + len(dead) >= expected or time.monotonic() > deadline:
-            return out, dead
-        time.sleep(0.5)
+
+    def both() -> tuple[list[ConsumerRecord], list[ConsumerRecord]]:
+        return (consume_committed(kafka.bootstrap_servers, kafka.output_topic, timeout_s=30),
+                consume_committed(kafka.bootstrap_servers, kafka.dead_letter_topic, timeout_s=30))
+
+    return wait_until(both, timeout_s, interval=0.5, done=lambda got: len(got[0]) + len(got[1]) >= expected,
+                      or_last=True)
 
 
 def _check_once(ids: list[str], out: list[ConsumerRecord], dead: list[ConsumerRecord]) -> None:
@@ -122,14 +123,12 @@ def test_two_input_topics_every_id_once_with_its_source_topic(job_config: JobCon
 
 
 def _wait_for(what: str, condition: Callable[[], Any], timeout: float, alive: threading.Thread) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        assert alive.is_alive(), f"the job ended before {what}"
-        time.sleep(0.5)
-    raise AssertionError(f"no {what} within {timeout:g} s")
+    def found() -> Any:
+        value = condition()
+        assert value or alive.is_alive(), f"the job ended before {what}"
+        return value
+
+    return wait_until(found, timeout, interval=0.5, message=what)
 
 
 def test_a_topic_created_after_the_start_is_read_under_the_pattern(job_config: JobConfigFactory) -> None:

@@ -19,13 +19,8 @@ from jobs.clients import kafka_admin
 from jobs.dev.local_kafka import LocalBroker
 from jobs.runtime.jvm_archive import DIR_ENV, GatewayArchive
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import (
-    SpawnSimulator,
-    check_exactly_once,
-    final_tally,
-    make_job,
-    unique_records,
-)
+from tests.support.committed import check_exactly_once, final_tally
+from tests.support.job_setup import SpawnSimulator, make_job, unique_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

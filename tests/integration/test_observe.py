@@ -26,7 +26,7 @@ from jobs.launch.run import StopRequest, run_job
 from jobs.runtime import jars
 from jobs.runtime.ports import free_port
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import (
+from tests.support.job_setup import (
     BAD_RECORDS,
     LLMSTREAM,
     JobConfigFactory,

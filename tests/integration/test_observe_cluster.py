@@ -16,7 +16,7 @@ from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import BAD_RECORDS, LLMSTREAM, make_job, unique_records
+from tests.support.job_setup import BAD_RECORDS, LLMSTREAM, make_job, unique_records
 from tests.support.prometheus import parse_prometheus, total
 from tests.support.waiting import wait_until
 

@@ -35,13 +35,9 @@ import yaml
 from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
-from tests.integration.helpers import (
-    CommittedReader,
-    JobSetup,
-    SpawnSimulator,
-    make_job,
-    wait_for_checkpoints,
-)
+from tests.support.cluster import wait_for_checkpoints
+from tests.support.committed import CommittedReader
+from tests.support.job_setup import JobSetup, SpawnSimulator, make_job
 from tests.support.waiting import METRICS_SETTLE_S
 from udfs.config import to_dict
 

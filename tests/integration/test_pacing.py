@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from tests.integration.helpers import SpawnSimulator
 from tests.support.calls import run
 from tests.support.configs import job_config, request
+from tests.support.job_setup import SpawnSimulator
 from udfs.config import JobConfig
 from udfs.inference.client import InferenceClient
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -26,10 +25,8 @@ from jobs.clients.kafka_admin import (
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import run_job
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import (
-    JobConfigFactory,
-    write_config,
-)
+from tests.support.job_setup import JobConfigFactory, write_config
+from tests.support.waiting import wait_until
 from udfs.config import JobConfig
 
 pytestmark = pytest.mark.integration
@@ -190,15 +187,18 @@ def test_two_inference_subtasks_run_their_python_in_worker_processes_of_their_ow
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**SHELL_ENV, "LLMSTREAM_TEST_WORKER_KEY": key})
     workers: set[int] = set()
-    deadline = time.monotonic() + 300
-    while run.poll() is None and time.monotonic() < deadline:
+
+    def ended_noting_workers() -> bool:
         try:
             for child in psutil.Process(run.pid).children(recursive=True):
                 if "pyflink.fn_execution.beam.beam_boot" in " ".join(child.cmdline()):
                     workers.add(child.pid)
         except psutil.Error:
             pass  # a child that ended while being looked at
-        time.sleep(0.2)
+        return run.poll() is not None
+
+    # Not ended at the timeout: the run is killed and its output is the failure's message.
+    wait_until(ended_noting_workers, 300, interval=0.2, or_last=True)
     if run.poll() is None:
         run.kill()
     stdout, stderr = run.communicate(timeout=60)

@@ -21,7 +21,8 @@ from jobs.dev import real_models
 from jobs.dev.local_kafka import LocalBroker
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import run_job
-from tests.integration.helpers import CommittedReader, make_job
+from tests.support.committed import CommittedReader
+from tests.support.job_setup import make_job
 from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]

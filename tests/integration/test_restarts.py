@@ -26,18 +26,10 @@ from jobs.dev.local_kafka import LocalBroker
 from jobs.graph.pipeline import RunOptions
 from jobs.launch import submit as submit_mod
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import (
-    FaultReport,
-    FaultResult,
-    JobSetup,
-    SpawnSimulator,
-    Tally,
-    check_exactly_once,
-    final_tally,
-    heal,
-    make_job,
-    unique_records,
-)
+from tests.support.cluster import heal
+from tests.support.committed import Tally, check_exactly_once, final_tally
+from tests.support.fault_report import FaultReport, FaultResult
+from tests.support.job_setup import JobSetup, SpawnSimulator, make_job, unique_records
 from tests.support.runs import total_restarts
 from tests.support.waiting import wait_until
 

@@ -11,7 +11,6 @@ import json
 import logging
 import re
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from jobs.dev.secure_kafka import (
     Via,
 )
 from jobs.runtime import jars
+from tests.support.waiting import wait_until
 from udfs.config import kafka_security
 
 pytestmark = pytest.mark.integration
@@ -97,10 +97,14 @@ def _read(consumer: KafkaConsumer, topic: str, expected: int, timeout_s: float =
     """Records of partition 0 of ``topic`` until ``expected`` arrived or ``timeout_s`` passed; raises what poll raises."""
     consumer.assign([TopicPartition(topic, 0)])
     records: list[Any] = []
-    deadline = time.monotonic() + timeout_s
-    while len(records) < expected and time.monotonic() < deadline:
-        for batch in consumer.poll(timeout_ms=500).values():
-            records.extend(batch)
+
+    def polled() -> bool:
+        if len(records) < expected:  # each poll waits up to half a second for records
+            for batch in consumer.poll(timeout_ms=500).values():
+                records.extend(batch)
+        return len(records) >= expected
+
+    wait_until(polled, timeout_s, interval=0, or_last=True)
     return records
 
 
@@ -253,16 +257,16 @@ def _refused(caplog: pytest.LogCaptureFixture, config: dict[str, Any], reason: s
     kafka-python retries until its bootstrap timeout and then raises a bare timeout, so the reason
     is only in its log; a loaded machine may first show a plain disconnect, so clients are tried
     until the reason shows or ``timeout_s`` passes. Getting in at all fails the test."""
-    deadline = time.monotonic() + timeout_s
+    def refused_line() -> str | None:
+        caplog.clear()
+        with pytest.raises(KafkaTimeoutError):
+            KafkaAdminClient(**config, bootstrap_timeout_ms=3000, request_timeout_ms=3000).close()
+        found = re.search(f".*(?:{reason}).*", caplog.text)
+        return found.group(0) if found else None
+
     with caplog.at_level(logging.WARNING, logger="kafka"):
-        while True:
-            caplog.clear()
-            with pytest.raises(KafkaTimeoutError):
-                KafkaAdminClient(**config, bootstrap_timeout_ms=3000, request_timeout_ms=3000).close()
-            found = re.search(f".*(?:{reason}).*", caplog.text)
-            if found:
-                return found.group(0)
-            assert time.monotonic() < deadline, f"no {reason!r} in kafka-python's log:\n{caplog.text[-3000:]}"
+        return wait_until(refused_line, timeout_s, interval=0,
+                          message=lambda: f"{reason!r} in kafka-python's log:\n{caplog.text[-3000:]}")
 
 
 def test_a_wrong_password_is_an_authentication_failure(

@@ -34,7 +34,7 @@ from jobs.graph.pipeline import RunOptions
 from jobs.launch import submit as submit_mod
 from jobs.runtime.jvm_archive import DIR_ENV
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import unique_records, write_config
+from tests.support.job_setup import unique_records, write_config
 from udfs.config import JobConfig, load_config, with_overrides
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from jobs.clients.kafka_admin import consume_committed, produce
 from jobs.graph.pipeline import RunOptions
 from jobs.launch.run import run_job
 from jobs.runtime.ports import free_port
-from tests.integration.helpers import JobConfigFactory
+from tests.support.job_setup import JobConfigFactory
 
 pytestmark = pytest.mark.integration
 

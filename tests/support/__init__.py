@@ -6,11 +6,18 @@
 - ``fakes``: the PyFlink metric group the metrics register on;
 - ``servers``: in-process model servers: the simulator in a thread (fixtures ``make_sim`` and
   ``sim``) and any aiohttp app on a free loopback port (``serve_app``);
-- ``stages``: the ``harnesses`` fixture (inference stages on ``tests/unit/fake_flink.py``);
+- ``fake_flink``: PyFlink's keyed state, timers and runtime context, and a `Harness` that drives
+  one inference stage (no JVM);
+- ``stages``: the ``harnesses`` fixture (inference stages on ``fake_flink``);
+- ``tls_certs``: throwaway certificates made with the ``openssl`` CLI;
+- ``redis_server``: a real ``redis-server`` on a free loopback port, for the cache tests;
 - ``prometheus``: reading what a Prometheus endpoint serves;
+- ``job_setup``: jobs on their own uuid topics (``make_job``, ``write_config``) and their records;
+- ``cluster``: the shared standalone cluster healed between tests, checkpoints awaited;
+- ``committed``: what a read_committed consumer sees (``CommittedReader``) and the exactly-once tally;
+- ``fault_report``: the fault tests' numbers in ``var/fault-report.md`` / ``.json``;
 - ``runs``: scenarios on the standalone cluster (records in, a job submitted, a committed reader).
 
 Modules with fixtures are plugins, listed in ``pytest_plugins`` in ``tests/conftest.py``; the others
-are imported. The integration tests' record, tally and report helpers stay in
-``tests/integration/helpers.py``.
+are imported. Support lives nowhere else under ``tests/`` (``tests/unit/test_test_layout.py``).
 """

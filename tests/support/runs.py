@@ -9,14 +9,9 @@ from dataclasses import dataclass, field
 
 from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
-from tests.integration.helpers import (
-    CommittedReader,
-    JobSetup,
-    Tally,
-    final_tally,
-    unique_records,
-    wait_for_checkpoints,
-)
+from tests.support.cluster import wait_for_checkpoints
+from tests.support.committed import CommittedReader, Tally, final_tally
+from tests.support.job_setup import JobSetup, unique_records
 from tests.support.waiting import METRICS_SETTLE_S
 
 RECORDS = 5000

@@ -1,4 +1,4 @@
-"""Inference stages on the fake PyFlink runtime (``tests/unit/fake_flink.py``): the ``harnesses``
+"""Inference stages on the fake PyFlink runtime (``tests/support/fake_flink.py``): the ``harnesses``
 fixture, a plugin listed in ``tests/conftest.py``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # the fixture only holds them: PyFlink is not imported for every test session
-    from tests.unit.fake_flink import Harness
+    from tests.support.fake_flink import Harness
 
 
 @pytest.fixture

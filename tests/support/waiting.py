@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -29,7 +29,8 @@ Message = str | Callable[[], str]
 
 def wait_until(condition: Callable[[], T | None], timeout: float, interval: float = 0.5,
                message: Message = "the condition", *,
-               ignoring: tuple[type[Exception], ...] = ()) -> T:
+               ignoring: tuple[type[Exception], ...] = (),
+               done: Callable[[T], object] | None = None, or_last: bool = False) -> T:
     """Calls ``condition`` every ``interval`` seconds until it returns something truthy, and
     returns that. After ``timeout`` seconds raises an AssertionError: ``timed out after <timeout>
     s waiting for <message>``.
@@ -39,19 +40,30 @@ def wait_until(condition: Callable[[], T | None], timeout: float, interval: floa
     yet" (e.g. an endpoint that is not up); the last one is named in the timeout message. Any
     other exception, an assertion in the condition included, ends the wait at once, and so does
     a `Hopeless` whatever ``ignoring`` says.
+
+    ``done`` judges each value instead of its truth (a tally is done when nothing is lost).
+    ``or_last`` returns the last value at the timeout instead of raising, for a caller whose own
+    assertions on that value say more than a timeout would (the ids lost, the records that did
+    arrive); it still raises when no call returned a value (each raised an ignored error).
     """
+    finished: Callable[[T], object] = done or bool
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
+    answered = False
+    value: T | None = None
     while True:
         try:
             value = condition()
-            if value:
+            answered = True
+            if value is not None and finished(value):
                 return value
         except Hopeless:
             raise
         except ignoring as err:
             last_error = err
         if time.monotonic() >= deadline:
+            if or_last and answered:
+                return cast(T, value)
             raise AssertionError(_timed_out(timeout, message, last_error))
         time.sleep(interval)
 

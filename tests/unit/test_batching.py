@@ -21,8 +21,8 @@ import pytest
 from aiohttp import web
 
 from jobs.dev.simulator import ThreadedSimulator, embedding_vector
+from tests.support.fake_flink import Harness, KeyedState
 from tests.support.waiting import wait_until
-from tests.unit.fake_flink import Harness, KeyedState
 from udfs.config import JobConfig, config_from_dict
 from udfs.errors import ConfigError, PermanentError, RetryableError
 from udfs.inference.batching import (

@@ -356,7 +356,7 @@ def test_close_leaves_no_connection_open(make_sim: Callable[..., ThreadedSimulat
         assert client.session is None
 
     run(scenario)
-    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=3, interval=0.02,
+    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=30, interval=0.02,
                message="the simulator to see every connection closed")
     assert sim.stats()["open_connections"] == 0
 
@@ -385,7 +385,7 @@ def test_close_from_another_loop_as_pyflink_does(make_sim: Callable[..., Threade
         thread.join(10)
         loop.close()
     asyncio.run(client.close())
-    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=3, interval=0.02,
+    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=30, interval=0.02,
                message="the simulator to see every connection closed")
     assert sim.stats()["open_connections"] == 0
 

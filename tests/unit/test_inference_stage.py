@@ -1,5 +1,5 @@
 """The inference stage (`udfs.stage.operators.InferenceStage`) without a JVM: fake keyed state, timers
-and runtime context (tests/unit/fake_flink.py), the simulator over loopback HTTP.
+and runtime context (tests/support/fake_flink.py), the simulator over loopback HTTP.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jobs.dev.simulator import ThreadedSimulator
+from tests.support.fake_flink import Harness, KeyedState, record
 from tests.support.waiting import wait_until
-from tests.unit.fake_flink import Harness, KeyedState, record
 from udfs.config import JobConfig, config_from_dict
 from udfs.stage.operators import EMIT_PERIOD_MS, FLUSH_AT
 
@@ -83,12 +83,14 @@ def test_results_are_emitted_by_the_processing_time_timer_when_no_input_comes(
     assert len(h.timers.processing) == 1
     (_, at), = h.timers.processing
     assert at - int(time.time() * 1000) <= EMIT_PERIOD_MS
-    deadline = time.monotonic() + 30
-    while not h.out and time.monotonic() < deadline:
+
+    def emitted_or_idle() -> bool:
+        if h.out:
+            return True
         h.fire_due_processing_timers()
-        if not h.timers.processing:  # nothing left in flight: no timer is kept armed
-            break
-        time.sleep(0.01)
+        return not h.timers.processing  # nothing left in flight: no timer is kept armed
+
+    wait_until(emitted_or_idle, 30, interval=0.01, message="the output of id-1 (or no timer left armed)")
     assert [b["id"] for b in h.bodies("out")] == ["id-1"]
     assert h.state.snapshot() == {}
 
@@ -160,9 +162,8 @@ def test_a_snapshot_holds_exactly_what_is_not_emitted_and_a_restore_issues_it_ag
     assert stored | emitted == {f"id-{i}" for i in range(20)}
     # Every call of the first instance has reached the server before it is counted afresh: on a
     # loaded machine a call started before the failure could otherwise arrive after reset_stats.
-    deadline = time.monotonic() + 60
-    while sim.stats()["requests_total"] < 20 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: sim.stats()["requests_total"] >= 20, 60, interval=0.02,
+               message=lambda: f"all 20 calls at the server ({sim.stats()['requests_total']} arrived)")
     first.close()  # the failure: calls in flight are abandoned
 
     sim.reset_stats()
@@ -232,11 +233,16 @@ def test_ticks_alone_restart_a_restored_state_when_no_input_comes(
 
     second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
     harnesses.append(second)
-    deadline = time.monotonic() + 30
-    while second.state.snapshot() and time.monotonic() < deadline:
+
+    def drained() -> bool:
+        if not second.state.snapshot():
+            return True
         for bucket in range(4):
             second.tick(bucket)
-        time.sleep(0.05)
+        return False
+
+    wait_until(drained, 30, interval=0.05,
+               message=lambda: f"the reissued records to leave the state ({second.state.snapshot()} left)")
     assert Counter(b["id"] for b in second.bodies("out")) == Counter({i: 1 for i in stored})
     assert second.metric("records_in") == 0 and second.metric("reissued") == len(stored)
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
 
+from tests.support.waiting import wait_until
 from udfs.stage.inflight import CallRunner
 
 DEADLINE_S = 30.0
@@ -72,13 +72,6 @@ def submitted(runner: CallRunner, bucket: Any, handle: Any, **kwargs: Any) -> Ga
     return call
 
 
-def wait_until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met within the deadline"
-        time.sleep(0.005)
-
-
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         CallRunner(0)
@@ -130,7 +123,8 @@ def test_take_returns_only_that_buckets_finished_calls_in_finishing_order(
     assert runner.take("a") == [] and runner.done_count("a") == 0
     for call in (a2, b1, a1):
         call.open()
-    wait_until(lambda: runner.done_count("a") == 2 and runner.done_count("b") == 1)
+    wait_until(lambda: runner.done_count("a") == 2 and runner.done_count("b") == 1, DEADLINE_S, interval=0.005,
+               message=lambda: f"2 calls done in bucket a, 1 in b ({runner.done_count('a')}, {runner.done_count('b')})")
     assert runner.take("a") == [("a2", 2), ("a1", 1)]
     assert runner.take("a") == [] and runner.done_count("a") == 0
     assert runner.take("b") == [("b1", 3)]

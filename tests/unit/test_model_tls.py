@@ -1,6 +1,6 @@
 """TLS and secrets towards the model server: the client against the simulator over HTTPS.
 
-Certificates are made per module with the `openssl` CLI (tests/unit/tls_certs.py). What a
+Certificates are made per module with the `openssl` CLI (tests/support/tls_certs.py). What a
 user sees is checked: the answer, or the record's error (its reason, attempts and detail),
 and that no secret (API key, resolved header) appears in an error, a repr or a log line.
 """
@@ -22,7 +22,7 @@ from jobs.runtime.ports import free_port
 from tests.support.calls import complete_one, failure, run
 from tests.support.configs import job_config, request
 from tests.support.servers import serve_app
-from tests.unit.tls_certs import OPENSSL, Certs, make_certs
+from tests.support.tls_certs import OPENSSL, Certs, make_certs
 from udfs.errors import ConfigError, PermanentError, TlsError
 from udfs.inference.client import InferenceClient
 from udfs.records import Completion

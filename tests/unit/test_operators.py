@@ -3,7 +3,7 @@
 An exception out of `process_element` or `on_timer` fails the task and restarts the job, which
 then meets the same record again: one bad record would stop the stream for good. Every way a
 record can fail must therefore end as a dead letter with a reason, and leave the keyed state.
-These tests drive the stage on a fake PyFlink runtime (tests/unit/fake_flink.py) with a fake
+These tests drive the stage on a fake PyFlink runtime (tests/support/fake_flink.py) with a fake
 model client: no JVM, no network.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from pyflink.common import Row
 
-from tests.unit.fake_flink import Harness, KeyedState, record
+from tests.support.fake_flink import Harness, KeyedState, record
 from udfs.config import JobConfig, config_from_dict
 from udfs.errors import (
     BadInput,

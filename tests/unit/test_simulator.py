@@ -23,8 +23,9 @@ from jobs.dev.simulator import (
     SimulatorConfig,
     ThreadedSimulator,
 )
+from jobs.dev.simulator import server as sim_server
+from tests.support.tls_certs import make_certs
 from tests.support.waiting import wait_until
-from tests.unit.tls_certs import make_certs
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
@@ -328,14 +329,42 @@ def test_format_reset_like_openai() -> None:
 # --------------------------------------------------------------------------- faults
 
 
-def test_error_rate_fault_via_admin_reverts_after_until_s(sim: ThreadedSimulator) -> None:
-    view = admin(sim, "/admin/faults", {"error_rate": 1.0, "until_s": 0.4}).json()
-    assert view["error_rate"] == 1.0 and 0 < view["until_remaining_s"] <= 0.4
+class ServerClock:
+    """The simulator's monotonic clock, moved on by `advance` without waiting: a fault scenario's
+    ``until_s`` passes when the test says, so the calls inside it never race its expiry on a busy
+    machine. It stands in for the ``time`` module of `jobs.dev.simulator.server` only (the thread's
+    event loop keeps the real clock); everything else it passes to ``time``."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.offset_s += seconds
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def server_clock(monkeypatch: pytest.MonkeyPatch) -> ServerClock:
+    clock = ServerClock()
+    monkeypatch.setattr(sim_server, "time", clock)
+    return clock
+
+
+def test_error_rate_fault_via_admin_reverts_after_until_s(sim: ThreadedSimulator, server_clock: ServerClock) -> None:
+    view = admin(sim, "/admin/faults", {"error_rate": 1.0, "until_s": 60}).json()
+    assert view["error_rate"] == 1.0 and 0 < view["until_remaining_s"] <= 60
     responses = [post(sim, "/chat/completions", CHAT) for _ in range(5)]
     assert all(r.status_code == 500 for r in responses)
     assert_openai_error(responses[0], 500)
     assert sim.stats()["errors"] == 5
-    time.sleep(0.45)
+    server_clock.advance(59)
+    assert post(sim, "/chat/completions", CHAT).status_code == 500  # not yet: 59 of 60 s
+    server_clock.advance(1)
     assert post(sim, "/chat/completions", CHAT).status_code == 200
     assert requests.get(sim.base_url + "/admin/faults", timeout=5).json()["error_rate"] == 0.0
 
@@ -370,7 +399,7 @@ def test_hang_fault_holds_until_client_gives_up(sim: ThreadedSimulator) -> None:
     with pytest.raises(requests.ReadTimeout):
         requests.post(sim.url + "/chat/completions", json=CHAT, timeout=0.3)
     assert sim.stats()["hangs"] == 1
-    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=2, interval=0.02,
+    wait_until(lambda: sim.stats()["open_connections"] == 0, timeout=30, interval=0.02,
                message="the hung connection to be closed")
     assert sim.stats()["open_connections"] == 0
 
@@ -379,22 +408,30 @@ def test_client_disconnect_frees_concurrency_slot(make_sim: Callable[..., Thread
     sim = make_sim(latency="fixed:5000", concurrency=1)
     with pytest.raises(requests.ReadTimeout):
         post(sim, "/chat/completions", CHAT, timeout=0.2)
-    wait_until(lambda: sim.stats()["in_flight"] == 0, timeout=2, interval=0.02,
+    wait_until(lambda: sim.stats()["in_flight"] == 0, timeout=30, interval=0.02,
                message="the slot of the disconnected call to be freed")
     assert sim.stats()["in_flight"] == 0 and sim.stats()["cancelled"] == 1
 
 
+def listening_again(sim: ThreadedSimulator, timeout: float = 30) -> None:
+    """Until the simulator answers ``/health`` after an outage: its listener reopens on the event
+    loop some time after ``down_for_s``, sooner or later with the machine's load."""
+    wait_until(lambda: requests.get(sim.base_url + "/health", timeout=5).status_code == 200, timeout, interval=0.05,
+               message="the simulator to listen again", ignoring=(requests.ConnectionError,))
+
+
 def test_down_for_s_refuses_connections_then_recovers(sim: ThreadedSimulator) -> None:
+    """Down for 2 s: the outage is the event loop's timer (real time), so it lasts long enough for
+    two refused connections on a busy machine, and the recovery is awaited, not slept through."""
     with requests.Session() as session:
         assert session.post(sim.url + "/chat/completions", json=CHAT, timeout=5).status_code == 200
-        response = requests.post(sim.base_url + "/admin/faults", json={"down_for_s": 0.5}, timeout=5)
-        assert response.status_code == 200 and 0.3 < response.json()["down_remaining_s"] <= 0.5
+        response = requests.post(sim.base_url + "/admin/faults", json={"down_for_s": 2}, timeout=5)
+        assert response.status_code == 200 and 0 < response.json()["down_remaining_s"] <= 2
         with pytest.raises(requests.ConnectionError):
             session.post(sim.url + "/chat/completions", json=CHAT, timeout=5)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", sim.port), timeout=1).close()
-    time.sleep(0.6)
-    assert requests.get(sim.base_url + "/health", timeout=5).status_code == 200
+    listening_again(sim)
     assert post(sim, "/chat/completions", CHAT).status_code == 200
 
 
@@ -402,7 +439,7 @@ def test_down_only_body_keeps_fault_scenario(sim: ThreadedSimulator) -> None:
     sim.admin({"rate_limit_rate": 1.0})
     view = sim.admin({"down_for_s": 0.3})
     assert view["rate_limit_rate"] == 1.0 and view["down_remaining_s"] > 0
-    time.sleep(0.4)
+    listening_again(sim)
     assert post(sim, "/chat/completions", CHAT).status_code == 429
 
 
@@ -542,7 +579,7 @@ def test_a_spawned_fleet_serves_each_endpoint_and_kills_revives_and_faults_each(
             _chat(fleet.urls[0])
         assert _chat(fleet.urls[1]).status_code == 200
         fleet.revive(0)
-        wait_until(lambda: _chat(fleet.urls[0]).status_code == 200, timeout=10, interval=0.05,
+        wait_until(lambda: _chat(fleet.urls[0]).status_code == 200, timeout=30, interval=0.05,
                    message="the revived endpoint answers again")
 
         fleet.faults(1, {"error_rate": 1.0})

@@ -1,5 +1,5 @@
 """How the tests are laid out, read from their source (AST): no module under ``tests/`` imports a
-test module (``test_*.py``).
+test module (``test_*.py``), and what tests share lives in ``tests/support/`` and nowhere else.
 
 A helper that two test modules need lives in ``tests/support/`` (fixtures in its plugin modules),
 so running one test module never drags in another's tests, and pytest imports each test module
@@ -71,13 +71,39 @@ def test_the_check_sees_each_form_of_import() -> None:
         def f():
             from tests.integration.test_faults import start_run
         from tests.support.waiting import wait_until
-        from tests.integration.helpers import make_job
+        from tests.support.job_setup import make_job
         import unittest
         from jobs.dev import simulator
     """)
     modules = {"test_client", "test_faults", "test_observe", "test_cache"}
     flagged = sorted({line for line, name in _imports(ast.parse(source)) if _is_test_module(name, modules)})
     assert flagged == [1, 2, 3, 4, 5, 6, 8]
+
+
+EXPERIMENTS = TESTS / "experiments"
+"""Scripts run by hand (``python -m tests.experiments.<name>``), not support: no test imports them."""
+
+
+def _misplaced_support(paths: list[Path]) -> list[str]:
+    """Modules under ``tests/`` that are neither a test module, a conftest, a package's
+    ``__init__``, an experiment nor in ``tests/support/``: support living somewhere else."""
+    support = TESTS / "support"
+    return [path.relative_to(ROOT).as_posix() for path in paths
+            if not (path.name.startswith("test_") or path.name in ("conftest.py", "__init__.py")
+                    or path.is_relative_to(support) or path.is_relative_to(EXPERIMENTS))]
+
+
+def test_shared_support_lives_only_in_tests_support() -> None:
+    misplaced = _misplaced_support(sorted(TESTS.rglob("*.py")))
+    assert not misplaced, f"support outside tests/support/ (move it there): {misplaced}"
+
+
+def test_the_support_check_flags_a_helper_beside_the_tests() -> None:
+    paths = [TESTS / "unit" / "fake_flink.py", TESTS / "integration" / "helpers.py", TESTS / "redis_server.py",
+             TESTS / "support" / "waiting.py", TESTS / "unit" / "test_cache.py", TESTS / "conftest.py",
+             TESTS / "integration" / "conftest.py", TESTS / "__init__.py", EXPERIMENTS / "budget_hour.py"]
+    assert _misplaced_support(paths) == ["tests/unit/fake_flink.py", "tests/integration/helpers.py",
+                                         "tests/redis_server.py"]
 
 
 def test_no_two_test_modules_share_a_file_name() -> None:

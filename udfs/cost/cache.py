@@ -157,7 +157,8 @@ class LocalCache:
     async def put(self, key: str, value: dict[str, Any]) -> None:
         """Stores the answer; returns once it is committed. Puts made in the same turn of the
         event loop are committed in one transaction (group commit): a transaction per answer
-        cost ~110 us of the loop's time and ~38 us CPU, one per batch ~8 us an answer."""
+        cost several times the CPU, and held the calls' event loop far longer (the figures: the
+        cache's cost in docs/cost.md)."""
         row = self._row(key, value)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((row, done))

@@ -1,8 +1,9 @@
 """The HTTP side of an inference call: one JSON body POSTed to the model server, one parsed
 2xx body back, or an `InferenceError` saying what went wrong.
 
-`Transport` owns the pooled `aiohttp` session (aiohttp because this is the hot path, NOTES:
-~6,800 req/s vs ~820 for requests), created on first use in the running event loop with
+`Transport` owns the pooled `aiohttp` session (aiohttp because this is the hot path, and it
+serves many times the requests a second of `requests`: docs/performance.md, "The client's
+JSON"), created on first use in the running event loop with
 `async.capacity` connections; the request headers (`model.headers`, their `${env:}` /
 `${file:}` placeholders resolved once per client, and the API key read for each call by
 `JobConfig.api_key()`); `redact`, which keeps those secrets out of every error detail; and

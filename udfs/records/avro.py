@@ -13,7 +13,7 @@ original bytes and the job goes on.
 Decoding is here, in Python, rather than in Flink's `avro-confluent` format, because that
 format can only fail the job or drop the record (`ignore-parse-errors`) on a bad one: a
 dead letter with a reason and the original bytes needs the bytes to reach this stage.
-It costs ~10-20 µs of CPU per record (docs/formats.md).
+Its CPU per record, small beside the job's, is in docs/formats.md.
 
 Output: a record schema derived from the job config (`result_schema`), registered at start
 under `output.subject` (default `<output_topic>-value`); every field the config can add or

@@ -2,8 +2,8 @@
 orjson when it is installed, and the standard library's `json` otherwise.
 
 Why: with an instant model the client's JSON work (request body, response body, output record)
-was ~20% of the Python CPU of a call (`python -m jobs.dev.bench.probes client`, py-spy; see
-docs/performance.md). orjson does it in a fraction of that. It differs from `json` where it must
+is a sizeable share of the Python CPU of a call, and orjson does it in a fraction of that
+(docs/performance.md, "The client's JSON", has the profile, its command and the figures). It differs from `json` where it must
 not change what llmstream reads: it refuses NaN and Infinity, integers beyond 64 bits and more
 than 1,024 levels of nesting, so `loads` falls back to `json` whenever orjson refuses, and `dumps`
 whenever it cannot write a value (a big integer, a key that is not a string). What llmstream

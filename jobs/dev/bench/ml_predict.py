@@ -205,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
 def _stop(client) -> str:  # type: ignore[no-untyped-def]
     """Stop with a savepoint, as `llmstream run` does on SIGTERM, so the sink commits what the
     source's committed offsets already claim (a plain cancel between the source's offset commit
-    and the sink's transaction commit leaves answers in a transaction only a restore commits:
-    measured, 51 of 8,114 'lost' in a bench run); cancel if the savepoint fails."""
+    and the sink's transaction commit leaves answers in a transaction only a restore commits, which
+    the bench counts as lost: docs/performance.md, "Flink's own ML_PREDICT"); cancel if the
+    savepoint fails."""
     from pyflink.java_gateway import get_gateway
 
     canonical = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL

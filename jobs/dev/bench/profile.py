@@ -220,7 +220,8 @@ JFR_SETTINGS = """<?xml version="1.0" encoding="UTF-8"?>
 </configuration>
 """
 """Only execution samples, five times as often as JFR's `profile` settings take them (every 10 ms, and
-only of threads running Java): a 10 s window of a mini cluster gave ~150 samples at that rate."""
+only of threads running Java): at that rate a 10 s window of a mini cluster gives too few samples
+for a table (docs/performance.md, "Where a record's CPU goes")."""
 
 
 def _tool(name: str) -> str | None:

@@ -110,8 +110,9 @@ class Scenario:
     def ceiling_probe_concurrency(self) -> int | None:
         """Calls in flight for the bench's ceiling probe (bare aiohttp alone against this scenario's
         simulator, `jobs.dev.bench.probes http`): twice the server's slots, so none waits for the
-        client. What it reaches is what any client reaches on this machine: the simulator serves
-        (a) at ~94% of its Little's-law limit even to bare aiohttp (2026-12-04). None where a short
+        client. What it reaches is what any client reaches on this machine: the simulator's own CPU
+        keeps (a) below its Little's-law limit even for bare aiohttp (docs/performance.md, "(a)
+        against the simulator's own ceiling"). None where a short
         probe says nothing about the limit: no limit, a latency that varies (heavy tail), embeddings,
         a fleet."""
         if self.limit_per_s is None or not self.latency.startswith("fixed:") or self.api != "chat" or self.fleet:

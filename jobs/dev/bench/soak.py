@@ -156,7 +156,7 @@ class Sample:
     taskmanager_rss_mb: float | None
     """The TaskManager JVM and its Python workers."""
     checkpoint_kb: float | None
-    """The latest completed checkpoint's size (kilobytes: a few tens of them, measured)."""
+    """The latest completed checkpoint's size, in kilobytes (the soak's sizes: docs/operations.md)."""
 
 
 def segment_slopes(samples: Sequence[Sample], value: Callable[[Sample], float | None],

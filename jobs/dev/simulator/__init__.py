@@ -13,41 +13,15 @@ limits and runtime-switchable fault injection. HTTP is aiohttp's low-level ``web
 (keep-alive, pipelining, chunked request bodies, ``Expect: 100-continue``); every request
 runs in its own handler task, cancelled when its client leaves.
 
-Transport: aiohttp.web, measured against the hand-written server it replaced
-----------------------------------------------------------------------------
-Until issue 11 the simulator carried its own ~270-line HTTP/1.1 server (an
-``asyncio.Protocol``). Both were measured on this 2-core machine with the bench's probes
-against scenario d's simulator (``llmstream model-server --latency 0 --concurrency 1024
---per-token-ms 0``), in interleaved rounds, each round both probes::
-
-    python -m jobs.dev.bench.probes http|client --endpoint URL --seconds 5 --concurrency 64
-
-and, for each probe, the simulator process's CPU time (psutil) divided by the requests
-``/stats`` counted meanwhile. The machine was shared with other sessions' tests; CPU per
-request is the figure that depends least on that:
-
-    ===========================  ===================  ===================  ===================
-    3 rounds, load average 2-4   http probe           client probe         CPU per request
-    ===========================  ===================  ===================  ===================
-    hand-written asyncio         4,104-4,308/s        2,136-2,816/s        45-54 us
-    aiohttp ``web.Server``       2,429-3,155/s        2,003-2,247/s        99-113 us
-    ===========================  ===================  ===================  ===================
-
-With the machine loaded (6 rounds, load average 8-22) CPU per request was 53-75 us against
-120-158 us (medians 64 and 137), and both probes measured starved clients (340-1,190/s).
-
-So one core of aiohttp.web serves ~9,500 instant requests/s on a quiet machine (~7,300 on a
-loaded one), within the 8,000-13,000/s the hand-written server was credited with, though
-that server needs half the CPU (~20,000/s a core). That keeps the simulator off the
-critical path: the job's own ceiling with an instant model (bench scenario d,
-``jobs/dev/bench/results/latest.md``) is ~1,500 records/s, a sixth of one aiohttp core, and
-the ``client`` probe (llmstream's per-record Python work without Flink) stays below it too.
-The hand-written server was deleted. What it costs: on two cores the server's extra CPU
-comes out of its clients' share. The ``http`` probe (bare aiohttp client) lost 26-44% and
-the ``client`` probe ~15% on average in the rounds above; scenario (d), CPU-bound at
-0.68 ms of CPU per record for the job, gives the simulator ~0.15 of a core instead of
-~0.07 at 1,500 requests/s, so (d) may run up to ~7% slower (computed, not measured: (d)
-varies by +-15% between runs here).
+Transport: aiohttp.web rather than a hand-written server
+--------------------------------------------------------
+Until issue 11 the simulator carried its own HTTP/1.1 server (an ``asyncio.Protocol``). It
+needed less CPU per request, but one core of aiohttp.web still serves several times the job's
+own ceiling with an instant model (bench scenario d), so the simulator stays off the critical
+path and one HTTP stack less is ours to keep correct; the hand-written server was deleted.
+What it costs: on two shared cores the server's extra CPU comes out of its clients' share.
+The measurement, its command and the figures are in docs/performance.md ("The simulator's
+HTTP server").
 
 Endpoints
 ---------

@@ -10,13 +10,13 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Self
 
 import pytest
 
 from jobs.dev.processes import free_port
+from tests.support.waiting import wait_until
 
 SERVER_NAMES = ("redis-server", "valkey-server")
 
@@ -56,14 +56,14 @@ class RedisServer:
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.directory), "--protected-mode", "no"],
             stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.directory}/redis.log")
-            if self.ping():
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"redis-server did not answer PING on port {self.port} within {timeout} s")
+        process = self.process
+
+        def answering() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {process.returncode}; see {self.directory}/redis.log")
+            return self.ping()
+
+        wait_until(answering, timeout, interval=0.05, message=f"redis-server to answer PING on port {self.port}")
 
     def ping(self) -> bool:
         try:
