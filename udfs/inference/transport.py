@@ -6,8 +6,9 @@
 `async.capacity` connections; the request headers (`model.headers`, their `${env:}` /
 `${file:}` placeholders resolved once per client, and the API key read for each call by
 `JobConfig.api_key()`); `redact`, which keeps those secrets out of every error detail; and
-the mapping of an answer to an error: `status_error` (429/503 -> `RateLimited`, 408/409/5xx
--> `RetryableError`, any other non-2xx -> `PermanentError`), timeouts and connection errors
+the mapping of an answer to an error: `status_error` (an overload status -> `RateLimited`,
+another retryable one -> `RetryableError`, any other non-2xx -> `PermanentError`, as the table
+in `udfs/inference/statuses.py` says), timeouts and connection errors
 -> `RetryableError`, TLS failures -> `TlsError`. It sends once: retrying is `RetryPolicy`'s
 business (`udfs/inference/retry.py`), reading a 2xx body is `udfs/inference/responses.py`'s.
 
@@ -43,7 +44,8 @@ from udfs.errors import (
     RetryableError,
     TlsError,
 )
-from udfs.inference.retry import classify, parse_retry_after
+from udfs.inference.retry import parse_retry_after
+from udfs.inference.statuses import of_status
 from udfs.metrics import InferenceMetrics
 from udfs.records import fastjson
 
@@ -53,7 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 API_PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
-OVERLOAD_STATUSES = frozenset({429, 503})
 MAX_DETAIL_CHARS = 300
 SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "cookie", "signature")
 
@@ -198,14 +199,16 @@ async def _json_object(response: aiohttp.ClientResponse) -> dict[str, Any]:
 
 def status_error(status: int, message: str, *, location: str | None = None,
                  retry_after_s: float | None = None) -> InferenceError:
-    """The error a non-2xx answer becomes: `RateLimited` for 429/503 (the client also slows
-    down), `RetryableError` for what `classify` calls retryable, else `PermanentError`."""
+    """The error a non-2xx answer becomes, by `statuses.of_status`: `RateLimited` for an overload
+    (the endpoint also slows down), `RetryableError` for another retryable outcome, else
+    `PermanentError`."""
     detail = f"HTTP {status}: {message}"
     if 300 <= status < 400:
         detail += f" (redirect to {location!r}: set model.endpoint to the final URL)"
-    if status in OVERLOAD_STATUSES:
+    outcome = of_status(status)
+    if outcome.overload:
         return RateLimited(detail, status=status, retry_after_s=retry_after_s)
-    if classify(status) == "retryable":
+    if outcome.retryable:
         return RetryableError(detail, status=status, retry_after_s=retry_after_s)
     return PermanentError(detail, status=status)
 
