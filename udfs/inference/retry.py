@@ -160,7 +160,10 @@ class RetryPolicy:
         return self._rng.uniform(0, ceiling)
 
     def wait_after(self, attempt: int, error: RetryableError) -> float:
-        """The backoff, or the server's `Retry-After` hint when that is longer."""
+        """The backoff, or the error's own `retry_after_s` when it carries one that is longer. The
+        inference client's errors carry none: a server's `Retry-After` comes back as a value
+        (`transport.Reply`) and pauses the endpoint that sent it (`Fleet.release`), which a retry
+        waits for only when no other endpoint may take it."""
         wait = self.backoff(attempt)
         if error.retry_after_s is not None and error.retry_after_s > wait:
             return error.retry_after_s
