@@ -21,8 +21,8 @@ Why a 503 is both: a server that says "unavailable" is as often a replica that i
 draining or out of memory as one that is merely full. As overload it halves that endpoint's
 limit and honours its `Retry-After`, as a 429 does; as a failure it counts towards that
 endpoint's circuit, so a replica that keeps answering 503 stops taking traffic like one that
-answers 500. The circuit only exists in a fleet of several endpoints (`Fleet`'s circuit-less
-fleet of one, `model.endpoint`, never opens), so there a 503 is overload alone.
+answers 500. `model.endpoint` alone is a fleet of one whose circuit never opens (`Fleet`), so
+there a 503 is overload alone.
 """
 
 from __future__ import annotations
