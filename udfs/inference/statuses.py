@@ -35,7 +35,8 @@ from udfs.errors import InferenceError, RetryableError
 class Outcome(enum.Enum):
     """What one attempt came to, and what that means: `retryable` (another attempt may succeed),
     `overload` (the server pushes back: that endpoint's AIMD limit shrinks and its `Retry-After`
-    pauses it), `circuit_failure` (counts towards that endpoint's circuit). See the module's table."""
+    pauses it), `circuit_failure` (counts towards that endpoint's circuit). See the module's table.
+    The `label` keeps members whose flags are alike (`SUCCESS`, `NEUTRAL`) distinct."""
 
     SUCCESS = ("success", False, False, False)
     OVERLOAD = ("overload", True, True, False)
