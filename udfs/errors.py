@@ -96,7 +96,8 @@ class RetryableError(InferenceError):
 
 
 class RateLimited(RetryableError):
-    """The server said 429 (or 503): slow down, and retry after its hint."""
+    """The server pushed back (an overload answer, 429 or 503: `udfs/inference/statuses.py`): the
+    endpoint's concurrency shrinks and its `Retry-After` pauses it."""
 
 
 class PermanentError(InferenceError):

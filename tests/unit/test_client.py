@@ -147,6 +147,72 @@ def test_503_is_retried(sim: ThreadedSimulator) -> None:
     assert sim.stats()["errors"] == 3
 
 
+def test_the_one_endpoint_never_opens_a_circuit_and_a_503_shrinks_its_limit() -> None:
+    """`model.endpoint` is a fleet of one whose circuit never opens: seven 503s in a row (more than
+    `model.circuit.failures`) are retried at the backoff's pace, not after a cooldown, and each
+    wave of them halves the concurrency limit, as 429s do."""
+    answers: list[int] = []
+
+    async def unavailable_then_fine(req: web.Request) -> web.Response:
+        if len(answers) < 7:
+            answers.append(503)
+            return web.json_response({"error": {"message": "warming up"}}, status=503)
+        answers.append(200)
+        return web.json_response({"model": "sim", "choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]})
+
+    async def scenario() -> tuple[Completion, int]:
+        runner, url = await serve_app([web.post("/v1/chat/completions", unavailable_then_fine)])
+        try:
+            config = job_config(url, async_={"capacity": 8}, retry={"max_attempts": 10},
+                                model={"circuit": {"failures": 2, "cooldown_s": 30, "max_cooldown_s": 60}})
+            async with InferenceClient(config) as client:
+                return await client.complete(request()), client.concurrency.limit
+        finally:
+            await runner.cleanup()
+
+    started = time.monotonic()
+    completion, limit = run(scenario)
+    assert completion.attempts == 8 and answers == [503] * 7 + [200]
+    assert time.monotonic() - started < 10  # no 30 s cooldown
+    assert limit <= 4  # halved (once, when the 503s came within one decrease window)
+
+
+def test_a_retry_after_pauses_every_call_to_the_one_endpoint_once() -> None:
+    """A 429's Retry-After pauses the endpoint (`Fleet.release`), the one place that waits for it:
+    no call of any record is sent before it ends, and the refused record waits for it once, not
+    once in the fleet and again in the retry layer."""
+    sent: list[float] = []
+
+    async def limited_once(req: web.Request) -> web.Response:
+        sent.append(time.monotonic())
+        if len(sent) == 1:
+            return web.json_response({"error": {"message": "slow down"}}, status=429, headers={"Retry-After": "1"})
+        return web.json_response({"model": "sim", "choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]})
+
+    async def scenario() -> list[Completion]:
+        runner, url = await serve_app([web.post("/v1/chat/completions", limited_once)])
+        try:
+            async with InferenceClient(job_config(url)) as client:
+                first = asyncio.ensure_future(client.complete(request()))
+                await wait_for_async(lambda: len(sent) == 1)
+                others = [client.complete(request()) for _ in range(3)]
+                return [*await asyncio.gather(first, *others)]
+        finally:
+            await runner.cleanup()
+
+    completions = run(scenario)
+    assert [c.attempts for c in completions] == [2, 1, 1, 1]
+    assert len(sent) == 5 and all(t - sent[0] >= 0.95 for t in sent[1:])
+    assert completions[0].latency_ms < 1900
+
+
+async def wait_for_async(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
 def test_connection_resets_are_retried(sim: ThreadedSimulator) -> None:
     sim.admin({"reset_rate": 1.0})
     err, _, _ = run(lambda: failure(job_config(sim.url, retry={"max_attempts": 2})))
@@ -458,6 +524,28 @@ def test_a_429_pauses_only_its_endpoint(make_sim: Callable[..., ThreadedSimulato
     assert time.monotonic() - started < 10
     assert busy.stats()["rejected"] == 1 and free.stats()["served"] == 10
     assert completions[0].attempts == 2 and all(c.attempts == 1 for c in completions[1:])
+
+
+def test_a_503_in_a_fleet_halves_that_endpoints_limit_and_opens_its_circuit(
+        make_sim: Callable[..., ThreadedSimulator]) -> None:
+    """A 503 is overload and a circuit failure of the endpoint that answered it: its limit halves,
+    its circuit opens after `failures` of them, and the records are answered by the other one."""
+    unavailable, good = make_sim(latency="fixed:5"), make_sim(latency="fixed:5")
+    unavailable.admin({"error_rate": 1.0, "error_status": 503, "retry_after_s": 0})
+    config = fleet_config([{"url": unavailable.url, "weight": 10}, {"url": good.url}], async_={"capacity": 8},
+                          circuit={"cooldown_s": 30})
+
+    async def calls() -> tuple[list[Completion], dict[str, Any]]:
+        async with InferenceClient(config) as client:
+            done = [await client.complete(request()) for _ in range(20)]
+            return done, client.metrics.snapshot()
+
+    completions, snapshot = run(calls)
+    assert all(c.endpoint.startswith(good.url) for c in completions)
+    assert unavailable.stats()["errors"] == 3  # failures: 3, then its circuit stays open
+    figures = snapshot["endpoints"][f"127_0_0_1_{unavailable.port}"]
+    assert figures["circuit"] == 2 and figures["failures"] == 3 and figures["rate_limited"] == 0
+    assert figures["limit"] <= 4  # halved
 
 
 def test_every_primary_down_the_fallback_answers_with_its_model_and_its_cache_key(

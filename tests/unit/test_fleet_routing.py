@@ -84,6 +84,62 @@ def test_retry_after_pauses_that_endpoint_only() -> None:
     assert f.choose().label == "a"  # type: ignore[union-attr]
 
 
+def test_a_503_is_overload_and_a_circuit_failure_of_that_endpoint() -> None:
+    """The decided behaviour (`udfs/inference/statuses.py`): a 503 halves that endpoint's limit and
+    its Retry-After pauses it, as a 429 does, and it counts towards its circuit, as a 500 does."""
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=8), EndpointSpec("b", capacity=8), clock=clock)
+    a = f.endpoints[0]
+    f.release(f._take(a, "route"), Outcome.UNAVAILABLE, retry_after_s=2.0)
+    assert [e.limit for e in f.endpoints] == [4, 8]
+    assert a.paused_until == pytest.approx(clock.now + 2.0)
+    assert a.failures == 1 and a.rate_limited == 0 and a.circuit.state is CircuitState.CLOSED
+    for _ in range(2):
+        clock.advance(2.0)
+        f.release(f._take(a, "route"), Outcome.UNAVAILABLE)
+    assert a.circuit.state is CircuitState.OPEN and a.limit == 1
+    clock.advance(5.0)
+    probe = f.choose()
+    assert probe is a
+    f.release(probe, Outcome.UNAVAILABLE)  # a probe answered 503 failed: open again, for longer
+    assert a.circuit.state is CircuitState.OPEN and a.circuit.cooldown_s == 10.0
+
+
+def test_a_probe_answered_429_closes_the_circuit() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=8), EndpointSpec("b", capacity=8), clock=clock)
+    a = f.endpoints[0]
+    for _ in range(3):
+        f.release(f._take(a, "route"), Outcome.FAILURE)
+    clock.advance(5.0)
+    probe = f.choose()
+    assert probe is a
+    f.release(probe, Outcome.OVERLOAD)  # alive, only full
+    assert a.circuit.state is CircuitState.CLOSED
+
+
+def test_a_fleet_of_one_without_a_circuit_never_opens_it() -> None:
+    """`model.endpoint` is a fleet of one built with no circuit: failures and 503s are counted and
+    503s shrink its limit, but its one endpoint always takes the next call."""
+    clock = FakeClock()
+    f = Fleet([EndpointSpec("solo", capacity=8)], None, clock=clock)
+    solo = f.endpoints[0]
+    for outcome in [Outcome.FAILURE] * 10 + [Outcome.UNAVAILABLE] * 10:
+        chosen = f.choose()
+        assert chosen is solo
+        f.release(chosen, outcome)
+        clock.advance(1.0)
+    assert solo.circuit.state is CircuitState.CLOSED and solo.failures == 20
+    assert solo.limit == 1 and f.next_change() is None
+
+
+def test_a_retry_after_on_a_permanent_answer_pauses_nothing() -> None:
+    clock = FakeClock()
+    f = fleet(EndpointSpec("a", capacity=8), clock=clock)
+    f.release(f._take(f.endpoints[0], "route"), Outcome.NEUTRAL, retry_after_s=30.0)
+    assert f.endpoints[0].paused_until == 0.0 and f.choose() is f.endpoints[0]
+
+
 def test_retry_goes_to_another_endpoint() -> None:
     clock = FakeClock()
     f = fleet(EndpointSpec("a", weight=10, capacity=8), EndpointSpec("b", capacity=8), clock=clock)

@@ -7,25 +7,26 @@ use, in the running loop. What it builds on, each in its own module:
 
 - `udfs/inference/transport.py`: the HTTP session, TLS, request headers and secrets, one POST, the
   mapping of a status or connection failure to an error.
+- `udfs/inference/statuses.py`: the one table of what an answer means (retry, overload, circuit
+  failure), as an attempt's `Outcome`.
 - `udfs/inference/responses.py`: a 2xx body -> output, finish reason, usage (pure functions).
 - `udfs/cost/pricing.py`: what the tokens cost (also used by the spend budget and `status`).
 - `udfs/cost/single_flight.py`: the result cache, with identical requests sharing one call.
 - `udfs/inference/structured.py`, `udfs/inference/batching.py`, `udfs/cost/budget.py`, `udfs/inference/ratelimit.py`,
   `udfs/inference/retry.py`: answers that must validate, micro-batches, the spend budget, the rate
   limit and adaptive concurrency, the one retry layer.
-- `udfs/inference/fleet.py`: with `model.endpoints` (or `model.fallback`), which endpoint each attempt
-  goes to (weighted least-outstanding, a circuit, AIMD and a Retry-After pause per endpoint);
-  each endpoint has its own `Transport` and rate limits (a `Route`). `model.endpoint` alone
-  takes the path below unchanged.
+- `udfs/inference/fleet.py`: which endpoint each attempt goes to (weighted least-outstanding, a
+  circuit, AIMD and a Retry-After pause per endpoint); each endpoint has its own `Transport` and
+  rate limits (a `Route`). Every call goes through it: `model.endpoint` is a fleet of one whose
+  circuit never opens, so there is one attempt path (`_attempt`).
 
 One record goes: cache (a hit ends here) -> structured output (asks again when an answer does
 not validate) -> micro-batch (embeddings with `model.batch.max_size` > 1) -> spend budget ->
-and for each attempt: a concurrency slot (AIMD; in a fleet, an endpoint's slot, waiting while
-no endpoint may take it) -> rate-limit tokens -> send, with
-`async.request_timeout_s` per attempt. Failures go through `RetryPolicy`; its
-`async.record_deadline_s` covers every attempt, wait and queue from the moment the first
-attempt is dispatched; time spent waiting in line for a slot or tokens before that is
-backpressure, not failure, and does not count.
+and for each attempt: an endpoint's concurrency slot (AIMD; waiting while no endpoint may take
+it) -> rate-limit tokens -> send, with `async.request_timeout_s` per attempt. Failures go
+through `RetryPolicy`; its `async.record_deadline_s` covers every attempt, wait and queue from
+the moment the first attempt is dispatched; time spent waiting in line for a slot or tokens
+before that is backpressure, not failure, and does not count.
 
 A micro-batch takes that path as one call (one budget, slot, rate-limit and retry sequence)
 and each record gets its own vector and its share of the usage. A batch rejected with a
@@ -53,14 +54,7 @@ from udfs.cost import pricing
 from udfs.cost.budget import SpendBudget
 from udfs.cost.cache import cache_key, cacheable, open_cache
 from udfs.cost.single_flight import SingleFlightCache, Stored, cached_completion
-from udfs.errors import (
-    InferenceError,
-    InternalError,
-    InvalidModelOutput,
-    RateLimited,
-    RecordError,
-    RetryableError,
-)
+from udfs.errors import InferenceError, InternalError, InvalidModelOutput, RecordError
 from udfs.inference import responses
 from udfs.inference.batching import (
     Batcher,
@@ -69,10 +63,11 @@ from udfs.inference.batching import (
     share_usage,
     split_on_rejection,
 )
-from udfs.inference.fleet import CircuitState, EndpointSpec, Fleet, Outcome
+from udfs.inference.fleet import CircuitState, EndpointSpec, Fleet
 from udfs.inference.prompts import build_payload, input_tokens
 from udfs.inference.ratelimit import AdaptiveConcurrency, RateLimiter
 from udfs.inference.retry import Deadline, RetryPolicy
+from udfs.inference.statuses import Outcome, of_error
 from udfs.inference.structured import Invalid, StructuredOutput
 from udfs.inference.transport import Transport
 from udfs.metrics import InferenceMetrics
@@ -84,9 +79,10 @@ Entry = tuple[Request, dict[str, Any]]
 """A record and the request body made of it: what a micro-batch collects."""
 
 PAUSE_AFTER_S = 1.0
-"""A wait at the rate limit or for a Retry-After longer than this is a pause (`pause_reason`): the
-stage parks new records behind the admission gate instead of waiting for a slot in its bundle.
-Shorter waits are pacing, as the stage's own backpressure has always been."""
+"""A wait at the rate limit longer than this is a pause (`pause_reason`): the stage parks new
+records behind the admission gate instead of waiting for a slot in its bundle. Shorter waits are
+pacing, as the stage's own backpressure has always been. (A Retry-After is a pause while calls
+wait for it: `Fleet.stalled`.)"""
 
 
 def _epoch_ms() -> int:
@@ -158,20 +154,11 @@ class InferenceClient:
         self._config = config
         self.metrics = metrics if metrics is not None else InferenceMetrics()
         self.routes: list[Route] = []
-        self.fleet: Fleet | None = None
-        if config.model.routed:
-            self._open_fleet(config, subtasks)  # sets transport and url: the first endpoint's
-        else:
-            self.transport = Transport(config, self.metrics)
-            self.url = self.transport.url
+        self.fleet = self._open_fleet(config, subtasks)
+        self.transport = self.routes[0].transport  # the first primary's: its URL is a cached answer's endpoint
+        self.url = self.transport.url
         self.retry = RetryPolicy(config.retry)
-        self._retry_after_until = 0.0  # monotonic: the one server's latest Retry-After ends
         self.rate_limiter = RateLimiter(config.rate_limit, subtasks)
-        self.concurrency = AdaptiveConcurrency(
-            config.async_.capacity, config.rate_limit.min_concurrency,
-            adaptive=config.rate_limit.adaptive_concurrency)
-        if self.fleet is None:
-            self.metrics.concurrency_limit = self.concurrency.limit
         self.budget = SpendBudget(config.budget, config.model.prices, subtasks, on_pause=self._on_budget_pause)
         self.structured = StructuredOutput.from_config(config.model)
         self.cache = open_cache(config, self.metrics)
@@ -182,31 +169,39 @@ class InferenceClient:
             self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_entry),
                                     max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
 
-    def _open_fleet(self, config: JobConfig, subtasks: int) -> None:
-        """A route (transport, rate limits) per endpoint of `model.endpoints` and
-        `model.fallback`, and the `Fleet` that chooses among them."""
+    def _open_fleet(self, config: JobConfig, subtasks: int) -> Fleet:
+        """A route (transport, rate limits) per endpoint of `config.fleet()`, and the `Fleet` that
+        chooses among them. `model.endpoint` without a fallback is a fleet of one without a circuit
+        (see `udfs/inference/fleet.py` for why), its transport reading the section's own key and
+        headers, and it reports no per-endpoint figures: the job's own are that endpoint's."""
+        routed = config.model.routed
         primaries, fallbacks = config.fleet()
         for endpoint in primaries + fallbacks:
             limits = RateLimitConfig(requests_per_minute=endpoint.requests_per_minute,
                                      tokens_per_minute=endpoint.tokens_per_minute)
-            self.routes.append(Route(endpoint, Transport(config, self.metrics, endpoint),
+            self.routes.append(Route(endpoint, Transport(config, self.metrics, endpoint if routed else None),
                                      RateLimiter(limits, subtasks)))
         capacity = config.async_.capacity
         specs = [EndpointSpec(e.label, e.weight, min(capacity, e.max_concurrency or capacity), fallback=i >= len(primaries))
                  for i, e in enumerate(primaries + fallbacks)]
-        self.fleet = Fleet(specs, config.model.circuit, min_concurrency=config.rate_limit.min_concurrency,
-                           adaptive=config.rate_limit.adaptive_concurrency,
-                           fallback_after_attempts=config.model.fallback.after_attempts if config.model.fallback else None)
-        for state in self.fleet.endpoints:
-            self.metrics.add_endpoint(state.label, state.figures)
-        self.transport = self.routes[0].transport
-        self.url = self.transport.url
-        self._fleet_limit()
+        fleet = Fleet(specs, config.model.circuit if routed else None, min_concurrency=config.rate_limit.min_concurrency,
+                      adaptive=config.rate_limit.adaptive_concurrency,
+                      fallback_after_attempts=config.model.fallback.after_attempts if config.model.fallback else None)
+        if routed:
+            for state in fleet.endpoints:
+                self.metrics.add_endpoint(state.label, state.figures)
+        self._fleet_limit(fleet)
+        return fleet
 
-    def _fleet_limit(self) -> None:
-        assert self.fleet is not None
+    @property
+    def concurrency(self) -> AdaptiveConcurrency:
+        """The first primary endpoint's AIMD limiter: with `model.endpoint`, the one server's."""
+        return self.fleet.endpoints[0].concurrency
+
+    def _fleet_limit(self, fleet: Fleet) -> None:
+        """The calls this subtask may have in flight now, for the `concurrency_limit` metric."""
         self.metrics.concurrency_limit = min(self._config.async_.capacity,
-                                             sum(e.limit for e in self.fleet.endpoints
+                                             sum(e.limit for e in fleet.endpoints
                                                  if e.circuit.state is CircuitState.CLOSED))
 
     def __repr__(self) -> str:
@@ -220,17 +215,15 @@ class InferenceClient:
     @property
     def pause_reason(self) -> str | None:
         """Why no new call can start for a while: a spend-budget window, every endpoint's
-        cooldown or Retry-After (a fleet's `stalled`), the one server's Retry-After, or the
-        calls already queued at the rate limit taking longer than `PAUSE_AFTER_S` to be let
-        through; None when calls can start. The stage parks new records and closes its admission
+        cooldown or Retry-After while calls wait (the fleet's `stalled`; with `model.endpoint`,
+        the one server's Retry-After), or the calls already queued at the rate limit taking
+        longer than `PAUSE_AFTER_S` to be let through; None when calls can start. The stage parks new records and closes its admission
         gate meanwhile (`udfs/stage/operators.py`), rather than waiting for a slot inside a bundle that
         a checkpoint waits for. Read from Flink's thread; reads only."""
         if self.budget.paused:
             return "the spend budget is paused"
-        if self.fleet is not None and self.fleet.stalled:
+        if self.fleet.stalled:
             return "every endpoint's circuit is open or paused by Retry-After"
-        if self.fleet is None and self._retry_after_until - time.monotonic() > PAUSE_AFTER_S:
-            return "the model server asked to wait (Retry-After)"
         if self.rate_limiter.wait_s > PAUSE_AFTER_S:
             return f"the calls queued at rate_limit take over {PAUSE_AFTER_S:g} s to be let through"
         return None
@@ -244,11 +237,8 @@ class InferenceClient:
             await self._batcher.close()
         if self._single_flight is not None:
             await self._single_flight.close()
-        if self.routes:
-            for route in self.routes:
-                await route.transport.close()
-        else:
-            await self.transport.close()
+        for route in self.routes:
+            await route.transport.close()
 
     async def __aenter__(self) -> Self:
         return self
@@ -272,8 +262,8 @@ class InferenceClient:
             raise InternalError(self._redact(InternalError.from_exception(err).detail)) from None
 
     def _redact(self, text: str) -> str:
-        for transport in [route.transport for route in self.routes] or [self.transport]:
-            text = transport.redact(text)
+        for route in self.routes:
+            text = route.transport.redact(text)
         return text
 
     def _redacted(self, err: InferenceError) -> InferenceError:
@@ -306,7 +296,7 @@ class InferenceClient:
     def _first_route_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
         """`payload` as the first primary endpoint is asked (its model, if it names one): what the
         cache is looked up under."""
-        return self.routes[0].payload(payload) if self.routes else payload
+        return self.routes[0].payload(payload)
 
     def _from_cache(self, payload: dict[str, Any], stored: Stored, looked_up: float) -> Completion:
         """A stored answer as this record's completion. Only valid answers are stored, under a key
@@ -400,8 +390,6 @@ class InferenceClient:
         await self.budget.acquire(*budgeted)
 
         async def attempt(number: int) -> dict[str, Any]:
-            if self.fleet is not None:
-                return await self._fleet_attempt(payload, label, number, estimated, deadline, attempts)
             return await self._attempt(payload, label, number, estimated, deadline, attempts)
 
         try:
@@ -413,34 +401,13 @@ class InferenceClient:
 
     async def _attempt(self, payload: dict[str, Any], label: str, number: int, estimated: int,
                        deadline: Deadline, attempts: _Attempts) -> dict[str, Any]:
-        """One attempt: a slot, tokens, the deadline started (at the first), the POST; a 429/503
-        shrinks the concurrency limit (AIMD), an answer grows it."""
-        async with self.concurrency.slot():
-            await self.rate_limiter.acquire(estimated)
-            deadline.start()
-            if attempts.count:
-                self.metrics.retries.inc()
-            sent = attempts.sending()
-            try:
-                body = await self.transport.post(payload, label, number)
-            except RateLimited as err:
-                self.concurrency.on_overload()
-                self.metrics.concurrency_limit = self.concurrency.limit
-                if err.retry_after_s is not None:  # every call waits that long: the stage parks new records
-                    self._retry_after_until = max(self._retry_after_until, time.monotonic() + err.retry_after_s)
-                raise
-            self.concurrency.on_success(time.perf_counter() - sent)
-            self.metrics.concurrency_limit = self.concurrency.limit
-            return body
-
-    async def _fleet_attempt(self, payload: dict[str, Any], label: str, number: int, estimated: int,
-                             deadline: Deadline, attempts: _Attempts) -> dict[str, Any]:
-        """One attempt on the endpoint `Fleet` chooses (waiting while none may take it), then as
-        `_attempt`: rate-limit tokens (job-wide, then the endpoint's), the deadline started, the
-        POST. The outcome feeds that endpoint's AIMD, Retry-After pause and circuit; an endpoint
-        that failed is avoided by this request's next attempt, and its Retry-After is its own
-        pause rather than the request's wait, so the retry may go to another endpoint at once."""
-        assert self.fleet is not None
+        """One attempt, the only one there is: a slot on the endpoint `Fleet` chooses (waiting while
+        none may take it), rate-limit tokens (job-wide, then the endpoint's), the deadline started
+        (at the first), the POST. Its `Outcome` (`udfs/inference/statuses.py`) and the answer's
+        Retry-After go to `Fleet.release`, which feeds that endpoint's AIMD, pause and circuit; an
+        endpoint that failed is avoided by this request's next attempt while another may take it.
+        The error raised to `RetryPolicy` carries no Retry-After: the endpoint's pause is the one
+        wait for it, so in a fleet the retry may go to another endpoint at once."""
         endpoint = await self.fleet.acquire(attempts.tried, number)
         route = self.routes[endpoint.index]
         outcome, latency_s, retry_after_s = Outcome.NEUTRAL, None, None
@@ -452,25 +419,26 @@ class InferenceClient:
                 self.metrics.retries.inc()
             sent_payload = route.payload(payload)
             sent = attempts.sending()
-            body = await route.transport.post(sent_payload, label, number)
+            try:
+                reply = await route.transport.post(sent_payload, label, number)
+            except InferenceError as err:  # no usable answer: a timeout, a connection or TLS failure
+                outcome = of_error(err)
+                raise
+            retry_after_s = reply.retry_after_s
+            if reply.refusal is not None:
+                outcome = of_error(reply.refusal)
+                raise reply.refusal
+            assert reply.body is not None
             outcome, latency_s = Outcome.SUCCESS, time.perf_counter() - sent
             attempts.endpoint, attempts.payload = route.transport.url, sent_payload
-            return body
-        except RateLimited as err:
-            if err.status == 429:
-                outcome, retry_after_s = Outcome.OVERLOAD, err.retry_after_s
-                err.retry_after_s = None
-            else:  # 503: unavailable
-                outcome = Outcome.FAILURE
-            attempts.tried.append(endpoint.index)
-            raise
-        except RetryableError:
-            outcome = Outcome.FAILURE
-            attempts.tried.append(endpoint.index)
-            raise
+            return reply.body
         finally:
+            if outcome is Outcome.OVERLOAD:
+                self.metrics.rate_limited.inc()
+            if outcome.retryable:  # this request's next attempt goes elsewhere if it can
+                attempts.tried.append(endpoint.index)
             self.fleet.release(endpoint, outcome, latency_s=latency_s, retry_after_s=retry_after_s)
-            self._fleet_limit()
+            self._fleet_limit(self.fleet)
 
 
 @dataclass(frozen=True)

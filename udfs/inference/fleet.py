@@ -3,9 +3,17 @@
 Users serve a model as several replicas (vLLM pods behind no load balancer, one per GPU) or
 mix a hosted API with a local fallback. `Fleet` keeps, per endpoint of `model.endpoints`
 (and `model.fallback.endpoints`), the calls in flight, an adaptive concurrency limit (AIMD:
-a 429 from one endpoint shrinks that one only), a `Retry-After` pause and a `Circuit`. It
-holds no sockets and reads time only through its `clock`, so it is unit-tested with a fake
-clock; `InferenceClient` (`udfs/inference/client.py`) sends the attempts it routes.
+an overload answer from one endpoint shrinks that one only), a `Retry-After` pause and a
+`Circuit`. What each attempt's `Outcome` does to them is `release`'s business; which answers
+are which outcome is `udfs/inference/statuses.py`'s table. It holds no sockets and reads time
+only through its `clock`, so it is unit-tested with a fake clock; `InferenceClient`
+(`udfs/inference/client.py`) sends the attempts it routes.
+
+Every call goes through a fleet: `model.endpoint` (without a fallback) is a fleet of one,
+built with `circuit=None`, whose circuit never opens. A circuit is there to send calls
+elsewhere; with nowhere else to send them, an open circuit would only add its cooldown to the
+failures' own cost and keep a recovered server idle until the cooldown ends. The fleet of
+one's AIMD limit and `Retry-After` pause are then every call's.
 
 Routing (`Fleet.choose`): weighted least-outstanding requests. Among the endpoints that may
 take a call now (circuit closed, or open past its cooldown and free for one probe; not
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 
 from udfs.config import CircuitConfig
 from udfs.inference.ratelimit import AdaptiveConcurrency
+from udfs.inference.statuses import Outcome
 from udfs.metrics import Distribution
 
 log = logging.getLogger(__name__)
@@ -48,24 +57,16 @@ class CircuitState(enum.IntEnum):
     OPEN = 2
 
 
-class Outcome(enum.Enum):
-    """What an attempt on an endpoint came to, as routing sees it."""
-
-    SUCCESS = "success"      # a 2xx answer
-    OVERLOAD = "overload"    # 429: the server is alive but full (AIMD, Retry-After)
-    FAILURE = "failure"      # connection error, timeout, 5xx: counts towards the circuit
-    NEUTRAL = "neutral"      # a permanent 4xx, or the record's own deadline cut it short
-
-
 class Circuit:
     """Consecutive failures open it; after a cooldown one probe may pass (half-open); a failed
-    probe opens it again for twice the cooldown (up to the maximum), a success closes it."""
+    probe opens it again for twice the cooldown (up to the maximum), a success closes it.
+    Without a `config` it never opens (the fleet of one of `model.endpoint`)."""
 
-    def __init__(self, config: CircuitConfig) -> None:
+    def __init__(self, config: CircuitConfig | None) -> None:
         self.config = config
         self.state = CircuitState.CLOSED
         self.failures = 0
-        self.cooldown_s = config.cooldown_s
+        self.cooldown_s = config.cooldown_s if config is not None else 0.0
         self.opened_at = 0.0
         self.probing = False
         self.opened = 0  # times it opened
@@ -88,11 +89,14 @@ class Circuit:
         self.state = CircuitState.CLOSED
         self.failures = 0
         self.probing = False
-        self.cooldown_s = self.config.cooldown_s
+        if self.config is not None:
+            self.cooldown_s = self.config.cooldown_s
         return was_open
 
     def on_failure(self, now: float) -> bool:
         """Returns whether it opened now."""
+        if self.config is None:
+            return False
         if self.state is not CircuitState.CLOSED:
             if self.probing:  # the probe failed: longer cooldown
                 self.probing = False
@@ -166,7 +170,7 @@ class Fleet:
     part the unit tests drive with a fake `clock`.
     """
 
-    def __init__(self, specs: Iterable[EndpointSpec], circuit: CircuitConfig, *, min_concurrency: int = 1,
+    def __init__(self, specs: Iterable[EndpointSpec], circuit: CircuitConfig | None, *, min_concurrency: int = 1,
                  adaptive: bool = True, fallback_after_attempts: int | None = None,
                  clock: Clock = time.monotonic) -> None:
         self._clock = clock
@@ -241,8 +245,11 @@ class Fleet:
 
     def release(self, endpoint: Endpoint, outcome: Outcome, *, latency_s: float | None = None,
                 retry_after_s: float | None = None) -> None:
-        """The attempt on `endpoint` ended with `outcome`: frees its slot, feeds AIMD, the
-        Retry-After pause and the circuit, and wakes waiting callers."""
+        """The attempt on `endpoint` ended with `outcome`: frees its slot, feeds AIMD and the
+        circuit as the outcome's flags say (`udfs/inference/statuses.py`), and wakes waiting
+        callers. `retry_after_s`, the server's `Retry-After` on a retryable answer, pauses the
+        endpoint: the one place llmstream waits for that hint. A record's retry waits for it
+        only when no other endpoint may take the call (always, in a fleet of one)."""
         now = self._clock()
         endpoint.in_flight -= 1
         if outcome is Outcome.SUCCESS:
@@ -251,19 +258,22 @@ class Fleet:
                 endpoint.latency_ms.update(int(latency_s * 1000))
             if endpoint.circuit.on_success():
                 log.warning("endpoint %s: circuit closed, taking traffic again", endpoint.label)
-        elif outcome is Outcome.OVERLOAD:
+        if outcome is Outcome.OVERLOAD:
             endpoint.rate_limited += 1
+        if outcome.overload:
             endpoint.concurrency.on_overload()
-            if retry_after_s:
-                endpoint.paused_until = max(endpoint.paused_until, now + retry_after_s)
-            if endpoint.circuit.probing:  # alive, only full: it may take traffic again
-                endpoint.circuit.on_success()
-        elif outcome is Outcome.FAILURE:
+        if retry_after_s and outcome.retryable:
+            endpoint.paused_until = max(endpoint.paused_until, now + retry_after_s)
+        if outcome.circuit_failure:
             endpoint.failures += 1
             if endpoint.circuit.on_failure(now):
+                assert endpoint.circuit.config is not None
                 log.warning("endpoint %s: circuit open after %d consecutive failures; no traffic for %.1f s",
                             endpoint.label, endpoint.circuit.config.failures, endpoint.circuit.cooldown_s)
-        else:
+        elif outcome.overload:
+            if endpoint.circuit.probing:  # alive, only full: it may take traffic again
+                endpoint.circuit.on_success()
+        elif outcome is not Outcome.SUCCESS:
             endpoint.circuit.on_neutral()
         self._wake(all_=outcome is not Outcome.SUCCESS or endpoint.circuit.state is CircuitState.CLOSED)
 

@@ -5,8 +5,9 @@ queue, the queue fills to capacity and Flink backpressures the Kafka source. A p
 limit thus slows the job instead of timing out records or restarting it.
 
 `RateLimiter` paces requests and tokens per minute (client-side, from config);
-`AdaptiveConcurrency` cuts the number of calls in flight when the server pushes back with
-429/503 and grows it again while calls succeed (AIMD, as TCP does).
+`AdaptiveConcurrency` cuts the number of calls in flight when the server pushes back (an
+overload answer, as `udfs/inference/statuses.py` says) and grows it again while calls succeed
+(AIMD, as TCP does); `Fleet` keeps one per endpoint.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class RateLimiter:
 class AdaptiveConcurrency:
     """A semaphore whose size follows the server's pushback (AIMD).
 
-    The limit starts at `capacity`. A 429 or 503 halves it (`decrease_factor`), at most once per
+    The limit starts at `capacity`. An overload answer halves it (`decrease_factor`), at most once per
     `max(min_decrease_interval_s, smoothed latency)`: the calls already in flight when the
     server started refusing will refuse too, and must not halve it again. Each success adds
     `1/limit`, i.e. about +1 per round trip of a full window. Bounds: `min_concurrency` and
@@ -188,7 +189,7 @@ class AdaptiveConcurrency:
             self._wake()
 
     def on_overload(self) -> bool:
-        """Multiplicative decrease after a 429/503; returns whether the limit changed."""
+        """Multiplicative decrease after an overload answer; returns whether the limit changed."""
         if not self.adaptive:
             return False
         now = self._clock()

@@ -1,7 +1,7 @@
 """The one retry layer of llmstream: what to retry, how long to wait, when to give up.
 
-`classify` decides retryable vs permanent from the HTTP status; `parse_retry_after` reads
-the server's hint; `RetryPolicy.run` drives the attempts of one record with exponential
+`classify` says retryable vs permanent for an HTTP status (as `udfs/inference/statuses.py`'s table
+decides); `parse_retry_after` reads the server's hint; `RetryPolicy.run` drives the attempts of one record with exponential
 backoff and full jitter, bounded by `retry.max_attempts` and by the record's `Deadline`.
 Nothing else in llmstream retries, and nothing else enforces the record deadline.
 """
@@ -21,21 +21,19 @@ from typing import Literal, TypeVar
 
 from udfs.config import RetryConfig
 from udfs.errors import DeadlineExceeded, PermanentError, RetryableError
+from udfs.inference.statuses import of_status
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Verdict = Literal["retryable", "permanent"]
 
-RETRYABLE_STATUSES = frozenset({408, 409, 429})
 
 
 def classify(status: int | None) -> Verdict:
-    """`None` (no response: connection error, timeout), 408, 409, 429 and 5xx may pass on retry;
-    any other status will not, and its record is dead-lettered at once."""
-    if status is None or status in RETRYABLE_STATUSES or 500 <= status <= 599:
-        return "retryable"
-    return "permanent"
+    """Whether an attempt answered with `status` (`None`: no answer) may pass on retry, or its
+    record is dead-lettered at once: `statuses.of_status(status).retryable`."""
+    return "retryable" if of_status(status).retryable else "permanent"
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
@@ -162,7 +160,10 @@ class RetryPolicy:
         return self._rng.uniform(0, ceiling)
 
     def wait_after(self, attempt: int, error: RetryableError) -> float:
-        """The backoff, or the server's `Retry-After` hint when that is longer."""
+        """The backoff, or the error's own `retry_after_s` when it carries one that is longer. The
+        inference client's errors carry none: a server's `Retry-After` comes back as a value
+        (`transport.Reply`) and pauses the endpoint that sent it (`Fleet.release`), which a retry
+        waits for only when no other endpoint may take it."""
         wait = self.backoff(attempt)
         if error.retry_after_s is not None and error.retry_after_s > wait:
             return error.retry_after_s

@@ -7,10 +7,13 @@ JSON"), created on first use in the running event loop with
 `async.capacity` connections; the request headers (`model.headers`, their `${env:}` /
 `${file:}` placeholders resolved once per client, and the API key read for each call by
 `JobConfig.api_key()`); `redact`, which keeps those secrets out of every error detail; and
-the mapping of an answer to an error: `status_error` (429/503 -> `RateLimited`, 408/409/5xx
--> `RetryableError`, any other non-2xx -> `PermanentError`), timeouts and connection errors
--> `RetryableError`, TLS failures -> `TlsError`. It sends once: retrying is `RetryPolicy`'s
-business (`udfs/inference/retry.py`), reading a 2xx body is `udfs/inference/responses.py`'s.
+the mapping of an answer to an error: `status_error` (an overload status -> `RateLimited`,
+another retryable one -> `RetryableError`, any other non-2xx -> `PermanentError`, as the table
+in `udfs/inference/statuses.py` says), timeouts and connection errors -> `RetryableError`, TLS
+failures -> `TlsError`. A non-2xx answer is a `Reply` value that carries its error and the
+server's `Retry-After`; what pauses for that is the caller's business (`Fleet`, per endpoint).
+It sends once: retrying is `RetryPolicy`'s business (`udfs/inference/retry.py`), reading a 2xx
+body is `udfs/inference/responses.py`'s.
 
 TLS: `tls_context` is built once per client, on the worker: a CA bundle replaces the
 system's trust store, a client certificate and key are presented for mutual TLS, and
@@ -29,6 +32,7 @@ import gc
 import json
 import logging
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -44,7 +48,8 @@ from udfs.errors import (
     RetryableError,
     TlsError,
 )
-from udfs.inference.retry import classify, parse_retry_after
+from udfs.inference.retry import parse_retry_after
+from udfs.inference.statuses import of_status
 from udfs.metrics import InferenceMetrics
 from udfs.records import fastjson
 
@@ -54,7 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 API_PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
-OVERLOAD_STATUSES = frozenset({429, 503})
 MAX_DETAIL_CHARS = 300
 SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "cookie", "signature")
 
@@ -62,8 +66,8 @@ SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "cookie", "signature")
 class Transport:
     """POSTs request bodies to the endpoint of `model.api`; see the module for what it raises.
 
-    Counts `requests` (every attempt sent), `in_flight` and `rate_limited` (429s) in
-    `metrics`. Use from one event loop; `close()` may come from another (see there).
+    Counts `requests` (every attempt sent) and `in_flight` in `metrics`. Use from one event
+    loop; `close()` may come from another (see there).
     """
 
     def __init__(self, config: JobConfig, metrics: InferenceMetrics, endpoint: EndpointConfig | None = None) -> None:
@@ -124,8 +128,10 @@ class Transport:
                 text = text.replace(secret, "***")
         return text
 
-    async def post(self, payload: dict[str, Any], label: str, attempt: int) -> dict[str, Any]:
-        """One HTTP call; returns the parsed 2xx body or raises `RetryableError`/`PermanentError`."""
+    async def post(self, payload: dict[str, Any], label: str, attempt: int) -> Reply:
+        """One HTTP call: the server's answer as a `Reply` (a 2xx's parsed body, or a non-2xx's error
+        and `Retry-After`); raises `RetryableError`/`PermanentError` when no usable answer came
+        (a timeout, a connection or TLS failure, a 2xx body that is not a JSON object)."""
         session = self._session_in_loop()
         self._metrics.requests.inc()
         self._metrics.in_flight += 1
@@ -139,7 +145,7 @@ class Transport:
                 if 200 <= status < 300:
                     body = await _json_object(response)
                     log.debug("request %s attempt %d: HTTP %d", label, attempt, status)
-                    return body
+                    return Reply(body=body)
                 text = await response.text(errors="replace")
                 location = response.headers.get("Location")
                 retry_after = parse_retry_after(response.headers, max_s=self._config.retry.max_retry_after_s)
@@ -157,9 +163,7 @@ class Transport:
         finally:
             self._metrics.in_flight -= 1
         log.debug("request %s attempt %d: HTTP %d, retry-after %s", label, attempt, status, retry_after)
-        if status == 429:
-            self._metrics.rate_limited.inc()
-        raise status_error(status, server_message(text), location=location, retry_after_s=retry_after)
+        return Reply(refusal=status_error(status, server_message(text), location=location), retry_after_s=retry_after)
 
     async def close(self) -> None:
         """Closes the session and its pooled connections; the transport may be used again after.
@@ -197,17 +201,31 @@ async def _json_object(response: aiohttp.ClientResponse) -> dict[str, Any]:
     return body
 
 
-def status_error(status: int, message: str, *, location: str | None = None,
-                 retry_after_s: float | None = None) -> InferenceError:
-    """The error a non-2xx answer becomes: `RateLimited` for 429/503 (the client also slows
-    down), `RetryableError` for what `classify` calls retryable, else `PermanentError`."""
+@dataclass(frozen=True)
+class Reply:
+    """What the server answered to one POST: the parsed `body` of a 2xx, or the `refusal` a non-2xx
+    answer becomes (`status_error`) with the server's `retry_after_s` (`parse_retry_after`, capped
+    at `retry.max_retry_after_s`). The hint is a value here, never an attribute of the error: one
+    place pauses for it (`Fleet.release`, the endpoint that sent it), and the retry layer does not
+    wait for it a second time."""
+
+    body: dict[str, Any] | None = None
+    refusal: InferenceError | None = None
+    retry_after_s: float | None = None
+
+
+def status_error(status: int, message: str, *, location: str | None = None) -> InferenceError:
+    """The error a non-2xx answer becomes, by `statuses.of_status`: `RateLimited` for an overload
+    (the endpoint also slows down), `RetryableError` for another retryable outcome, else
+    `PermanentError`."""
     detail = f"HTTP {status}: {message}"
     if 300 <= status < 400:
         detail += f" (redirect to {location!r}: set model.endpoint to the final URL)"
-    if status in OVERLOAD_STATUSES:
-        return RateLimited(detail, status=status, retry_after_s=retry_after_s)
-    if classify(status) == "retryable":
-        return RetryableError(detail, status=status, retry_after_s=retry_after_s)
+    outcome = of_status(status)
+    if outcome.overload:
+        return RateLimited(detail, status=status)
+    if outcome.retryable:
+        return RetryableError(detail, status=status)
     return PermanentError(detail, status=status)
 
 
