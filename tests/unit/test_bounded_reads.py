@@ -4,7 +4,8 @@ body bytes it managed to send.
 
 What a user sees is asserted: an answer up to `model.max_response_bytes` is a completion, one
 byte more is `response_too_large` after the attempts `retry.*` allows, each on a connection of
-its own (a half-read one is never reused); an error body is quoted, capped, whatever its size.
+its own (a half-read one is never reused); an error body is quoted, capped, whatever its size;
+in a fleet, the flooding endpoint's circuit opens and the records are answered by another.
 That the worker never held a whole flood shows in the server's count: near the bound plus the
 socket buffers, far below what it would have sent.
 """
@@ -12,16 +13,20 @@ socket buffers, far below what it would have sent.
 from __future__ import annotations
 
 import gzip
+from typing import Any
 
 import pytest
 
+from jobs.dev.simulator import ThreadedSimulator
 from tests.support.calls import complete_one, failure, run
-from tests.support.configs import job_config
-from tests.support.servers import FLOOD_CAP_BYTES, Flood, FloodServer
+from tests.support.configs import job_config, request
+from tests.support.servers import Flood, FloodServer
 from tests.support.waiting import wait_until
 from udfs.config import JobConfig
 from udfs.errors import ResponseTooLarge, RetryableError
+from udfs.inference.client import InferenceClient
 from udfs.inference.transport import MAX_DETAIL_CHARS
+from udfs.records import Completion
 
 LIMIT = 1_048_576
 HUGE = 512 * 1_048_576
@@ -54,7 +59,7 @@ def test_an_answer_of_exactly_the_bound_is_a_completion(framing: str) -> None:
     with FloodServer(Flood(body=body, size=len(body), framing=framing)) as server:  # type: ignore[arg-type]
         completion, _ = run(lambda: complete_one(config(server)))
     assert completion.attempts == 1
-    assert completion.output == "a" * completion.output.count("a") and len(body) - len(completion.output) < 200
+    assert set(completion.output) == {"a"} and len(completion.output) > LIMIT - 200
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked", "close"])
@@ -110,4 +115,23 @@ def test_a_huge_error_body_is_quoted_capped_and_not_read_on(framing: str, size: 
     assert len(err.detail) <= len("HTTP 502: ") + MAX_DETAIL_CHARS
     assert len(sent) == ATTEMPTS and max(sent) < HELD, f"the server sent {sent} bytes per answer"
     assert server.connections == ATTEMPTS
-    assert FLOOD_CAP_BYTES > HELD
+
+
+def test_in_a_fleet_a_flooding_endpoint_opens_its_circuit_and_the_records_are_answered_elsewhere(
+        sim: ThreadedSimulator) -> None:
+    with FloodServer(Flood(size=None, framing="chunked")) as flooding:
+        config = job_config("http://unused", model={
+            "endpoint": None, "max_response_bytes": LIMIT,
+            "endpoints": [{"url": flooding.url + "/v1", "weight": 10}, {"url": sim.url}],
+            "circuit": {"failures": 3, "cooldown_s": 30, "max_cooldown_s": 60}})
+
+        async def calls() -> tuple[list[Completion], dict[str, Any]]:
+            async with InferenceClient(config) as client:
+                done = [await client.complete(request()) for _ in range(20)]
+                return done, client.metrics.snapshot()
+
+        completions, snapshot = run(calls)
+        sent = answers_sent(flooding, 3)
+    assert all(c.endpoint.startswith(sim.url) for c in completions)
+    assert len(sent) == 3 and max(sent) < HELD, "the circuit opens after 3 answers cut at the bound"
+    assert snapshot["endpoints"][f"127_0_0_1_{flooding.url.rsplit(':', 1)[1]}"]["circuit"] == 2
