@@ -90,7 +90,8 @@ class InferenceError(RecordError):
 
 
 class RetryableError(InferenceError):
-    """May succeed on a later attempt: connection errors, timeouts, 408/409/429/5xx."""
+    """May succeed on a later attempt: connection errors, timeouts, 408/409/429/5xx, an answer
+    over `model.max_response_bytes` (`ResponseTooLarge`)."""
 
     reason = "inference_retries_exhausted"
 
@@ -98,6 +99,17 @@ class RetryableError(InferenceError):
 class RateLimited(RetryableError):
     """The server pushed back (an overload answer, 429 or 503: `udfs/inference/statuses.py`): the
     endpoint's concurrency shrinks and its `Retry-After` pauses it."""
+
+
+class ResponseTooLarge(RetryableError):
+    """The server's answer passed `model.max_response_bytes` (by its Content-Length, or while
+    it was read); the rest was not read and the connection was closed, so one endpoint or
+    proxy cannot fill the worker's memory. Retried like a 5xx, within `retry.*`: a proxy's
+    glitch may pass, and in a fleet the endpoint's circuit counts it and the next attempt
+    goes elsewhere; an answer that is always this large is dead-lettered with this reason
+    once the attempts are used up."""
+
+    reason = "response_too_large"
 
 
 class PermanentError(InferenceError):

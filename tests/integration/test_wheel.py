@@ -20,7 +20,7 @@ import pytest
 
 from jobs.clients.kafka_admin import consume_committed, produce
 from tests.conftest import SHELL_ENV
-from tests.integration.helpers import JobConfigFactory, write_config
+from tests.support.job_setup import JobConfigFactory, write_config
 
 pytestmark = pytest.mark.integration
 

@@ -26,6 +26,7 @@ from udfs.errors import (
     DeadlineExceeded,
     InferenceError,
     PermanentError,
+    ResponseTooLarge,
     RetryableError,
 )
 from udfs.records import Completion, PendingRecord, Request
@@ -80,6 +81,7 @@ def test_an_answered_record_is_an_output_row_and_leaves_state(harnesses: list[Ha
 
 @pytest.mark.parametrize(("error", "reason"), [
     (RetryableError("HTTP 503", status=503, attempts=4), "inference_retries_exhausted"),
+    (ResponseTooLarge("answer passed model.max_response_bytes", status=200, attempts=4), "response_too_large"),
     (PermanentError("HTTP 400", status=400), "inference_rejected"),
     (DeadlineExceeded("record deadline 20 s passed", attempts=2), "inference_deadline_exceeded"),
     (ContextTooLong("4096 tokens over 2048"), "context_too_long"),

@@ -316,6 +316,9 @@ class ModelConfig:
     temperature: NonNegativeFloat | None = None
     prices: PriceConfig | None = None
     batch: BatchConfig = field(default_factory=BatchConfig)
+    # The most bytes of one answer read from the server (`udfs/inference/transport.py`); past it the
+    # attempt fails as `response_too_large` and the connection is closed (docs/operations.md).
+    max_response_bytes: PositiveInt = 8_388_608
     # Structured output (udfs/inference/structured.py): a JSON Schema, inline or a file path read at load
     # (the config then carries the schema itself); how the server is asked for it; how many
     # more answers an invalid one may be replaced by before the record is dead-lettered.

@@ -14,7 +14,7 @@ The table, one `Outcome` per kind of answer:
 | `SUCCESS` | 2xx | - | no (grows it) | no (closes it) |
 | `OVERLOAD` | 429 | yes | yes | no: the server is alive, only full |
 | `UNAVAILABLE` | 503 | yes | yes | yes |
-| `FAILURE` | no answer (connection error, timeout), 408, 409, other 5xx | yes | no | yes |
+| `FAILURE` | no answer (connection error, timeout, an answer over `model.max_response_bytes`), 408, 409, other 5xx | yes | no | yes |
 | `NEUTRAL` | any other status (4xx, 3xx); TLS failures, an unreadable 2xx body | no | no | no |
 
 Why a 503 is both: a server that says "unavailable" is as often a replica that is starting,
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 
-from udfs.errors import InferenceError, RetryableError
+from udfs.errors import InferenceError, ResponseTooLarge, RetryableError
 
 
 class Outcome(enum.Enum):
@@ -72,5 +72,8 @@ def of_status(status: int | None) -> Outcome:
 def of_error(err: InferenceError) -> Outcome:
     """The outcome of an attempt that ended in `err`: a retryable error's by its status; any other
     (a permanent refusal, a TLS failure, an unreadable answer) says nothing of the endpoint's
-    health or load, so `NEUTRAL`."""
+    health or load, so `NEUTRAL`. An answer cut off for its size counts as no answer at all,
+    whatever status it came with."""
+    if isinstance(err, ResponseTooLarge):
+        return Outcome.FAILURE
     return of_status(err.status) if isinstance(err, RetryableError) else Outcome.NEUTRAL

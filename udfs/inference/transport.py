@@ -15,6 +15,14 @@ server's `Retry-After`; what pauses for that is the caller's business (`Fleet`, 
 It sends once: retrying is `RetryPolicy`'s business (`udfs/inference/retry.py`), reading a 2xx
 body is `udfs/inference/responses.py`'s.
 
+Bounded reads: whatever a server sends, the worker holds at most `model.max_response_bytes` of
+one 2xx answer and `MAX_ERROR_BODY_BYTES` of an error body. A 2xx whose Content-Length is over
+the bound is refused unread; one without it (chunked, or streaming without end) is read in
+chunks and given up the moment it passes the bound. Either way the connection is closed, not
+returned to the pool half-read, and the attempt fails as `ResponseTooLarge` (a retryable error
+without an answer, as a timeout is: retried, and counted towards a fleet endpoint's circuit). An error body is read up to its cap and the rest discarded with the connection: only its
+start can reach a dead letter (`MAX_DETAIL_CHARS`).
+
 TLS: `tls_context` is built once per client, on the worker: a CA bundle replaces the
 system's trust store, a client certificate and key are presented for mutual TLS, and
 `verify: false` (allowed only with `allow_insecure`, checked at load) turns certificate
@@ -28,6 +36,7 @@ second is retried.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import gc
 import json
 import logging
@@ -45,6 +54,7 @@ from udfs.errors import (
     InferenceError,
     PermanentError,
     RateLimited,
+    ResponseTooLarge,
     RetryableError,
     TlsError,
 )
@@ -60,6 +70,10 @@ log = logging.getLogger(__name__)
 
 API_PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
 MAX_DETAIL_CHARS = 300
+MAX_ERROR_BODY_BYTES = 65_536
+"""The most of a non-2xx body read: enough for any error message a dead letter quotes (cut to
+`MAX_DETAIL_CHARS`) inside an HTML page or JSON envelope, far too little to matter in memory."""
+READ_CHUNK_BYTES = 65_536
 SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "cookie", "signature")
 
 
@@ -81,6 +95,7 @@ class Transport:
         parts = urlsplit(self.url)
         self._host = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
         self._timeout = aiohttp.ClientTimeout(total=config.async_.request_timeout_s)
+        self._max_response_bytes = config.model.max_response_bytes
         self._ssl = tls_context(config.model.tls)
         configured = {**config.model.headers, **(endpoint.headers if endpoint is not None else {})}
         self._headers = secrets.resolve_all(configured, "model.headers")
@@ -143,10 +158,10 @@ class Transport:
                                     allow_redirects=False) as response:
                 status = response.status
                 if 200 <= status < 300:
-                    body = await _json_object(response)
+                    body = _json_object(status, await self._answer(response))
                     log.debug("request %s attempt %d: HTTP %d", label, attempt, status)
                     return Reply(body=body)
-                text = await response.text(errors="replace")
+                text = await _error_text(response)
                 location = response.headers.get("Location")
                 retry_after = parse_retry_after(response.headers, max_s=self._config.retry.max_retry_after_s)
         except InferenceError:
@@ -164,6 +179,24 @@ class Transport:
             self._metrics.in_flight -= 1
         log.debug("request %s attempt %d: HTTP %d, retry-after %s", label, attempt, status, retry_after)
         return Reply(refusal=status_error(status, server_message(text), location=location), retry_after_s=retry_after)
+
+    async def _answer(self, response: aiohttp.ClientResponse) -> bytes:
+        """The whole 2xx body, or `ResponseTooLarge` once it is known to pass
+        `model.max_response_bytes` (the connection is then closed)."""
+        limit = self._max_response_bytes
+        declared = _declared_length(response)
+        if declared is not None:
+            if declared > limit:
+                response.close()
+                raise ResponseTooLarge(f"HTTP {response.status} answer of {declared} bytes (Content-Length) is "
+                                       f"over model.max_response_bytes ({limit}); not read", status=response.status)
+            return await response.read()  # exactly Content-Length bytes: the hot path, as fast as before
+        body, complete = await read_bounded(response, limit)
+        if not complete:
+            response.close()
+            raise ResponseTooLarge(f"HTTP {response.status} answer passed model.max_response_bytes ({limit}) "
+                                   "while it was read; the rest was not read", status=response.status)
+        return body
 
     async def close(self) -> None:
         """Closes the session and its pooled connections; the transport may be used again after.
@@ -189,10 +222,45 @@ class Transport:
             gc.collect()
 
 
-async def _json_object(response: aiohttp.ClientResponse) -> dict[str, Any]:
-    status = response.status
+async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """Up to `limit` bytes of the body (as decoded from any Content-Encoding) and whether that is
+    all of it. `False`: the body is longer (what was read is its start, and reading stopped
+    within one chunk past the bound); the caller closes the response so the rest is never read."""
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in response.content.iter_chunked(READ_CHUNK_BYTES):
+        total += len(chunk)
+        chunks.append(chunk)
+        if total > limit:
+            return b"".join(chunks)[:limit], False
+    return b"".join(chunks), True
+
+
+def _declared_length(response: aiohttp.ClientResponse) -> int | None:
+    """The body's length as Content-Length gives it, when that is the length read (no encoding
+    such as gzip in between)."""
+    if response.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+        return None
+    return response.content_length
+
+
+async def _error_text(response: aiohttp.ClientResponse) -> str:
+    """The start of a non-2xx body (`MAX_ERROR_BODY_BYTES`) as text; the rest is discarded with
+    the connection."""
+    body, complete = await read_bounded(response, MAX_ERROR_BODY_BYTES)
+    if not complete:
+        response.close()
+    charset = response.charset or "utf-8"
     try:
-        body = fastjson.loads(await response.read())
+        codecs.lookup(charset)
+    except LookupError:
+        charset = "utf-8"
+    return body.decode(charset, errors="replace")
+
+
+def _json_object(status: int, raw: bytes) -> dict[str, Any]:
+    try:
+        body = fastjson.loads(raw)
     except ValueError as err:
         raise PermanentError(f"HTTP {status} with a body that is not JSON: {err}"[:MAX_DETAIL_CHARS],
                              status=status) from None

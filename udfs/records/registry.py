@@ -13,10 +13,16 @@ Errors are data: a registry that does not answer (connection refused, timeout, 5
 retried with exponential backoff and full jitter for `schema_registry.unavailable_timeout_s`,
 then `RegistryUnavailable`; a schema it does not have is `SchemaNotFound`; a registration it
 refuses (incompatible, invalid) is `SchemaRejected`; credentials it refuses (401/403) are
-`RegistryRefused`, not retried. Messages name `schema_registry.url` and what happened (the
+`RegistryRefused`, not retried; an answer over `MAX_ANSWER_BYTES` is `RegistryAnswerTooLarge`,
+not retried either. Messages name `schema_registry.url` and what happened (the
 exception's class, the HTTP status, the registry's own message), never a credential: the URL may
 not hold any (checked at load) and basic-auth values are resolved here from their placeholders
 and handed to `requests` only.
+
+Bounded reads: answers are streamed and read in chunks, an answer at most `MAX_ANSWER_BYTES`
+(refused unread when its Content-Length says more), an error body at most `MAX_ERROR_BODY_BYTES`
+(only its message is quoted); what is not read is dropped with the connection, so a registry
+or proxy that answers without end cannot fill the worker's memory.
 """
 
 from __future__ import annotations
@@ -41,6 +47,12 @@ CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
 INITIAL_BACKOFF_S = 0.2
 MAX_BACKOFF_S = 5.0
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+MAX_ANSWER_BYTES = 16_777_216
+"""The most of one 2xx answer read: far above any schema or subject list a registry holds (a large
+Avro schema is some hundreds of KiB), small enough that no answer can take the worker's memory."""
+MAX_ERROR_BODY_BYTES = 65_536
+"""The most of an error body read, for the registry's `message` (quoted cut to 300 characters)."""
+READ_CHUNK_BYTES = 65_536
 
 
 class RegistryError(LLMStreamError):
@@ -61,6 +73,11 @@ class SchemaNotFound(RegistryError):
 
 class SchemaRejected(RegistryError):
     """The registry refused to register a schema: incompatible with the subject's versions, or invalid."""
+
+
+class RegistryAnswerTooLarge(RegistryError):
+    """The registry's answer passed `MAX_ANSWER_BYTES`: no schema is that large, so it is a broken
+    registry or proxy, and asking again would read the same again."""
 
 
 class RegistryClient:
@@ -157,31 +174,67 @@ class RegistryClient:
         """(answer,) on success, a retryable problem as text, or raises for an answer that is final."""
         try:
             response = self._session.request(
-                method, self._base + path, timeout=self._config.timeout_s,
+                method, self._base + path, timeout=self._config.timeout_s, stream=True,
                 data=None if payload is None else json.dumps(payload),
                 headers=None if payload is None else {"Content-Type": CONTENT_TYPE})
         except requests.RequestException as err:
             return type(err).__name__
-        status = response.status_code
-        if status in RETRY_STATUS:
-            return f"HTTP {status}"
-        if status in (401, 403):
-            raise RegistryRefused(f"schema_registry.url refused the credentials ({what}): HTTP {status}; "
-                                  "check schema_registry.username and schema_registry.password")
+        with response:  # closes the connection unless the body was read to its end
+            status = response.status_code
+            if status in RETRY_STATUS:
+                return f"HTTP {status}"
+            if status in (401, 403):
+                raise RegistryRefused(f"schema_registry.url refused the credentials ({what}): HTTP {status}; "
+                                      "check schema_registry.username and schema_registry.password")
+            try:
+                if status >= 400:
+                    body, _ = read_bounded(response, MAX_ERROR_BODY_BYTES)
+                else:
+                    body = self._answer(response, what)
+            except requests.RequestException as err:
+                return type(err).__name__
         if status == 404:
-            raise SchemaNotFound(f"schema_registry.url has no {what} (HTTP 404{_message(response)})")
+            raise SchemaNotFound(f"schema_registry.url has no {what} (HTTP 404{_message(body)})")
         if status >= 400:
-            raise SchemaRejected(f"schema_registry.url refused {what}: HTTP {status}{_message(response)}")
+            raise SchemaRejected(f"schema_registry.url refused {what}: HTTP {status}{_message(body)}")
         try:
-            return (response.json(),)
+            return (json.loads(body),)
         except ValueError:
             return f"HTTP {status} with a body that is not JSON"
 
+    @staticmethod
+    def _answer(response: requests.Response, what: str) -> bytes:
+        """The whole body of a 2xx answer, or `RegistryAnswerTooLarge` once it passes `MAX_ANSWER_BYTES`."""
+        too_large = (f"schema_registry.url answered ({what}) with more than {MAX_ANSWER_BYTES} bytes "
+                     f"(HTTP {response.status_code}")
+        declared = response.headers.get("Content-Length", "")
+        encoded = response.headers.get("Content-Encoding", "identity").strip().lower() != "identity"
+        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES and not encoded:
+            raise RegistryAnswerTooLarge(f"{too_large}, Content-Length {declared}); not read")
+        body, complete = read_bounded(response, MAX_ANSWER_BYTES)
+        if not complete:
+            raise RegistryAnswerTooLarge(f"{too_large}); the rest was not read")
+        return body
 
-def _message(response: requests.Response) -> str:
+
+def read_bounded(response: requests.Response, limit: int) -> tuple[bytes, bool]:
+    """Up to `limit` bytes of a streamed body (decoded from any Content-Encoding) and whether that
+    is all of it; `False`: the body is longer and reading stopped within a chunk past the bound
+    (closing the response then drops the connection with the rest)."""
+    chunks: list[bytes] = []
+    total = 0
+    for chunk in response.iter_content(READ_CHUNK_BYTES):
+        total += len(chunk)
+        chunks.append(chunk)
+        if total > limit:
+            return b"".join(chunks)[:limit], False
+    return b"".join(chunks), True
+
+
+def _message(body: bytes) -> str:
     """The registry's own error message (Confluent's `message`), cut short."""
     try:
-        message = response.json().get("message")
+        message = json.loads(body).get("message")
     except (ValueError, AttributeError):
         return ""
     return f": {str(message)[:300]}" if message else ""
