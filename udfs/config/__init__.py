@@ -29,6 +29,7 @@ import yaml
 from udfs.config import kafka_security, secrets
 from udfs.config.json_schema import load_schema
 from udfs.errors import ConfigError
+from udfs.records.result import RESULT_FIELDS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "inference.yaml"
 
@@ -83,9 +84,6 @@ REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${
 TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
 AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """An Avro field name (the spec's rule for names)."""
-RESULT_FIELDS = ("id", "output", "embedding", "output_json", "invalid_answers", "model", "finish_reason", "usage",
-                 "latency_ms", "attempts", "endpoint", "cost", "cached", "timestamps", "source")
-"""Field names of the Avro result schema (`udfs/records/avro.py`); a carried field may not reuse one."""
 
 PositiveInt = Annotated[int, POSITIVE]
 PositiveFloat = Annotated[float, POSITIVE]
@@ -567,11 +565,12 @@ class OutputConfig:
     subject: Name | None = None
 
     def validate(self, path: str) -> None:
+        taken = [f.name for f in RESULT_FIELDS]  # every field a result can have (udfs/records/result.py)
         for name in self.carry_fields or []:
             _require(AVRO_NAME.fullmatch(name) is not None, _join(path, "carry_fields"),
                      f"{name!r} is not an Avro field name ([A-Za-z_][A-Za-z0-9_]*)")
-            _require(name not in RESULT_FIELDS, _join(path, "carry_fields"),
-                     f"{name!r} is a field of the result itself ({', '.join(RESULT_FIELDS)})")
+            _require(name not in taken, _join(path, "carry_fields"),
+                     f"{name!r} is a field of the result itself ({', '.join(taken)})")
 
 
 @dataclass(frozen=True)

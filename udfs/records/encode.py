@@ -8,39 +8,23 @@ from typing import TYPE_CHECKING
 
 from udfs.errors import ResultTooLarge
 from udfs.records import Completion, Request, SinkHeaders, SinkRow, fastjson
+from udfs.records.result import RESULT_FIELDS, ResultField, result_record
 
 if TYPE_CHECKING:
     from udfs.records.avro import AvroCodec
 
 
+CONTRACT_FIELDS: tuple[ResultField, ...] = (
+    tuple(f for f in RESULT_FIELDS if f.only in (None, "text"))
+    + tuple(f for f in RESULT_FIELDS if f.only == "structured"))
+"""The result fields of the record contract: `output` holds any answer, an embedding too (JSON needs
+no field per type, so `embedding` is a typed format's), and the structured-output fields come
+last, as the contract added them; a result has them only when its answer is structured."""
+
+
 def result_value(request: Request, completion: Completion) -> bytes:
     """The output record's JSON value (see README, "Record contract")."""
-    body = {
-        "id": request.id,
-        "output": completion.output,
-        "model": completion.model,
-        "finish_reason": completion.finish_reason,
-        "usage": {
-            "prompt_tokens": completion.prompt_tokens,
-            "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-        },
-        "latency_ms": round(completion.latency_ms, 1),
-        "attempts": completion.attempts,
-        "endpoint": completion.endpoint,
-        "cost": completion.cost,
-        "cached": completion.cached,
-        "timestamps": {
-            "produced": request.source.timestamp_ms,
-            "started": completion.started_ms,
-            "completed": completion.completed_ms,
-        },
-        "source": request.source.as_json(),
-    }
-    if completion.structured:  # model.response_format is set: the answer, parsed and validated
-        body["output_json"] = completion.output_json
-        body["invalid_answers"] = completion.invalid_answers
-    return fastjson.dumps(body)
+    return fastjson.dumps(result_record(request, completion, CONTRACT_FIELDS))
 
 
 def headers_size(headers: SinkHeaders | None) -> int:
