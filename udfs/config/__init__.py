@@ -29,6 +29,7 @@ import yaml
 from udfs.config import kafka_security, secrets
 from udfs.config.json_schema import load_schema
 from udfs.errors import ConfigError
+from udfs.records.formats import FORMATS
 from udfs.records.result import RESULT_FIELDS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "inference.yaml"
@@ -84,6 +85,8 @@ REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${
 TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
 AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """An Avro field name (the spec's rule for names)."""
+FORMAT = Rule(lambda v: v in FORMATS, lambda v: f"expected one of {' | '.join(map(repr, FORMATS))}, got {v!r}")
+"""A record format's name: one of `udfs/records/formats.py`."""
 
 PositiveInt = Annotated[int, POSITIVE]
 PositiveFloat = Annotated[float, POSITIVE]
@@ -547,7 +550,7 @@ class InputConfig:
     null value is Kafka's delete (compacted topics, CDC), and a delete must reach the output as one.
     """
 
-    format: Literal["json", "avro"] = "json"
+    format: Annotated[str, FORMAT] = "json"
     id_field: Name | None = None
     tombstones: Literal["forward", "dead-letter", "skip"] = "forward"
 
@@ -560,7 +563,7 @@ class OutputConfig:
     `subject`: the registry subject of the output schema (none: `<kafka.output_topic>-value`,
     Confluent's TopicNameStrategy)."""
 
-    format: Literal["json", "avro"] = "json"
+    format: Annotated[str, FORMAT] = "json"
     carry_fields: list[Name] | None = None
     subject: Name | None = None
 

@@ -24,6 +24,7 @@ keeps the subject BACKWARD compatible.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -32,16 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 import fastavro
 
-from udfs.errors import BadInput
-from udfs.records import Completion, Request, SourceRef
+from udfs.errors import BadInput, ConfigError
+from udfs.records import Request, SourceRef
 from udfs.records.registry import (
     RegistryClient,
     RegistryError,
     RegistryRefused,
     RegistryUnavailable,
     SchemaNotFound,
+    SchemaRejected,
 )
-from udfs.records.result import ABSENT, ResultField, result_fields, result_record
+from udfs.records.result import ABSENT, ResultField, result_fields
 
 if TYPE_CHECKING:
     from udfs.config import JobConfig, LimitsConfig
@@ -127,37 +129,53 @@ def wire_schema_id(value: bytes) -> int | None:
     return int.from_bytes(value[1:HEADER_BYTES], "big")
 
 
-class AvroCodec:
-    """The registry client and the parsed schemas of one worker: `decode` for `input.format: avro`,
-    `result_value` for `output.format: avro` (the output schema registered by `open_output`)."""
+class AvroFormat:
+    """Avro in the Confluent wire format, for `input.format: avro` and `output.format: avro`: the
+    registry client and the parsed schemas of one worker (one object for both ends). `open`
+    registers the output schema; `encode` writes a result record under it."""
 
-    def __init__(self, config: JobConfig, registry: RegistryClient) -> None:
+    def __init__(self, config: JobConfig, registry: RegistryClient | None = None) -> None:
+        assert config.schema_registry is not None  # JobConfig.validate: avro needs a registry
         self._config = config
-        self._registry = registry
+        self._registry = registry if registry is not None else RegistryClient(config.schema_registry)
         self._parsed: dict[int, Any] = {}
         self._output_schema: Any = None
         self.output_id: int | None = None
         self.fields = result_fields(config)
-        # The top-level fields the result converts or fills with null: (name, conversion or None).
+        # The top-level fields `encode` converts or fills with null: (name, conversion or None).
         self._prepare = tuple((f.name, CONVERSIONS.get(f.type)) for f in self.fields
                               if f.nullable or f.type in CONVERSIONS)
 
-    @property
-    def decodes(self) -> bool:
-        return self._config.input.format == "avro"
-
-    @property
-    def encodes(self) -> bool:
-        return self._config.output.format == "avro"
+    @classmethod
+    def preflight(cls, config: JobConfig, *, output: bool, timeout_s: float) -> None:
+        """The Schema Registry answers (and takes the credentials), and as the output format, the
+        result schema can be registered under its subject: an incompatible config change is named
+        here, not in a worker's `open` that would restart the job over and over."""
+        assert config.schema_registry is not None
+        client = RegistryClient(dataclasses.replace(config.schema_registry, unavailable_timeout_s=timeout_s))
+        try:
+            client.ping()
+            if output:
+                cls(config, client).open()
+        except RegistryRefused as err:
+            raise ConfigError("schema_registry.username", str(err)) from None
+        except SchemaRejected as err:
+            raise ConfigError("output.format", f"the Avro result schema cannot be registered under subject "
+                                               f"{output_subject(config)!r}: {err}") from None
+        except RegistryError as err:
+            raise ConfigError("schema_registry.url", str(err)) from None
+        finally:
+            client.close()
 
     def close(self) -> None:
         self._registry.close()
 
     # ------------------------------------------------------------------ output
-    def open_output(self) -> int:
-        """Registers the output schema under its subject (start-up; raises `RegistryError`). A subject
-        this creates is set to BACKWARD compatibility, which Confluent's registry has by default and
-        Apicurio's has not, so a later config's schema is checked against this one."""
+    def open(self) -> None:
+        """Registers the output schema under its subject and keeps its id (start-up; raises
+        `RegistryError`). A subject this creates is set to BACKWARD compatibility, which Confluent's
+        registry has by default and Apicurio's has not, so a later config's schema is checked
+        against this one."""
         schema = result_schema(self._config)
         subject = output_subject(self._config)
         new = not self._registry.subject_exists(subject)
@@ -165,14 +183,14 @@ class AvroCodec:
         if new:
             self._registry.set_compatibility(subject, "BACKWARD")
         self._output_schema = fastavro.parse_schema(schema)
-        return self.output_id
 
-    def result_value(self, request: Request, completion: Completion) -> bytes:
-        """The output record's value in the wire format, under the registered output schema."""
+    def encode(self, record: dict[str, Any]) -> bytes:
+        """A result record of `fields` in the wire format, under the registered output schema (a
+        field the record leaves out is null)."""
         if self.output_id is None:
-            self.open_output()
+            self.open()
         assert self.output_id is not None
-        body = result_record(request, completion, self.fields)
+        body = dict(record)
         for name, convert in self._prepare:
             value = body.get(name, ABSENT)
             body[name] = None if value is ABSENT else convert(value) if convert is not None else value
@@ -250,12 +268,7 @@ class AvroCodec:
         return str(found)
 
 
-def codec_for(config: JobConfig) -> AvroCodec | None:
-    """The worker's codec when either end is Avro (output schema registered here), else None."""
-    if config.input.format != "avro" and config.output.format != "avro":
-        return None
-    assert config.schema_registry is not None  # JobConfig.validate: avro needs a registry
-    codec = AvroCodec(config, RegistryClient(config.schema_registry))
-    if codec.encodes:
-        codec.open_output()
-    return codec
+if TYPE_CHECKING:  # mypy holds the class to the format protocols (udfs/records/formats.py)
+    from udfs.records.formats import FormatClass
+
+    _AS_FORMAT: FormatClass = AvroFormat

@@ -149,7 +149,7 @@ class InferenceStage(KeyedProcessFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         from udfs.inference.client import InferenceClient
         from udfs.metrics import InferenceMetrics
-        from udfs.records.avro import codec_for
+        from udfs.records.formats import JobFormats
         from udfs.stage.inflight import CallRunner
 
         subtasks = runtime_context.get_number_of_parallel_subtasks()
@@ -159,7 +159,7 @@ class InferenceStage(KeyedProcessFunction):
         self._pending = runtime_context.get_map_state(PENDING_STATE)
         self._runner = CallRunner(self._config.async_.capacity)
         self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
-        self._codec = codec_for(self._config)  # Avro and its registry client, when a format is avro
+        self._formats = JobFormats.open(self._config)  # e.g. Avro's registry client and output schema
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
@@ -181,9 +181,9 @@ class InferenceStage(KeyedProcessFunction):
         gate = getattr(self, "_gate", None)
         if gate is not None:
             gate.close()
-        codec = getattr(self, "_codec", None)
-        if codec is not None:
-            codec.close()  # the registry client's connections
+        formats = getattr(self, "_formats", None)
+        if formats is not None:
+            formats.close()  # e.g. the registry client's connections
 
     # ------------------------------------------------------------------ Flink callbacks
     def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
@@ -266,7 +266,7 @@ class InferenceStage(KeyedProcessFunction):
                 yield from self._settle(bucket, record, handle, reissue, (tombstone, None))
                 return
         try:
-            request = decode(record.key, record.value, record.source, self._config.limits, self._codec)
+            request = decode(record.key, record.value, record.source, self._config.limits, self._formats.input)
         except BadInput as err:
             self._metrics.bad_input.inc()
             yield from self._settle(bucket, record, handle, reissue, (self._dead_letter(err, record), err.reason))
@@ -360,7 +360,7 @@ class InferenceStage(KeyedProcessFunction):
         try:
             completion = await self._client.complete(request)
             return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes, self._forwarded(record), self._codec), None
+                              self._config.limits.max_result_bytes, self._forwarded(record), self._formats.output), None
         except InternalError as err:
             log.error("internal error in inference for id=%s: %s", request.id, err.detail)
             failure = err
