@@ -86,7 +86,7 @@ TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid te
 AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """An Avro field name (the spec's rule for names)."""
 FORMAT = Rule(lambda v: v in FORMATS, lambda v: f"expected one of {' | '.join(map(repr, FORMATS))}, got {v!r}")
-"""A record format's name: one of `udfs/records/formats.py`."""
+"""`input.format` / `output.format`: a name in `FORMATS` (`udfs/records/formats.py`)."""
 
 PositiveInt = Annotated[int, POSITIVE]
 PositiveFloat = Annotated[float, POSITIVE]
