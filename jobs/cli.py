@@ -25,8 +25,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from jobs.runtime import python_worker_shutdown
-from udfs.config.secrets import MaskSecrets
 from udfs.errors import ConfigError, LLMStreamError
+from udfs.secrets import MaskSecrets
 
 log = logging.getLogger("llmstream.cli")
 

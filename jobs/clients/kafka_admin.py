@@ -30,8 +30,8 @@ from kafka.errors import KafkaError, for_code  # type: ignore[import-untyped]
 from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[import-untyped]
 
 from udfs.config import JobConfig, KafkaConfig, kafka_security
-from udfs.config.secrets import mask
 from udfs.errors import ConfigError
+from udfs.secrets import mask
 
 T = TypeVar("T")
 Cluster: TypeAlias = str | KafkaConfig | Mapping[str, Any]

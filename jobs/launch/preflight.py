@@ -12,7 +12,6 @@ missing permission is named as `principal User:job may not WRITE topic llm-resul
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -33,6 +32,7 @@ from kafka.protocol.consumer.group import JoinGroupRequest  # type: ignore[impor
 from jobs.clients import kafka_admin
 from udfs.config import JobConfig
 from udfs.errors import ConfigError
+from udfs.records import formats
 
 log = logging.getLogger("llmstream.preflight")
 
@@ -212,35 +212,5 @@ def check(config: JobConfig, *, timeout_s: float = 30.0) -> None:
     if args.get("security_protocol", "PLAINTEXT") != "PLAINTEXT":
         # An open broker has no ACLs worth a transactional round trip at every start.
         _check_transactions(config, args, principal, timeout_s)
-    if config.schema_registry is not None and "avro" in (config.input.format, config.output.format):
-        _check_registry(config, timeout_s)
-
-
-def _check_registry(config: JobConfig, timeout_s: float) -> None:
-    """The Schema Registry answers (and takes the credentials), and the Avro output schema can be
-    registered under its subject: an incompatible config change is named here, not in a worker's
-    `open()` that would restart the job over and over."""
-    from udfs.records.avro import AvroCodec, output_subject
-    from udfs.records.registry import (
-        RegistryClient,
-        RegistryError,
-        RegistryRefused,
-        SchemaRejected,
-    )
-
-    assert config.schema_registry is not None
-    client = RegistryClient(dataclasses.replace(config.schema_registry, unavailable_timeout_s=timeout_s))
-    try:
-        client.ping()
-        if config.output.format == "avro":
-            AvroCodec(config, client).open_output()
-    except RegistryRefused as err:
-        raise ConfigError("schema_registry.username", str(err)) from None
-    except SchemaRejected as err:
-        raise ConfigError("output.format", f"the Avro result schema cannot be registered under subject "
-                                           f"{output_subject(config)!r}: {err}") from None
-    except RegistryError as err:
-        raise ConfigError("schema_registry.url", str(err)) from None
-    finally:
-        client.close()
+    formats.preflight(config, timeout_s=timeout_s)  # e.g. Avro's registry and its output schema
 

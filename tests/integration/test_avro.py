@@ -28,12 +28,12 @@ from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.schema_registry import LocalRegistry
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.launch.preflight import _check_registry
 from tests.support.job_setup import make_job
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
 from udfs.config import config_from_dict
 from udfs.errors import ConfigError
 from udfs.records.avro import wire_schema_id
+from udfs.records.formats import preflight
 from udfs.records.registry import RegistryClient, SchemaNotFound, SchemaRejected
 
 pytestmark = pytest.mark.integration
@@ -153,14 +153,14 @@ def test_the_registry_client_and_preflight_against_apicurio(schema_registry: Loc
         "model": {"endpoint": "http://127.0.0.1:9/v1", "model": "m"},
         "output": {"format": "avro"}, "schema_registry": {"url": schema_registry.url},
     }
-    _check_registry(config_from_dict(data), 10)
+    preflight(config_from_dict(data), timeout_s=10)
     client = RegistryClient(config_from_dict(data).schema_registry)  # type: ignore[arg-type]
     config_level = client._request("GET", f"/config/{topic}-value", what="config")
     assert config_level["compatibilityLevel"] == "BACKWARD"
     # A config that adds a carried field stays compatible; the same schema again keeps its id.
     evolved = {**data, "input": {"format": "avro"}, "output": {"format": "avro", "carry_fields": ["tenant"]}}
-    _check_registry(config_from_dict(evolved), 10)
-    _check_registry(config_from_dict(evolved), 10)
+    preflight(config_from_dict(evolved), timeout_s=10)
+    preflight(config_from_dict(evolved), timeout_s=10)
     # A lookup by id; then a subject whose `id` is a long: the job's schema (id: string) is refused.
     first_id = client.register(f"{topic}-value", {"type": "record", "name": "Result", "namespace": "llmstream",
                                                   "fields": [{"name": "id", "type": "string"}]})
@@ -180,7 +180,7 @@ def test_the_registry_client_and_preflight_against_apicurio(schema_registry: Loc
                                        "fields": [{"name": "id", "type": "long"}]})
     clash = {**data, "output": {"format": "avro", "subject": f"{topic}-other"}}
     with pytest.raises(ConfigError) as refused:
-        _check_registry(config_from_dict(clash), 10)
+        preflight(config_from_dict(clash), timeout_s=10)
     assert refused.value.key == "output.format" and f"{topic}-other" in str(refused.value)
     with pytest.raises(SchemaRejected):
         strict.register(f"{topic}-other", {"type": "record", "name": "Result", "namespace": "llmstream",
@@ -188,7 +188,7 @@ def test_the_registry_client_and_preflight_against_apicurio(schema_registry: Loc
     assert slept == [], f"a final answer was retried: {slept}"
     gone = {**data, "schema_registry": {"url": "http://127.0.0.1:9/apis/ccompat/v7"}}
     with pytest.raises(ConfigError) as unreachable:
-        _check_registry(config_from_dict(gone), 2)
+        preflight(config_from_dict(gone), timeout_s=2)
     assert unreachable.value.key == "schema_registry.url"
 
 

@@ -1,5 +1,5 @@
 """Avro in the Confluent wire format (udfs/records/avro.py) with fastavro alone: the registry is a
-dict of schemas behind `RegistryClient`'s two calls the codec makes (the real Apicurio is in
+dict of schemas behind the calls of `RegistryClient` the format makes (the real Apicurio is in
 tests/integration/test_avro.py)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from udfs.config import JobConfig, config_from_dict
 from udfs.errors import BadInput, ConfigError
 from udfs.inference.prompts import fill_template
 from udfs.records import Completion, SourceRef
-from udfs.records.avro import AvroCodec, carried, result_schema, wire, wire_schema_id
+from udfs.records.avro import AvroFormat, carried, result_schema, wire, wire_schema_id
 from udfs.records.decode import decode
-from udfs.records.encode import result_row
+from udfs.records.encode import result_row, result_value
 from udfs.records.registry import RegistryUnavailable, SchemaNotFound
 
 SOURCE = SourceRef("docs", 0, 7, 1_700_000_000_000)
@@ -28,7 +28,7 @@ DOC_V2 = {**DOC_V1, "fields": [*DOC_V1["fields"], {"name": "lang", "type": ["nul
 
 
 class SchemaStore:
-    """The registry as the codec sees it: schemas by id, registrations by subject."""
+    """The registry as the format sees it: schemas by id, registrations by subject."""
 
     def __init__(self, schemas: dict[int, Any]) -> None:
         self.schemas = schemas
@@ -72,9 +72,9 @@ def config(**sections: dict[str, Any]) -> JobConfig:
     return config_from_dict(data)
 
 
-def codec(cfg: JobConfig | None = None, store: SchemaStore | None = None) -> tuple[AvroCodec, SchemaStore]:
+def avro_format(cfg: JobConfig | None = None, store: SchemaStore | None = None) -> tuple[AvroFormat, SchemaStore]:
     store = store or SchemaStore({1: DOC_V1, 2: DOC_V2})
-    return AvroCodec(cfg or config(), store), store  # type: ignore[arg-type]
+    return AvroFormat(cfg or config(), store), store  # type: ignore[arg-type]
 
 
 def avro(schema_id: int, schema: Any, record: dict[str, Any]) -> bytes:
@@ -90,7 +90,7 @@ def read(value: bytes, writer: Any, reader: Any = None) -> dict[str, Any]:
 
 
 def test_a_wire_format_record_becomes_a_request_whose_prompt_is_the_template_filled() -> None:
-    c, _ = codec()
+    c, _ = avro_format()
     cfg = config()
     value = avro(1, DOC_V1, {"doc_id": 42, "title": "Kafka", "body": "a log"})
     request = decode(b"doc-42", value, SOURCE, cfg.limits, c)
@@ -101,7 +101,7 @@ def test_a_wire_format_record_becomes_a_request_whose_prompt_is_the_template_fil
 
 def test_the_id_comes_from_input_id_field_when_set_and_an_evolved_writer_schema_is_read_by_its_own_id() -> None:
     cfg = config(input={"id_field": "doc_id"})
-    c, _ = codec(cfg)
+    c, _ = avro_format(cfg)
     value = avro(2, DOC_V2, {"doc_id": 7, "title": "t", "body": "b", "lang": "en", "tags": ["x"]})
     request = decode(None, value, SOURCE, cfg.limits, c)
     assert request.id == "7" and request.fields["lang"] == "en" and request.fields["tags"] == ["x"]
@@ -115,14 +115,14 @@ def test_the_id_comes_from_input_id_field_when_set_and_an_evolved_writer_schema_
     (wire(1, b"\x54\x02K\x02b\xff\xff"), "schema_error", "2 bytes left"),
 ])
 def test_bytes_that_cannot_be_read_are_schema_errors(value: bytes, reason: str, says: str) -> None:
-    c, _ = codec()
+    c, _ = avro_format()
     with pytest.raises(BadInput) as info:
         decode(b"k", value, SOURCE, config().limits, c)
     assert info.value.reason == reason and says in info.value.detail
 
 
 def test_a_registry_that_does_not_answer_is_registry_unavailable_and_a_cached_schema_needs_none() -> None:
-    c, store = codec()
+    c, store = avro_format()
     cfg = config()
     decode(b"k", avro(1, DOC_V1, {"doc_id": 1, "title": "t", "body": "b"}), SOURCE, cfg.limits, c)
     store.down = True
@@ -143,10 +143,10 @@ def test_wire_schema_id_reads_the_frame_and_only_the_frame() -> None:
 def test_a_missing_key_or_id_field_is_bad_input() -> None:
     value = avro(1, DOC_V1, {"doc_id": 1, "title": "t", "body": "b"})
     with pytest.raises(BadInput, match="Kafka key"):
-        decode(None, value, SOURCE, config().limits, codec()[0])
+        decode(None, value, SOURCE, config().limits, avro_format()[0])
     cfg = config(input={"id_field": "title"}, output={"carry_fields": ["doc_id"]})
     with pytest.raises(BadInput) as info:
-        decode(b"k", avro(1, DOC_V1, {"doc_id": 1, "title": " ", "body": "b"}), SOURCE, cfg.limits, codec(cfg)[0])
+        decode(b"k", avro(1, DOC_V1, {"doc_id": 1, "title": " ", "body": "b"}), SOURCE, cfg.limits, avro_format(cfg)[0])
     assert info.value.reason == "empty_id"
 
 
@@ -156,9 +156,10 @@ def _completion(output: Any = "a summary") -> Completion:
 
 
 def test_the_result_is_written_under_the_registered_schema_with_the_carried_fields_typed() -> None:
-    c, store = codec()
+    c, store = avro_format()
     cfg = config()
-    schema_id = c.open_output()
+    c.open()
+    schema_id = c.output_id
     assert store.subjects == {"summaries-value": [schema_id]}
     request = decode(b"doc-1", avro(2, DOC_V2, {"doc_id": 1, "title": "t", "body": "b", "lang": "de",
                                                 "tags": ["a", "b"]}), SOURCE, cfg.limits, c)
@@ -173,9 +174,9 @@ def test_the_result_is_written_under_the_registered_schema_with_the_carried_fiel
 
 def test_embeddings_are_an_array_of_floats() -> None:
     cfg = config(model={"api": "embeddings", "prompt_template": "{body}"})
-    c, store = codec(cfg)
+    c, store = avro_format(cfg)
     request = decode(b"d", avro(1, DOC_V1, {"doc_id": 1, "title": "t", "body": "b"}), SOURCE, cfg.limits, c)
-    body = read(c.result_value(request, _completion([0.5, -1.0])), store.schemas[c.output_id or 0])
+    body = read(result_value(request, _completion([0.5, -1.0]), c), store.schemas[c.output_id or 0])
     assert body["embedding"] == [0.5, -1.0] and "output" not in body
 
 
@@ -184,9 +185,9 @@ def test_a_config_that_adds_fields_keeps_the_output_schema_backward_compatible()
     old = result_schema(config(output={"carry_fields": ["doc_id"]}))
     new = result_schema(config(model={"response_format": {"type": "object"}},
                                output={"carry_fields": ["doc_id", "lang"]}))
-    c, _store = codec(config(output={"carry_fields": ["doc_id"]}))
+    c, _store = avro_format(config(output={"carry_fields": ["doc_id"]}))
     request = decode(b"d", avro(1, DOC_V1, {"doc_id": 9, "title": "t", "body": "b"}), SOURCE, config().limits, c)
-    body = read(c.result_value(request, _completion()), old, new)
+    body = read(result_value(request, _completion(), c), old, new)
     assert body["doc_id"] == 9 and body["lang"] is None and body["output_json"] is None
     assert {f["name"] for f in new["fields"]} - {f["name"] for f in old["fields"]} == {
         "lang", "output_json", "invalid_answers"}

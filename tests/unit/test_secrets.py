@@ -1,4 +1,4 @@
-"""Secrets by reference (`udfs/config/secrets.py`) and `kafka.properties` as kafka-python arguments
+"""Secrets by reference (`udfs/secrets.py`) and `kafka.properties` as kafka-python arguments
 (`udfs/config/kafka_security.py`): what resolves, what is refused at load, and that no message carries a secret."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from udfs.config import config_from_dict, kafka_security, load_config, secrets, to_dict
+from udfs import secrets
+from udfs.config import config_from_dict, kafka_security, load_config, to_dict
 from udfs.errors import ConfigError
 
 SECRET = "s3cr3t-canary-7f1d"

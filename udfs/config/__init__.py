@@ -8,7 +8,7 @@ so a typo never reaches a running job. A rule on one value sits in its field's t
 with the functions that use them, so they live in `udfs/`. Secrets are never in the file:
 `model.api_key_env` / `model.api_key_file` name where the key is, and `kafka.properties`,
 `model.headers` and `cache.redis_url` take `${env:NAME}` / `${file:PATH}` placeholders
-(`udfs/config/secrets.py`), checked at load and resolved only where they are used.
+(`udfs/secrets.py`), checked at load and resolved only where they are used.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from udfs.config import kafka_security, secrets
+from udfs import secrets
+from udfs.config import kafka_security
 from udfs.config.json_schema import load_schema
 from udfs.errors import ConfigError
+from udfs.records.formats import FORMATS
+from udfs.records.result import RESULT_FIELDS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "inference.yaml"
 
@@ -83,9 +86,8 @@ REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${
 TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
 AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """An Avro field name (the spec's rule for names)."""
-RESULT_FIELDS = ("id", "output", "embedding", "output_json", "invalid_answers", "model", "finish_reason", "usage",
-                 "latency_ms", "attempts", "endpoint", "cost", "cached", "timestamps", "source")
-"""Field names of the Avro result schema (`udfs/records/avro.py`); a carried field may not reuse one."""
+FORMAT = Rule(lambda v: v in FORMATS, lambda v: f"expected one of {' | '.join(map(repr, FORMATS))}, got {v!r}")
+"""`input.format` / `output.format`: a name in `FORMATS` (`udfs/records/formats.py`)."""
 
 PositiveInt = Annotated[int, POSITIVE]
 PositiveFloat = Annotated[float, POSITIVE]
@@ -562,7 +564,7 @@ class InputConfig:
     null value is Kafka's delete (compacted topics, CDC), and a delete must reach the output as one.
     """
 
-    format: Literal["json", "avro"] = "json"
+    format: Annotated[str, FORMAT] = "json"
     id_field: Name | None = None
     tombstones: Literal["forward", "dead-letter", "skip"] = "forward"
 
@@ -575,16 +577,17 @@ class OutputConfig:
     `subject`: the registry subject of the output schema (none: `<kafka.output_topic>-value`,
     Confluent's TopicNameStrategy)."""
 
-    format: Literal["json", "avro"] = "json"
+    format: Annotated[str, FORMAT] = "json"
     carry_fields: list[Name] | None = None
     subject: Name | None = None
 
     def validate(self, path: str) -> None:
+        taken = [f.name for f in RESULT_FIELDS]  # every field a result can have (udfs/records/result.py)
         for name in self.carry_fields or []:
             _require(AVRO_NAME.fullmatch(name) is not None, _join(path, "carry_fields"),
                      f"{name!r} is not an Avro field name ([A-Za-z_][A-Za-z0-9_]*)")
-            _require(name not in RESULT_FIELDS, _join(path, "carry_fields"),
-                     f"{name!r} is a field of the result itself ({', '.join(RESULT_FIELDS)})")
+            _require(name not in taken, _join(path, "carry_fields"),
+                     f"{name!r} is a field of the result itself ({', '.join(taken)})")
 
 
 @dataclass(frozen=True)

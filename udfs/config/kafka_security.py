@@ -7,7 +7,7 @@ property that matters for connecting but has no kafka-python equivalent is a `Co
 key at load, never a silent drop (the job would then pass preflight on one identity and run on
 another, or fail preflight on a cluster the job itself could reach).
 
-Secrets stay placeholders in the config (`udfs/config/secrets.py`); `client_args` resolves them into the
+Secrets stay placeholders in the config (`udfs/secrets.py`); `client_args` resolves them into the
 arguments it returns, which go straight to kafka-python. A literal password in the file is refused.
 """
 
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from udfs.config import secrets
+from udfs import secrets
 from udfs.errors import ConfigError
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from udfs.config import CacheConfig, JobConfig, secrets
+from udfs import secrets
+from udfs.config import CacheConfig, JobConfig
 from udfs.metrics import InferenceMetrics
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from udfs.config import secrets
+from udfs import secrets
 from udfs.errors import (
     ConfigError,
     InferenceError,

@@ -13,32 +13,37 @@ original bytes and the job goes on.
 Decoding is here, in Python, rather than in Flink's `avro-confluent` format, because that
 format can only fail the job or drop the record (`ignore-parse-errors`) on a bad one: a
 dead letter with a reason and the original bytes needs the bytes to reach this stage.
-Its CPU per record, small beside the job's, is in docs/formats.md.
+What it costs per record is in docs/formats.md.
 
-Output: a record schema derived from the job config (`result_schema`), registered at start
-under `output.subject` (default `<output_topic>-value`); every field the config can add or
-take away (the answer's kind, structured output, carried fields) is optional with a null
-default, so a config change keeps the subject BACKWARD compatible.
+Output: the result record (`udfs/records/result.py`) under a schema derived from its declared
+fields for the job config (`result_schema`), registered at start under `output.subject`
+(default `<output_topic>-value`); every field the config can add or take away (the answer's
+kind, structured output, carried fields) is optional with a null default, so a config change
+keeps the subject BACKWARD compatible.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import fastavro
 
-from udfs.errors import BadInput
-from udfs.records import Completion, Request, SourceRef
+from udfs.errors import BadInput, ConfigError
+from udfs.records import Request, SourceRef
 from udfs.records.registry import (
     RegistryClient,
     RegistryError,
     RegistryRefused,
     RegistryUnavailable,
     SchemaNotFound,
+    SchemaRejected,
 )
+from udfs.records.result import ABSENT, ResultField, result_fields
 
 if TYPE_CHECKING:
     from udfs.config import JobConfig, LimitsConfig
@@ -52,47 +57,60 @@ record, array, map, date, decimal) is carried as its JSON text. The writer's sch
 per record, the output schema is fixed at start: so a union, not the input field's own type."""
 
 
-def _optional(avro_type: Any) -> dict[str, Any]:
-    return {"type": ["null", avro_type], "default": None}
+def carried(value: Any) -> Any:
+    """A decoded field's value as `CARRIED_TYPE` holds it (primitives as they are, else JSON text)."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return value
+    if isinstance(value, int):
+        return value if -2**63 <= value < 2**63 else str(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _text(value: Any) -> Any:
+    """`text`: a string (or null) as it is, another value as its JSON text."""
+    return value if isinstance(value, str) or value is None else json.dumps(value, ensure_ascii=False)
+
+
+def _json_text(value: Any) -> str:
+    """`json`: the value's JSON text, a string's too (a structured answer may be a JSON string)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+AVRO_TYPES: dict[str, Any] = {"string": "string", "int": "int", "long": "long", "double": "double",
+                              "boolean": "boolean", "floats": {"type": "array", "items": "float"},
+                              "text": "string", "json": "string", "carried": CARRIED_TYPE}
+"""The Avro type of each type of `udfs/records/result.py` (a `record` is derived from its fields)."""
+CONVERSIONS: dict[str, Callable[[Any], Any]] = {"text": _text, "json": _json_text, "carried": carried}
+"""How a value of these types becomes what its Avro type holds (the others are written as they are)."""
+
+
+def avro_field(field: ResultField) -> dict[str, Any]:
+    """A result field as an Avro record field: a nested record is named after its field (`Usage`),
+    a nullable field is a union with null first and a null default."""
+    if field.type == "record":
+        avro_type: Any = {"type": "record", "name": field.name.capitalize(),
+                          "fields": [avro_field(f) for f in field.fields]}
+    else:
+        avro_type = AVRO_TYPES[field.type]
+    if field.nullable and not (isinstance(avro_type, list) and avro_type[0] == "null"):
+        avro_type = ["null", avro_type]
+    out: dict[str, Any] = {"name": field.name}
+    if field.doc is not None:
+        out["doc"] = field.doc
+    out["type"] = avro_type
+    if field.nullable:
+        out["default"] = None
+    return out
 
 
 def result_schema(config: JobConfig) -> dict[str, Any]:
-    """The output record's Avro schema for this config (see the module docstring on evolution).
-
-    `output` (chat, completions) or `embedding` (array<float>) by `model.api`; with
-    `model.response_format`, `output_json` is the validated answer as JSON text (a typed schema
-    is not derived from the JSON Schema) and `invalid_answers` how many came before it."""
-    fields: list[dict[str, Any]] = [{"name": "id", "type": "string"}]
-    if config.model.api == "embeddings":
-        fields.append({"name": "embedding", **_optional({"type": "array", "items": "float"})})
-    else:
-        fields.append({"name": "output", **_optional("string")})
-    if config.model.response_format is not None:
-        fields.append({"name": "output_json", **_optional("string")})
-        fields.append({"name": "invalid_answers", **_optional("int")})
-    fields += [
-        {"name": "model", "type": "string"},
-        {"name": "finish_reason", **_optional("string")},
-        {"name": "usage", "type": {"type": "record", "name": "Usage", "fields": [
-            {"name": n, "type": "long"} for n in ("prompt_tokens", "completion_tokens", "total_tokens")]}},
-        {"name": "latency_ms", "type": "double"},
-        {"name": "attempts", "type": "int"},
-        {"name": "endpoint", "type": "string"},
-        {"name": "cost", **_optional("double")},
-        {"name": "cached", "type": "boolean"},
-        {"name": "timestamps", "doc": "epoch milliseconds", "type": {"type": "record", "name": "Timestamps", "fields": [
-            {"name": "produced", **_optional("long")},
-            {"name": "started", "type": "long"},
-            {"name": "completed", "type": "long"}]}},
-        {"name": "source", "type": {"type": "record", "name": "Source", "fields": [
-            {"name": "topic", "type": "string"},
-            {"name": "partition", "type": "int"},
-            {"name": "offset", "type": "long"},
-            {"name": "timestamp", **_optional("long")}]}},
-    ]
-    fields += [{"name": name, "type": CARRIED_TYPE, "default": None} for name in config.output.carry_fields or []]
+    """The output record's Avro schema for this config, derived from its result fields
+    (`udfs/records/result.py`; see the module docstring on evolution). `output_json` is the
+    validated answer as JSON text: a typed schema is not derived from the JSON Schema."""
     return {"type": "record", "name": "Result", "namespace": NAMESPACE,
-            "doc": "An llmstream result (docs/formats.md)", "fields": fields}
+            "doc": "An llmstream result (docs/formats.md)", "fields": [avro_field(f) for f in result_fields(config)]}
 
 
 def output_subject(config: JobConfig) -> str:
@@ -111,44 +129,53 @@ def wire_schema_id(value: bytes) -> int | None:
     return int.from_bytes(value[1:HEADER_BYTES], "big")
 
 
-def carried(value: Any) -> Any:
-    """A decoded field's value as `CARRIED_TYPE` holds it (primitives as they are, else JSON text)."""
-    if value is None or isinstance(value, (bool, str, bytes)):
-        return value
-    if isinstance(value, int):
-        return value if -2**63 <= value < 2**63 else str(value)
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    return json.dumps(value, default=str, ensure_ascii=False)
+class AvroFormat:
+    """Avro in the Confluent wire format, for `input.format: avro` and `output.format: avro`: the
+    registry client and the parsed schemas of one worker (one object for both ends). `open`
+    registers the output schema; `encode` writes a result record under it."""
 
-
-class AvroCodec:
-    """The registry client and the parsed schemas of one worker: `decode` for `input.format: avro`,
-    `result_value` for `output.format: avro` (the output schema registered by `open_output`)."""
-
-    def __init__(self, config: JobConfig, registry: RegistryClient) -> None:
+    def __init__(self, config: JobConfig, registry: RegistryClient | None = None) -> None:
+        assert config.schema_registry is not None  # JobConfig.validate: avro needs a registry
         self._config = config
-        self._registry = registry
+        self._registry = registry if registry is not None else RegistryClient(config.schema_registry)
         self._parsed: dict[int, Any] = {}
         self._output_schema: Any = None
         self.output_id: int | None = None
+        self.fields = result_fields(config)
+        # The top-level fields `encode` converts or fills with null: (name, conversion or None).
+        self._prepare = tuple((f.name, CONVERSIONS.get(f.type)) for f in self.fields
+                              if f.nullable or f.type in CONVERSIONS)
 
-    @property
-    def decodes(self) -> bool:
-        return self._config.input.format == "avro"
-
-    @property
-    def encodes(self) -> bool:
-        return self._config.output.format == "avro"
+    @classmethod
+    def preflight(cls, config: JobConfig, *, output: bool, timeout_s: float) -> None:
+        """The Schema Registry answers (and takes the credentials), and as the output format, the
+        result schema can be registered under its subject: an incompatible config change is named
+        here, not in a worker's `open` that would restart the job over and over."""
+        assert config.schema_registry is not None
+        client = RegistryClient(dataclasses.replace(config.schema_registry, unavailable_timeout_s=timeout_s))
+        try:
+            client.ping()
+            if output:
+                cls(config, client).open()
+        except RegistryRefused as err:
+            raise ConfigError("schema_registry.username", str(err)) from None
+        except SchemaRejected as err:
+            raise ConfigError("output.format", f"the Avro result schema cannot be registered under subject "
+                                               f"{output_subject(config)!r}: {err}") from None
+        except RegistryError as err:
+            raise ConfigError("schema_registry.url", str(err)) from None
+        finally:
+            client.close()
 
     def close(self) -> None:
         self._registry.close()
 
     # ------------------------------------------------------------------ output
-    def open_output(self) -> int:
-        """Registers the output schema under its subject (start-up; raises `RegistryError`). A subject
-        this creates is set to BACKWARD compatibility, which Confluent's registry has by default and
-        Apicurio's has not, so a later config's schema is checked against this one."""
+    def open(self) -> None:
+        """Registers the output schema under its subject and keeps its id (start-up; raises
+        `RegistryError`). A subject this creates is set to BACKWARD compatibility, which Confluent's
+        registry has by default and Apicurio's has not, so a later config's schema is checked
+        against this one."""
         schema = result_schema(self._config)
         subject = output_subject(self._config)
         new = not self._registry.subject_exists(subject)
@@ -156,46 +183,20 @@ class AvroCodec:
         if new:
             self._registry.set_compatibility(subject, "BACKWARD")
         self._output_schema = fastavro.parse_schema(schema)
-        return self.output_id
 
-    def result_value(self, request: Request, completion: Completion) -> bytes:
-        """The output record's value in the wire format, under the registered output schema."""
+    def encode(self, record: dict[str, Any]) -> bytes:
+        """A result record of `fields` in the wire format, under the registered output schema (a
+        field the record leaves out is null)."""
         if self.output_id is None:
-            self.open_output()
+            self.open()
         assert self.output_id is not None
-        body = self._result(request, completion)
+        body = dict(record)
+        for name, convert in self._prepare:
+            value = body.get(name, ABSENT)
+            body[name] = None if value is ABSENT else convert(value) if convert is not None else value
         out = io.BytesIO()
         fastavro.schemaless_writer(out, self._output_schema, body)
         return wire(self.output_id, out.getvalue())
-
-    def _result(self, request: Request, completion: Completion) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": request.id,
-            "model": completion.model,
-            "finish_reason": completion.finish_reason,
-            "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-                      "total_tokens": completion.prompt_tokens + completion.completion_tokens},
-            "latency_ms": round(completion.latency_ms, 1),
-            "attempts": completion.attempts,
-            "endpoint": completion.endpoint,
-            "cost": completion.cost,
-            "cached": completion.cached,
-            "timestamps": {"produced": request.source.timestamp_ms, "started": completion.started_ms,
-                           "completed": completion.completed_ms},
-            "source": request.source.as_json(),
-        }
-        if self._config.model.api == "embeddings":
-            body["embedding"] = completion.output
-        else:
-            body["output"] = completion.output if isinstance(completion.output, str) or completion.output is None \
-                else json.dumps(completion.output, ensure_ascii=False)
-        if self._config.model.response_format is not None:
-            body["output_json"] = json.dumps(completion.output_json, ensure_ascii=False) if completion.structured \
-                else None
-            body["invalid_answers"] = completion.invalid_answers if completion.structured else None
-        for name in self._config.output.carry_fields or []:
-            body[name] = carried(request.fields.get(name))
-        return body
 
     # ------------------------------------------------------------------ input
     def writer_schema(self, schema_id: int) -> Any:
@@ -267,12 +268,7 @@ class AvroCodec:
         return str(found)
 
 
-def codec_for(config: JobConfig) -> AvroCodec | None:
-    """The worker's codec when either end is Avro (output schema registered here), else None."""
-    if config.input.format != "avro" and config.output.format != "avro":
-        return None
-    assert config.schema_registry is not None  # JobConfig.validate: avro needs a registry
-    codec = AvroCodec(config, RegistryClient(config.schema_registry))
-    if codec.encodes:
-        codec.open_output()
-    return codec
+if TYPE_CHECKING:  # mypy holds the class to the format protocols (udfs/records/formats.py)
+    from udfs.records.formats import FormatClass
+
+    _AS_FORMAT: FormatClass = AvroFormat

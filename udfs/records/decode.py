@@ -1,107 +1,23 @@
 """Stage 1: turn a raw Kafka record into a `Request`, or explain why it cannot be one.
 
-The record contract (README, "Record contract"): the value is a JSON object with a string
-`id` and either a string `prompt` or a list of chat `messages`, plus optional `params`.
-Anything else raises `BadInput` with a stable reason code; the caller dead-letters it.
-With `input.format: avro` the value is Avro in the Confluent wire format instead
-(`udfs/records/avro.py`, docs/formats.md), with the same rule: bad bytes are a reason, never a raise
-past the stage.
+A null value (a tombstone) is never a request; any other value is read by the job's input format
+(`udfs/records/formats.py`: JSON, the record contract, by default; Avro in the Confluent wire
+format, docs/formats.md). Whatever the format, a value that cannot be a request raises `BadInput`
+with a stable reason code, never anything past the stage: the caller dead-letters it.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from udfs.config import LimitsConfig
 from udfs.errors import BadInput
 from udfs.records import Request, SourceRef
+from udfs.records.json_format import JSON
 
 if TYPE_CHECKING:
-    from udfs.records.avro import AvroCodec
-
-MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-
-PARAM_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (str,),
-    "max_tokens": (int,),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "stop": (str, list),
-    "seed": (int,),
-    "presence_penalty": (int, float),
-    "frequency_penalty": (int, float),
-}
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _parse(value: bytes) -> Any:
-    try:
-        text = value.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise BadInput("invalid_utf8", f"value is not UTF-8 at byte {err.start}") from None
-    if "\x00" in text:
-        raise BadInput("invalid_json", "value contains a NUL character")
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise BadInput("invalid_json", "JSON nested too deeply") from None
-    except ValueError as err:
-        raise BadInput("invalid_json", str(err)[:200]) from None
-
-
-def _string(record: dict[str, Any], name: str, *, max_chars: int, reason_empty: str) -> str:
-    value = record.get(name)
-    if not isinstance(value, str):
-        raise BadInput("wrong_type", f"'{name}' must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise BadInput(reason_empty, f"'{name}' is empty")
-    if len(value) > max_chars:
-        raise BadInput("prompt_too_large" if name == "prompt" else "id_too_long",
-                       f"'{name}' has {len(value)} characters, limit {max_chars}")
-    return value
-
-
-def _messages(value: Any, limits: LimitsConfig) -> tuple[dict[str, Any], ...]:
-    if not isinstance(value, list) or not value:
-        raise BadInput("invalid_messages", "'messages' must be a non-empty list")
-    total = 0
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise BadInput("invalid_messages", f"messages[{i}] must be an object")
-        role, content = message.get("role"), message.get("content")
-        if role not in MESSAGE_ROLES:
-            raise BadInput("invalid_messages", f"messages[{i}].role must be one of {sorted(MESSAGE_ROLES)}")
-        if not isinstance(content, str):
-            raise BadInput("invalid_messages", f"messages[{i}].content must be a string")
-        total += len(content)
-    if total == 0:
-        raise BadInput("empty_prompt", "all message contents are empty")
-    if total > limits.max_prompt_chars:
-        raise BadInput("prompt_too_large", f"messages have {total} characters, limit {limits.max_prompt_chars}")
-    return tuple({"role": m["role"], "content": m["content"]} for m in value)
-
-
-def _params(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadInput("invalid_params", "'params' must be an object")
-    for name, param in value.items():
-        allowed = PARAM_TYPES.get(name)
-        if allowed is None:
-            raise BadInput("invalid_params", f"unknown param '{name}' (known: {', '.join(sorted(PARAM_TYPES))})")
-        if isinstance(param, bool) or not isinstance(param, allowed):
-            raise BadInput("invalid_params", f"param '{name}' has the wrong type {type(param).__name__}")
-        if isinstance(param, float) and not math.isfinite(param):
-            raise BadInput("invalid_params", f"param '{name}' must be finite")
-    if "max_tokens" in value and value["max_tokens"] <= 0:
-        raise BadInput("invalid_params", "param 'max_tokens' must be > 0")
-    return dict(value)
+    from udfs.config import LimitsConfig
+    from udfs.records.formats import RecordFormat
 
 
 def record_id(value: bytes | None) -> str | None:
@@ -117,29 +33,9 @@ def record_id(value: bytes | None) -> str | None:
 
 
 def decode(key: bytes | None, value: bytes | None, source: SourceRef, limits: LimitsConfig,
-           codec: AvroCodec | None = None) -> Request:
-    """Validates one record against the record contract, or reads it as Avro when `codec` decodes
-    (`input.format: avro`, `udfs/records/avro.py`); raises `BadInput` if it cannot be a request."""
+           fmt: RecordFormat = JSON) -> Request:
+    """One record as a `Request`, read by `fmt` (the job's input format); raises `BadInput` if it
+    cannot be one."""
     if value is None:
         raise BadInput("null_value", "record value is null (a tombstone?)")
-    if codec is not None and codec.decodes:
-        return codec.decode(key, value, source, limits)
-    if len(value) > limits.max_record_bytes:
-        raise BadInput("record_too_large", f"value has {len(value)} bytes, limit {limits.max_record_bytes}")
-    record = _parse(value)
-    if not isinstance(record, dict):
-        raise BadInput("not_an_object", f"value is a JSON {type(record).__name__}, expected an object")
-    if "id" not in record:
-        raise BadInput("missing_field", "'id' is required")
-    request_id = _string(record, "id", max_chars=limits.max_id_chars, reason_empty="empty_id")
-    has_prompt, has_messages = "prompt" in record, "messages" in record
-    if has_prompt == has_messages:
-        raise BadInput("missing_field" if not has_prompt else "ambiguous_input",
-                       "exactly one of 'prompt' and 'messages' is required")
-    prompt = messages = None
-    if has_prompt:
-        prompt = _string(record, "prompt", max_chars=limits.max_prompt_chars, reason_empty="empty_prompt")
-    else:
-        messages = _messages(record["messages"], limits)
-    return Request(id=request_id, key=key, source=source, prompt=prompt, messages=messages,
-                   params=_params(record.get("params")), fields=record, raw=value)
+    return fmt.decode(key, value, source, limits)

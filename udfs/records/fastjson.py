@@ -11,7 +11,7 @@ writes changes in form only: compact separators (`{"a":1}`, not `{"a": 1}`), flo
 shortest form (`0.00001`, not `1e-05`), and NaN or Infinity (a broken model's embedding) as
 `null` instead of `json`'s `NaN`, which no strict JSON reader accepts.
 
-Input records are still parsed by `json` (`udfs/records/decode.py`): its dead-letter reasons quote
+Input records are still parsed by `json` (`udfs/records/json_format.py`): its dead-letter reasons quote
 `json`'s messages.
 """
 

@@ -33,13 +33,16 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import requests
 
-from udfs.config import SchemaRegistryConfig, secrets
+from udfs import secrets
 from udfs.errors import LLMStreamError
+
+if TYPE_CHECKING:
+    from udfs.config import SchemaRegistryConfig
 
 log = logging.getLogger("llmstream.registry")
 

@@ -137,7 +137,7 @@ class InferenceStage(KeyedProcessFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         from udfs.inference.client import InferenceClient
         from udfs.metrics import InferenceMetrics
-        from udfs.records.avro import codec_for
+        from udfs.records.formats import JobFormats
         from udfs.stage.inflight import CallRunner
 
         subtasks = runtime_context.get_number_of_parallel_subtasks()
@@ -147,8 +147,8 @@ class InferenceStage(KeyedProcessFunction):
         self._pending = runtime_context.get_map_state(PENDING_STATE)
         self._runner = CallRunner(self._config.async_.capacity)
         self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
-        self._codec = codec_for(self._config)  # Avro and its registry client, when a format is avro
-        self._path = RecordPath(self._config, self._client, self._codec, self._metrics)
+        self._formats = JobFormats.open(self._config)  # e.g. Avro's registry client and output schema
+        self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
         self._outstanding: dict[Any, int] = {}
         self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
@@ -170,9 +170,9 @@ class InferenceStage(KeyedProcessFunction):
         gate = getattr(self, "_gate", None)
         if gate is not None:
             gate.close()
-        codec = getattr(self, "_codec", None)
-        if codec is not None:
-            codec.close()  # the registry client's connections
+        formats = getattr(self, "_formats", None)
+        if formats is not None:
+            formats.close()  # e.g. the registry client's connections
 
     # ------------------------------------------------------------------ Flink callbacks
     def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:

@@ -13,7 +13,7 @@ record: every failure is a dead letter with its reason.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from udfs.config import JobConfig
 from udfs.errors import BadInput, InternalError, RecordError
@@ -31,6 +31,7 @@ from udfs.records.encode import result_row
 if TYPE_CHECKING:
     from udfs.inference.client import InferenceClient
     from udfs.metrics import InferenceMetrics
+    from udfs.records.formats import JobFormats
 
 log = logging.getLogger("llmstream.udfs")
 
@@ -44,10 +45,11 @@ SKIP = None
 class RecordPath:
     """The rules for one record, shared by both lanes; the lane owns the waiting."""
 
-    def __init__(self, config: JobConfig, client: InferenceClient, codec: Any, metrics: InferenceMetrics) -> None:
+    def __init__(self, config: JobConfig, client: InferenceClient, formats: JobFormats,
+                 metrics: InferenceMetrics) -> None:
         self._config = config
         self._client = client
-        self._codec = codec
+        self._formats = formats
         self._metrics = metrics
 
     def prepare(self, record: PendingRecord) -> Request | Outcome | None:
@@ -60,7 +62,7 @@ class RecordPath:
             if record.key is not None:  # forward; without a key there is nothing to delete: a dead letter
                 return SinkRow(record.key, None, self._config.kafka.output_topic, self.forwarded(record)), None
         try:
-            return decode(record.key, record.value, record.source, self._config.limits, self._codec)
+            return decode(record.key, record.value, record.source, self._config.limits, self._formats.input)
         except BadInput as err:
             self._metrics.bad_input.inc()
             return self.dead_letter(err, record), err.reason
@@ -76,7 +78,7 @@ class RecordPath:
         try:
             completion = await self._client.complete(request)
             return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes, self.forwarded(record), self._codec), None
+                              self._config.limits.max_result_bytes, self.forwarded(record), self._formats.output), None
         except InternalError as err:
             log.error("internal error in inference for id=%s: %s", request.id, err.detail)
             failure = err

@@ -95,7 +95,7 @@ class VectorizedInference(ScalarFunction):
     def open(self, function_context: FunctionContext) -> None:
         from udfs.inference.client import InferenceClient
         from udfs.metrics import InferenceMetrics
-        from udfs.records.avro import codec_for
+        from udfs.records.formats import JobFormats
         from udfs.stage.inflight import CallRunner
 
         group = function_context.get_metric_group()
@@ -103,8 +103,8 @@ class VectorizedInference(ScalarFunction):
         self._runner = CallRunner(self._config.async_.capacity, name="llmstream-vectorized-calls")
         self._client = InferenceClient(self._config, subtasks=self._config.parallelism.of("inference"),
                                        metrics=self._metrics)
-        self._codec = codec_for(self._config)
-        self._path = RecordPath(self._config, self._client, self._codec, self._metrics)
+        self._formats = JobFormats.open(self._config)
+        self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
         self._slots = asyncio.Semaphore(self._config.async_.capacity)
         model = self._config.model
         log.info("vectorized inference: %s %s model=%s capacity=%s batch=%s", model.api,
@@ -115,9 +115,9 @@ class VectorizedInference(ScalarFunction):
         runner = getattr(self, "_runner", None)
         if runner is not None:
             runner.close(before_stop=self._client.close)
-        codec = getattr(self, "_codec", None)
-        if codec is not None:
-            codec.close()
+        formats = getattr(self, "_formats", None)
+        if formats is not None:
+            formats.close()
 
     def eval(self, k: Any, v: Any, topic: Any, partition: Any, offset: Any, ts: Any, headers: Any) -> Any:
         outcomes = self.outcomes(self.records(k, v, topic, partition, offset, ts, headers))

@@ -43,7 +43,7 @@ from jobs.dev.bench.measure import process_tree
 log = logging.getLogger("llmstream.bench")
 
 PYTHON_STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("decode (JSON/Avro in, request)", ("udfs/records/decode.py", "udfs/records/avro.py", "udfs/inference/prompts.py")),
+    ("decode (JSON/Avro in, request)", ("udfs/records/decode.py", "udfs/inference/prompts.py")),
     ("encode (result record)", ("udfs/records/encode.py",)),
     ("client (HTTP, retries, limits)", ("udfs/inference/client.py", "udfs/inference/transport.py", "udfs/inference/responses.py",
                                         "udfs/inference/batching.py", "udfs/inference/fleet.py", "udfs/inference/ratelimit.py", "udfs/inference/retry.py",
