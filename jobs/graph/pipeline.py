@@ -15,7 +15,6 @@ the output (`udfs/records/__init__.py`).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,22 +39,6 @@ from udfs.stage.ordering import HASH_HEX_DIGITS
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
 UDFS_DIR = Path(__file__).resolve().parents[2] / "udfs"
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How this run differs from the config.
-
-    `until_end`: a backfill; the runner stops the job once the records present at start
-    are committed (the source stays unbounded, so its state resumes like any other run's).
-    `state_dir` overrides `checkpointing.directory`; `fresh` ignores the snapshots there;
-    `from_savepoint` restores that snapshot instead of the newest (`jobs/state/snapshots.py`).
-    """
-
-    until_end: bool = False
-    state_dir: str | None = None
-    fresh: bool = False
-    from_savepoint: str | None = None
 
 
 def _quote(value: str) -> str:
@@ -446,9 +429,11 @@ def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: Infere
     return DataStream(keyed._j_data_stream.transform("KEYED PROCESS", j_output_type, adaptive))
 
 
-def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | None:
+def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_file: str | None = None) -> str | None:
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it.
-    Returns the admission gate's directory when the job has one (`jobs.graph.gate_operator.open_for_stop`)."""
+    `cache_file`: the local result cache's file, as the launch decided it (`jobs.launch.plan.JobBuild`);
+    a graph built only to be shown needs none. Returns the admission gate's directory when the job
+    has one (`jobs.graph.gate_operator.open_for_stop`)."""
     t_env = StreamTableEnvironment.create(env)
     # The planner names its operators' uids from a process-wide counter (`<id>_...`), so a job
     # built twice, or after a change elsewhere in the graph, would not find its state again.
@@ -478,7 +463,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
                            ordering=config.ordering, gate_dir=gate_dir)
     outgoing = (
-        inference(env, keyed, InferenceStage(config, gate_dir=gate_dir), config.python.bundle_target_ms)
+        inference(env, keyed, InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file), config.python.bundle_target_ms)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
     )
     t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")

@@ -19,7 +19,7 @@ import pytest
 from kafka.consumer.fetcher import ConsumerRecord
 
 from jobs.clients.kafka_admin import consume_committed, create_topics, produce
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import StopRequest, run_job
 from tests.integration.helpers import JobConfigFactory, check_exactly_once, tally
 from udfs.config import JobConfig, with_overrides
