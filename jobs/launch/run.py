@@ -64,7 +64,9 @@ def run_job(
     class_archive: bool = False,
 ) -> str:
     """Runs the job until it ends; returns FINISHED (a backfill done, or stopped with a
-    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume.
+    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume. What is
+    checked and decided before the JVM starts is the launch sequence `llmstream submit` shares
+    (`jobs.launch.plan.prepare`), with this process's mini cluster as its site; it raises as that does.
 
     `class_archive` (the CLI's, which owns its process): the JVM starts from a class-data-sharing
     archive, or makes one and is shut down at the end to write it (`jobs/runtime/jvm_archive.py`), so
