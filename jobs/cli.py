@@ -33,7 +33,7 @@ log = logging.getLogger("llmstream.cli")
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from jobs.graph.pipeline import RunOptions
+    from jobs.launch.plan import RunOptions
 
     Handler = Callable[[argparse.Namespace], int]
 
@@ -48,7 +48,7 @@ SERVICES: dict[str, tuple[str, str]] = {
 
 
 def _run_options(args: argparse.Namespace) -> RunOptions:
-    from jobs.graph.pipeline import RunOptions
+    from jobs.launch.plan import RunOptions
 
     return RunOptions(until_end=args.until_end, state_dir=args.state_dir, fresh=args.fresh,
                       from_savepoint=args.from_savepoint)

@@ -34,7 +34,7 @@ from kafka import KafkaConsumer
 from jobs.clients import kafka_admin
 from jobs.dev import local_kafka, real_models, simulator
 from jobs.dev.processes import free_port
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import run_job
 from jobs.runtime import jars
 from udfs.config import JobConfig, KafkaConfig, load_config, with_overrides

@@ -1,8 +1,9 @@
 """Entry point for `flink run -py jobs/inference_job.py --config FILE` on a Flink cluster.
 
-`llmstream submit` builds that command (with ``-s SNAPSHOT`` to resume and ``--state-dir``);
-locally, `llmstream run` is the same job in a mini cluster. This file only loads the config
-and hands the graph to Flink.
+`llmstream submit` builds that command (with ``-s SNAPSHOT`` to resume and ``--state-dir``) after
+its launch sequence (`jobs/launch/plan.py`) has checked everything; locally, `llmstream run` is the
+same job in a mini cluster. This file only loads the config, decides what the graph is built
+from as the launch does (`jobs.launch.plan.job_build`) and hands the graph to Flink.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import argparse
 import sys
 
 from jobs.graph.pipeline import build_pipeline, create_environment
+from jobs.launch.plan import job_build
 from jobs.runtime import jars
 from jobs.state.snapshots import StateDir
 from udfs.config import load_config
-from udfs.cost.cache import resolve_cache_location
 from udfs.errors import ConfigError
 
 
@@ -31,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"llmstream: config error: {err}", file=sys.stderr)
         return 2
-    state = StateDir.for_job(config, args.state_dir)
-    config = resolve_cache_location(config, state.path)  # beside the snapshots, not the shipped udfs/
-    env = create_environment(config, args.jar if args.jar is not None else jars.connector_jar_urls(), state=state)
-    build_pipeline(env, config)
+    build = job_build(config, StateDir.for_job(config, args.state_dir),
+                      args.jar if args.jar is not None else jars.connector_jar_urls())
+    env = create_environment(config, list(build.jar_urls), state=build.state)
+    build_pipeline(env, config, cache_file=build.cache_file)
     env.execute(config.name)
     return 0
 

@@ -15,7 +15,6 @@ the output (`udfs/records/__init__.py`).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,11 @@ from pyflink.datastream import (
     KeyedStream,
     StreamExecutionEnvironment,
 )
-from pyflink.java_gateway import get_gateway
 from pyflink.table import StreamTableEnvironment, Table
 
 from jobs.graph import gate_operator as gate
 from jobs.graph import key_groups
+from jobs.graph import pyflink_private as private
 from jobs.runtime import jars
 from jobs.state.snapshots import StateDir
 from udfs.config import ADAPTIVE_MIN_BUNDLE, JobConfig, kafka_security
@@ -40,22 +39,6 @@ from udfs.stage.ordering import HASH_HEX_DIGITS
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
 UDFS_DIR = Path(__file__).resolve().parents[2] / "udfs"
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How this run differs from the config.
-
-    `until_end`: a backfill; the runner stops the job once the records present at start
-    are committed (the source stays unbounded, so its state resumes like any other run's).
-    `state_dir` overrides `checkpointing.directory`; `fresh` ignores the snapshots there;
-    `from_savepoint` restores that snapshot instead of the newest (`jobs/state/snapshots.py`).
-    """
-
-    until_end: bool = False
-    state_dir: str | None = None
-    fresh: bool = False
-    from_savepoint: str | None = None
 
 
 def _quote(value: str) -> str:
@@ -324,7 +307,7 @@ def _as_rows(t_env: StreamTableEnvironment, table: Table, row_type: Any) -> Data
     """`table` as a DataStream of `row_type`: the keyed Python operator accepts only a RowTypeInfo
     input, and the table hands over the same Row objects under an ExternalTypeInfo."""
     stream = t_env.to_data_stream(table)
-    stream._j_data_stream.getTransformation().setOutputType(row_type)
+    private.set_output_type(stream, row_type)
     return stream
 
 
@@ -386,15 +369,14 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
         ticks = _as_rows(t_env, t_env.sql_query(
             f"SELECT {tick_slots}[CAST(MOD(n, {len(slots)}) AS INT) + 1] AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
             f"FROM {TICKS_TABLE}"), row_type)
-        ticks._j_data_stream.getTransformation().setName("ticks: TableToDataStream")
+        private.name_transformation(ticks, "ticks: TableToDataStream")
         config.set("table.exec.uid.format", uid_format)
     rows = requests.union(ticks)
-    gateway = get_gateway()
     key_type = Types.ROW([Types.INT()]).get_java_type_info()
-    j_keyed = rows._j_data_stream.keyBy(gateway.jvm.KeyByKeySelector(), key_type)
+    j_keyed = private.key_by_first_field(rows, key_type)
     if gate_dir is not None:
         j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type)
-    return KeyedStream(j_keyed, INPUT_ROW_TYPE, rows)
+    return private.keyed_stream(j_keyed, INPUT_ROW_TYPE, rows)
 
 
 GATE_UID = "admission-gate"
@@ -406,19 +388,8 @@ def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any
     whose legacy source thread would hold every checkpoint while a closed gate back-pressures it.
     Adds the gate's jar to the job (`jobs/graph/gate_operator.py` builds it)."""
     env.add_jars(gate.ensure().as_uri())
-    gateway = get_gateway()
-    jvm = gateway.jvm
-    j_slots = gateway.new_array(jvm.int, len(slots))
-    for i, key in enumerate(slots):
-        j_slots[i] = key
-    source = jvm.org.apache.flink.connector.datagen.source.DataGeneratorSource(
-        getattr(jvm, gate.TICKS_CLASS)(j_slots), jvm.Long.MAX_VALUE,
-        jvm.org.apache.flink.api.connector.source.util.ratelimit.RateLimiterStrategy.perSecond(float(len(slots))),
-        row_type)
-    j_stream = env._j_stream_execution_environment.fromSource(
-        source, jvm.org.apache.flink.api.common.eventtime.WatermarkStrategy.noWatermarks(), "ticks")
-    j_stream.uid(gate.TICKS_UID).setParallelism(1)
-    return DataStream(j_stream)
+    return private.datagen_source(env, gate.TICKS_CLASS, slots, java_row_type=row_type, name="ticks",
+                                  uid=gate.TICKS_UID)
 
 
 def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any) -> Any:
@@ -426,12 +397,9 @@ def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any)
     keyed again as it was: the gate only forwards, so its output keeps the keyBy's partitioning
     (`reinterpretAsKeyedStream`) and the gate is chained into the stage's task. The gate's jar is
     in the job already (`gated_ticks`)."""
-    jvm = get_gateway().jvm
-    operator = getattr(jvm, gate.GATE_CLASS)(gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS)
-    gated = j_keyed.transform("inference admission gate", j_keyed.getType(), operator)
-    gated.uid(GATE_UID).setParallelism(parallelism)
-    return jvm.org.apache.flink.streaming.api.datastream.DataStreamUtils.reinterpretAsKeyedStream(
-        gated, jvm.KeyByKeySelector(), key_type)
+    return private.gated_keyed(j_keyed, gate.GATE_CLASS, (gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS),
+                               name="inference admission gate", uid=GATE_UID, parallelism=parallelism,
+                               java_key_type=key_type)
 
 
 def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: InferenceStage,
@@ -441,19 +409,16 @@ def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: Infere
     made from it, so every other setting is PyFlink's. Adds the gate's jar to the job."""
     if not bundle_target_ms:
         return keyed.process(stage, output_type=SINK_ROW_TYPE)
-    from pyflink.datastream import data_stream as pyflink_data_stream
-    from pyflink.fn_execution import flink_fn_execution_pb2
-
     env.add_jars(gate.ensure("python.bundle_target_ms").as_uri())
-    made, j_output_type = pyflink_data_stream._get_one_input_stream_operator(
-        keyed, stage, flink_fn_execution_pb2.UserDefinedDataStreamFunction.KEYED_PROCESS, SINK_ROW_TYPE)
-    adaptive = getattr(get_gateway().jvm, gate.ADAPTIVE_BUNDLES_CLASS).of(made, bundle_target_ms, ADAPTIVE_MIN_BUNDLE)
-    return DataStream(keyed._j_data_stream.transform("KEYED PROCESS", j_output_type, adaptive))
+    return private.adaptive_process(keyed, stage, SINK_ROW_TYPE, gate.ADAPTIVE_BUNDLES_CLASS,
+                                    bundle_target_ms, ADAPTIVE_MIN_BUNDLE)
 
 
-def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | None:
+def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_file: str | None = None) -> str | None:
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it.
-    Returns the admission gate's directory when the job has one (`jobs.graph.gate_operator.open_for_stop`)."""
+    `cache_file`: the local result cache's file, as the launch decided it (`jobs.launch.plan.JobBuild`);
+    a graph built only to be shown needs none. Returns the admission gate's directory when the job
+    has one (`jobs.graph.gate_operator.open_for_stop`)."""
     t_env = StreamTableEnvironment.create(env)
     # The planner names its operators' uids from a process-wide counter (`<id>_...`), so a job
     # built twice, or after a change elsewhere in the graph, would not find its state again.
@@ -475,7 +440,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
         f"WITH (\n  {_with(sink_options(config))}\n)"
     )
     if config.stage == "vectorized":
-        vectorized_lane(t_env, config, with_headers)
+        vectorized_lane(t_env, config, with_headers, cache_file)
         return None
     inference_parallelism = config.parallelism.of("inference")
     if config.python.unaligned_checkpoints:
@@ -486,7 +451,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
                            ordering=config.ordering, gate_dir=gate_dir)
     outgoing = (
-        inference(env, keyed, InferenceStage(config, gate_dir=gate_dir), config.python.bundle_target_ms)
+        inference(env, keyed, InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file), config.python.bundle_target_ms)
         .name("inference").uid("inference").set_parallelism(inference_parallelism)
     )
     t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")
@@ -499,13 +464,14 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig) -> str | 
 VECTORIZED_FUNCTION = "llmstream_infer"
 
 
-def vectorized_lane(t_env: StreamTableEnvironment, config: JobConfig, with_headers: bool) -> None:
+def vectorized_lane(t_env: StreamTableEnvironment, config: JobConfig, with_headers: bool,
+                    cache_file: str | None = None) -> None:
     """`stage: vectorized`: the source table through one Arrow-batched Python function
     (`udfs/stage/vectorized.py`) into the same exactly-once sink, in SQL; no keyed state, ticks
     or gate. The function returns one row per input row; a skipped tombstone's row is filtered."""
     from udfs.stage.vectorized import vectorized_function
 
-    t_env.create_temporary_function(VECTORIZED_FUNCTION, vectorized_function(config))
+    t_env.create_temporary_function(VECTORIZED_FUNCTION, vectorized_function(config, cache_file))
     # Arrow maps need non-null keys: the headers cross as MAP<STRING NOT NULL, BYTES> both ways.
     arrow_headers = "MAP<STRING NOT NULL, BYTES>"
     headers = f"CAST(`headers` AS {arrow_headers})" if with_headers else f"CAST(NULL AS {arrow_headers})"

@@ -31,8 +31,7 @@ from jobs.clients.flink_cli import flink_conf_dir
 from jobs.clients.flink_rest import FlinkRest
 from jobs.clients.kafka_admin import GroupProgress
 from jobs.graph import gate_operator as gate
-from jobs.graph.pipeline import RunOptions, build_pipeline, create_environment
-from jobs.launch import preflight
+from jobs.graph.pipeline import build_pipeline, create_environment
 from jobs.launch.driver import (
     FlinkLog,
     MiniClusterDriver,
@@ -41,21 +40,14 @@ from jobs.launch.driver import (
     drive,
     stop_on_signals,
 )
+from jobs.launch.plan import LaunchPlan, RunOptions, prepare
 from jobs.observe.figures import Observer, RunFigures
 from jobs.runtime import jars
 from jobs.runtime.jvm_archive import GatewayArchive
 from jobs.runtime.ports import free_port, port_in_use
 from jobs.runtime.python_worker_shutdown import quiet_worker_shutdown
-from jobs.state.location import checked_state_dir
-from jobs.state.snapshots import (
-    LocalRun,
-    StateDir,
-    check_identity,
-    restore_refused,
-    resume_point,
-)
+from jobs.state.snapshots import LocalRun, StateDir, restore_refused
 from udfs.config import JobConfig
-from udfs.cost.cache import resolve_cache_location
 from udfs.errors import ConfigError
 
 __all__ = ["StopRequest", "check_local_ports", "exit_code", "run_job"]
@@ -72,28 +64,40 @@ def run_job(
     class_archive: bool = False,
 ) -> str:
     """Runs the job until it ends; returns FINISHED (a backfill done, or stopped with a
-    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume.
+    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume. What is
+    checked and decided before the JVM starts is the launch sequence `llmstream submit` shares
+    (`jobs.launch.plan.prepare`), with this process's mini cluster as its site; it raises as that does.
 
     `class_archive` (the CLI's, which owns its process): the JVM starts from a class-data-sharing
     archive, or makes one and is shut down at the end to write it (`jobs/runtime/jvm_archive.py`), so
     nothing in this process may use PyFlink after this returns."""
     options = options or RunOptions()
     stop = stop or StopRequest.new()
-    state = checked_state_dir(config, options.state_dir, create=True)
-    # The local result cache lives beside the job's snapshots (the workers get this path pickled).
-    config = resolve_cache_location(config, state.path)
-    preflight.check(config)
-    check_local_ports(config)
-    jars.ensure("connector")
-    gate.ensure_for(config)
-    if config.metrics.prometheus_port is not None:
-        jars.ensure("metrics")
-    archive = GatewayArchive.find() if class_archive else None
-    state_name = _run(config, options, state, archive, progress_every_s=progress_every_s, report=report,
-                      stop=stop, stop_timeout_s=stop_timeout_s)
+    with contextlib.ExitStack() as held:
+        plan = prepare(config, options, _MiniCluster(config, held), report=report)
+        if config.metrics.prometheus_port is not None:
+            jars.ensure("metrics")
+        archive = GatewayArchive.find() if class_archive else None
+        state_name = _run(config, options, plan, archive, progress_every_s=progress_every_s, report=report,
+                          stop=stop, stop_timeout_s=stop_timeout_s)
     if archive is not None:
         archive.save(report)
     return state_name
+
+
+class _MiniCluster:
+    """The launch sequence's `jobs.launch.plan.Site` of a run in this process: its fixed ports
+    must be free, and it holds the state directory (`StateDir.exclusive`) until `held` closes."""
+
+    def __init__(self, config: JobConfig, held: contextlib.ExitStack) -> None:
+        self._config = config
+        self._held = held
+
+    def reach(self) -> None:
+        check_local_ports(self._config)
+
+    def claim(self, state: StateDir) -> None:
+        self._held.enter_context(state.exclusive())
 
 
 def check_local_ports(config: JobConfig) -> None:
@@ -107,29 +111,22 @@ def check_local_ports(config: JobConfig) -> None:
                                        "choose a free one or leave it unset")
 
 
-def _run(config: JobConfig, options: RunOptions, state: StateDir, archive: GatewayArchive | None, *,
+def _run(config: JobConfig, options: RunOptions, plan: LaunchPlan, archive: GatewayArchive | None, *,
          progress_every_s: float, report: Callable[[str], None], stop: StopRequest, stop_timeout_s: float) -> str:
+    state, restore, targets = plan.build.state, plan.restore, plan.end_offsets
     with contextlib.ExitStack() as stack:
-        stack.enter_context(state.exclusive())
-        check_identity(state, config, fresh=options.fresh)
-        restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
-        report(f"llmstream: {how}")  # before the JVM starts: a run killed while it starts has said so
-        leave_behind = gate.left_behind(config, restore)
-        if leave_behind:
-            report(f"llmstream: {leave_behind}")
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
         stack.enter_context(stop_on_signals(stop, report))
         stack.enter_context(quiet_worker_shutdown())
-        targets = progress.end_offsets() if options.until_end else None
         rest_port = config.metrics.rest_port or free_port()
         workers = python_worker_processes(config)
         if workers:
             stack.enter_context(_environ(PYFLINK_WORKER_MODE, "process"))
             report(f"llmstream: {workers} inference subtasks, each with a Python worker process of its own")
         with flink_log_dir(state), _archive_applied(archive, state):
-            env = create_environment(config, jars.connector_jar_urls(), state=state, restore_from=restore,
-                                     leave_behind=leave_behind is not None, local_rest_port=rest_port)
-        gate_dir = build_pipeline(env, config)
+            env = create_environment(config, list(plan.build.jar_urls), state=state, restore_from=restore,
+                                     leave_behind=plan.leave_behind is not None, local_rest_port=rest_port)
+        gate_dir = build_pipeline(env, config, cache_file=plan.build.cache_file)
         stack.callback(gate.forget, gate_dir)
         flink_log = FlinkLog.of_this_jvm()
         try:

@@ -1,7 +1,7 @@
 """`llmstream submit`, `stop` and `upgrade`: the job on a Flink cluster, resuming from its own state.
 
 A job is submitted with Flink's own ``bin/flink run -d -py jobs/inference_job.py``
-(`jobs/clients/flink_cli.py`) after `jobs.launch.preflight.check`, to ``--jobmanager HOST:PORT`` or by
+(`jobs/clients/flink_cli.py`) after the launch sequence `llmstream run` shares (`jobs/launch/plan.py`), to ``--jobmanager HOST:PORT`` or by
 default to the local cluster of ``llmstream cluster``, found through the address it records
 (`jobs/clients/cluster_address.py`). Every submit
 restores the newest snapshot in the job's state directory (`jobs/state/snapshots.py`); ``stop`` and
@@ -25,10 +25,10 @@ from jobs.graph import gate_operator as gate
 from jobs.launch.driver import RestDriver, StopRequest, drive
 from jobs.runtime import jars
 from jobs.state.location import checked_state_dir
-from jobs.state.snapshots import StateDir, check_identity, resume_point
+from jobs.state.snapshots import StateDir, check_identity
 
 if TYPE_CHECKING:
-    from jobs.graph.pipeline import RunOptions
+    from jobs.launch.plan import RunOptions
     from udfs.config import JobConfig
 
 log = logging.getLogger("llmstream.submit")
@@ -71,39 +71,43 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     savepoint. Returns 0. Raises `ConfigError` for a setting (the state directory, the cluster's
     address, the broker; exit 2), `ClusterError` when the cluster refuses or the job fails (exit 1).
     """
-    from jobs.graph.pipeline import RunOptions
-    from jobs.launch import preflight
+    from jobs.launch.plan import RunOptions, prepare
 
     options = options or RunOptions()
     path, config = _load(config_path)
-    state = checked_state_dir(config, options.state_dir, create=True)
-    preflight.check(config)
-    address, env, rest = _target(jobmanager)
-    jars.ensure("connector")
-    gate.ensure_for(config)
-    live = rest.live_jobs(config.name)
-    if live:
-        raise ClusterError(f"job {config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
-                           "use `llmstream upgrade` to change it or `llmstream stop` first")
-    check_identity(state, config, fresh=options.fresh)
-    restore, how = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
-    print(f"llmstream: {how}")
-    leave_behind = gate.left_behind(config, restore)
-    if leave_behind:
-        print(f"llmstream: {leave_behind}")
-    targets = _end_offsets(config) if options.until_end else None
-    job_id = run_job_script(path, address, env=env, savepoint=restore, state_dir=state.location,
-                            leave_behind=leave_behind is not None)
+    cluster = _Cluster(jobmanager, config)
+    plan = prepare(config, options, cluster)
+    state = plan.build.state
+    job_id = run_job_script(path, cluster.address, env=cluster.env, savepoint=plan.restore, state_dir=state.location,
+                            leave_behind=plan.leave_behind is not None)
     print(f"llmstream: submitted job {config.name} as {job_id}")
-    print(f"llmstream: web UI {rest.rest_url}/#/job/running/{job_id}/overview")
-    if targets is not None:
-        return _finish_backfill(rest, job_id, config, state, targets)
+    print(f"llmstream: web UI {cluster.rest.rest_url}/#/job/running/{job_id}/overview")
+    if plan.end_offsets is not None:
+        return _finish_backfill(cluster.rest, job_id, config, state, plan.end_offsets)
     return 0
 
 
-def _end_offsets(config: JobConfig) -> dict[TopicPartition, int]:
-    with contextlib.closing(GroupProgress(config)) as progress:
-        return progress.end_offsets()
+class _Cluster:
+    """The launch sequence's `jobs.launch.plan.Site` of a submit: the cluster must answer
+    (`_target`), and run no job of this name, since two jobs committing the same state and
+    transactional ids would duplicate output. `address`, `env` and `rest` once reached."""
+
+    address: str
+    env: dict[str, str]
+    rest: FlinkRest
+
+    def __init__(self, jobmanager: str | None, config: JobConfig) -> None:
+        self._jobmanager = jobmanager
+        self._config = config
+
+    def reach(self) -> None:
+        self.address, self.env, self.rest = _target(self._jobmanager)
+
+    def claim(self, state: StateDir) -> None:
+        live = self.rest.live_jobs(self._config.name)
+        if live:
+            raise ClusterError(f"job {self._config.name!r} is already {live[0]['state']} as {live[0]['jid']}; "
+                               "use `llmstream upgrade` to change it or `llmstream stop` first")
 
 
 def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: StateDir,

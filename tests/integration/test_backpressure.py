@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from jobs.clients.kafka_admin import consume_committed, produce
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import run_job
 from tests.support.job_setup import JobConfigFactory
 

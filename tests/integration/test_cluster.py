@@ -23,8 +23,8 @@ from jobs.dev import local_cluster as cluster_mod
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.graph.pipeline import RunOptions
 from jobs.launch import submit as submit_mod
+from jobs.launch.plan import RunOptions
 from tests.support.cluster import wait_for_checkpoints
 from tests.support.fault_report import FaultReport, FaultResult
 from tests.support.job_setup import make_job, unique_records

@@ -16,7 +16,7 @@ import pytest
 
 from jobs.clients.kafka_admin import consume_committed, produce
 from jobs.dev.simulator import embedding_vector
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import run_job
 from tests.support.job_setup import JobConfigFactory, SpawnSimulator
 

@@ -18,7 +18,7 @@ import pytest
 from kafka.consumer.fetcher import ConsumerRecord
 
 from jobs.clients.kafka_admin import consume_committed, create_topics, produce
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import StopRequest, run_job
 from tests.support.committed import check_exactly_once, tally
 from tests.support.job_setup import JobConfigFactory

@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from jobs.clients.kafka_admin import consume_committed, produce
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import StopRequest, run_job
 from jobs.runtime import jars
 from jobs.runtime.ports import free_port

@@ -22,7 +22,7 @@ from jobs.clients.kafka_admin import (
     end_offsets,
     produce,
 )
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import run_job
 from tests.conftest import SHELL_ENV
 from tests.support.job_setup import JobConfigFactory, write_config

@@ -19,7 +19,7 @@ import pytest
 from jobs.clients import kafka_admin
 from jobs.dev import real_models
 from jobs.dev.local_kafka import LocalBroker
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import run_job
 from tests.support.committed import CommittedReader
 from tests.support.job_setup import make_job

@@ -23,8 +23,8 @@ from jobs.clients import kafka_admin
 from jobs.dev import simulator
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.local_kafka import LocalBroker
-from jobs.graph.pipeline import RunOptions
 from jobs.launch import submit as submit_mod
+from jobs.launch.plan import RunOptions
 from tests.conftest import SHELL_ENV
 from tests.support.cluster import heal
 from tests.support.committed import Tally, check_exactly_once, final_tally

@@ -30,8 +30,8 @@ from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.secure_kafka import JOB, LACKING_USERS, WRONG_HOST, SecureBroker, job_acls
 from jobs.dev.simulator import SpawnedSimulator
-from jobs.graph.pipeline import RunOptions
 from jobs.launch import submit as submit_mod
+from jobs.launch.plan import RunOptions
 from jobs.runtime.jvm_archive import DIR_ENV
 from tests.conftest import SHELL_ENV
 from tests.support.job_setup import unique_records, write_config

@@ -21,7 +21,7 @@ import pytest
 
 from jobs.clients.flink_rest import FlinkRest
 from jobs.clients.kafka_admin import consume_committed, produce
-from jobs.graph.pipeline import RunOptions
+from jobs.launch.plan import RunOptions
 from jobs.launch.run import run_job
 from jobs.runtime.ports import free_port
 from tests.support.job_setup import JobConfigFactory

@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -40,6 +39,7 @@ from urllib.parse import urlparse
 
 from udfs import secrets
 from udfs.config import CacheConfig, JobConfig
+from udfs.errors import ConfigError
 from udfs.metrics import InferenceMetrics
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ KEY_VERSION = "llmstream-result-v1"
 RETRY_AFTER_S = 2.0
 REDIS_TIMEOUT_S = 1.0
 CACHE_FILE = "result-cache.sqlite"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def cache_key(api: str, payload: dict[str, Any]) -> str:
@@ -83,36 +82,6 @@ class ResultCache(Protocol):
     async def put(self, key: str, value: dict[str, Any]) -> None: ...
 
     async def close(self) -> None: ...
-
-
-def default_local_path(config: JobConfig) -> Path:
-    """`cache.path`, else `result-cache.sqlite` in the job's state directory.
-
-    The state directory is `checkpointing.directory` when it is local, else
-    `var/state/<job name>` under the project (as `jobs/state/snapshots.py` derives it). Resolve it
-    where the job is built (`resolve_cache_location`) when workers run from another copy
-    of the code (a cluster ships `udfs/` to a temporary directory).
-    """
-    if config.cache.path:
-        return Path(config.cache.path).expanduser()
-    directory = config.checkpointing.directory
-    if directory:
-        parsed = urlparse(directory)
-        if parsed.scheme in ("", "file"):
-            return Path(parsed.path if parsed.scheme == "file" else directory).expanduser() / CACHE_FILE
-    safe = _UNSAFE.sub("_", config.name).strip("._") or "job"
-    return Path(__file__).resolve().parents[2] / "var" / "state" / safe / CACHE_FILE
-
-
-def resolve_cache_location(config: JobConfig, state_dir: str | os.PathLike[str] | None = None) -> JobConfig:
-    """`config` with `cache.path` made absolute (in `state_dir` when given), for the job builder:
-    the config reaches the workers pickled, so a path decided here is the one they open."""
-    import dataclasses
-
-    if config.cache.backend != "local" or config.cache.path:
-        return config
-    path = Path(state_dir) / CACHE_FILE if state_dir is not None else default_local_path(config)
-    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, path=str(path.resolve())))
 
 
 class LocalCache:
@@ -353,15 +322,23 @@ class GuardedCache:
             log.debug("closing result cache %s: %s", self.name, err)
 
 
-def open_cache(config: JobConfig, metrics: InferenceMetrics) -> GuardedCache | None:
+def open_cache(config: JobConfig, metrics: InferenceMetrics, local_file: str | None = None) -> GuardedCache | None:
     """The configured cache, guarded; `None` for `cache.backend: none`. Opens nothing yet:
-    both backends connect on first use, in the calls' event loop."""
+    both backends connect on first use, in the calls' event loop.
+
+    `local_file`: the local store's file as the job's launch decided it
+    (`jobs.launch.plan.result_cache_file`); without one, `cache.path`. A `ConfigError` naming
+    `cache.path` when the backend is local and neither is given."""
     cache = config.cache
     if cache.backend == "none":
         return None
     inner: ResultCache
     if cache.backend == "local":
-        path = default_local_path(config)
+        chosen = local_file or cache.path
+        if not chosen:
+            raise ConfigError("cache.path", "the local result cache has no file: give cache.path, or launch the job "
+                                            "with `llmstream run` or `submit`, which put it in the job's state directory")
+        path = Path(chosen).expanduser()
         inner = LocalCache(path, ttl_s=cache.ttl_s, max_entries=cache.max_entries, max_bytes=cache.max_bytes)
         name = str(path)
     else:

@@ -147,10 +147,12 @@ class InferenceClient:
     counts come from the response's `usage`, estimated (chars / 4) when a server omits it.
     Use it from one event loop; `close()` may come from another (see `Transport.close`).
     A bad `model.tls` file or an unresolvable `model.headers` placeholder is a `ConfigError`
-    here, at `open()`, rather than on every record.
+    here, at `open()`, rather than on every record. `cache_file`: the local result cache's file
+    (`udfs.cost.cache.open_cache`; without one, `cache.path`).
     """
 
-    def __init__(self, config: JobConfig, *, subtasks: int = 1, metrics: InferenceMetrics | None = None) -> None:
+    def __init__(self, config: JobConfig, *, subtasks: int = 1, metrics: InferenceMetrics | None = None,
+                 cache_file: str | None = None) -> None:
         self._config = config
         self.metrics = metrics if metrics is not None else InferenceMetrics()
         self.routes: list[Route] = []
@@ -161,7 +163,7 @@ class InferenceClient:
         self.rate_limiter = RateLimiter(config.rate_limit, subtasks)
         self.budget = SpendBudget(config.budget, config.model.prices, subtasks, on_pause=self._on_budget_pause)
         self.structured = StructuredOutput.from_config(config.model)
-        self.cache = open_cache(config, self.metrics)
+        self.cache = open_cache(config, self.metrics, cache_file)
         self._single_flight = SingleFlightCache(self.cache, self.metrics) if self.cache is not None else None
         batch = config.model.batch
         self._batcher: Batcher[Entry, Completion] | None = None

@@ -126,12 +126,14 @@ class InferenceStage(KeyedProcessFunction):
     job has an admission gate in front (`udfs/stage/admission.py`: a spend budget, a fleet or a rate limit); while no
     call can start before a window or a cooldown ends (`InferenceClient.pause_reason`) the stage
     parks what it cannot start (it is in state already) instead of waiting for a slot inside
-    the bundle, and tells the gate to stop its input.
+    the bundle, and tells the gate to stop its input. `cache_file`: the local result cache's file
+    as the job's launch decided it (`udfs.cost.cache.open_cache`).
     """
 
-    def __init__(self, config: JobConfig, gate_dir: str | None = None) -> None:
+    def __init__(self, config: JobConfig, gate_dir: str | None = None, cache_file: str | None = None) -> None:
         self._config = config
         self._gate_dir = gate_dir
+        self._cache_file = cache_file
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -146,7 +148,8 @@ class InferenceStage(KeyedProcessFunction):
         self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
         self._pending = runtime_context.get_map_state(PENDING_STATE)
         self._runner = CallRunner(self._config.async_.capacity)
-        self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics)
+        self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics,
+                                       cache_file=self._cache_file)
         self._formats = JobFormats.open(self._config)  # e.g. Avro's registry client and output schema
         self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
         self._outstanding: dict[Any, int] = {}

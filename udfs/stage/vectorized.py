@@ -85,8 +85,9 @@ class VectorizedInference(ScalarFunction):
     """A pandas scalar function over the source table's columns (key, value, topic, partition,
     offset, timestamp, headers): a DataFrame of `RESULT_TYPE` out, one row per input row."""
 
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig, cache_file: str | None = None) -> None:
         self._config = config
+        self._cache_file = cache_file  # the local result cache's file, as the launch decided it
 
     def is_deterministic(self) -> bool:
         # The planner must not call it once per projected field of its result: every call is a model call.
@@ -102,7 +103,7 @@ class VectorizedInference(ScalarFunction):
         self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
         self._runner = CallRunner(self._config.async_.capacity, name="llmstream-vectorized-calls")
         self._client = InferenceClient(self._config, subtasks=self._config.parallelism.of("inference"),
-                                       metrics=self._metrics)
+                                       metrics=self._metrics, cache_file=self._cache_file)
         self._formats = JobFormats.open(self._config)
         self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
         self._slots = asyncio.Semaphore(self._config.async_.capacity)
@@ -187,7 +188,7 @@ class VectorizedInference(ScalarFunction):
         return answers
 
 
-def vectorized_function(config: JobConfig) -> UserDefinedScalarFunctionWrapper:
+def vectorized_function(config: JobConfig, cache_file: str | None = None) -> UserDefinedScalarFunctionWrapper:
     """The lane's function, registered by the job (`jobs/graph/pipeline.py`)."""
-    return udf(VectorizedInference(config), result_type=RESULT_TYPE, func_type="pandas")
+    return udf(VectorizedInference(config, cache_file), result_type=RESULT_TYPE, func_type="pandas")
 

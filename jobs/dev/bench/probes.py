@@ -63,6 +63,8 @@ async def http_ceiling(endpoint: str, seconds: float, concurrency: int) -> dict[
 
 
 async def client_ceiling(endpoint: str, seconds: float, concurrency: int) -> dict[str, float]:
+    from jobs.launch.plan import result_cache_file
+    from jobs.state.snapshots import StateDir
     from udfs.config import load_config, with_overrides
     from udfs.inference.client import InferenceClient
     from udfs.records import SourceRef
@@ -72,7 +74,7 @@ async def client_ceiling(endpoint: str, seconds: float, concurrency: int) -> dic
     config = with_overrides(load_config(), model={"endpoint": endpoint, "model": MODEL,
                                                   "system_prompt": SYSTEM_PROMPT, "max_tokens": MAX_TOKENS},
                             async_={"capacity": concurrency})
-    client = InferenceClient(config)
+    client = InferenceClient(config, cache_file=result_cache_file(config, StateDir.for_job(config)))
 
     async def call(seq: int) -> object:
         key, value = request_record(seq)

@@ -1,0 +1,92 @@
+"""Every use of PyFlink's private and internal API the job graph makes (`jobs/graph/pipeline.py`).
+
+PyFlink's public Python API covers most of the graph; where it does not, the graph reaches into
+the Java objects behind it (``_j_data_stream``, ``_j_stream_execution_environment``), the py4j
+gateway (`get_gateway`) or PyFlink's internal operator factory. They are kept here, each with
+the reason the public API does not suffice, so that a PyFlink upgrade has one module to check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironment
+from pyflink.java_gateway import get_gateway
+
+__all__ = ["adaptive_process", "datagen_source", "gated_keyed", "key_by_first_field", "keyed_stream",
+           "name_transformation", "set_output_type"]
+
+
+def set_output_type(stream: DataStream, java_type_info: Any) -> None:
+    """Declares `stream`'s output type. `StreamTableEnvironment.to_data_stream` hands rows over
+    under an ExternalTypeInfo, and the keyed Python operator accepts only a RowTypeInfo input;
+    the public API has no way to restate a stream's type without another (Python) operator."""
+    stream._j_data_stream.getTransformation().setOutputType(java_type_info)
+
+
+def name_transformation(stream: DataStream, name: str) -> None:
+    """Names the transformation that produced `stream`: the planner's table-to-stream conversion
+    has no public name setter (`DataStream.name` names an operator the Python API made)."""
+    stream._j_data_stream.getTransformation().setName(name)
+
+
+def key_by_first_field(rows: DataStream, java_key_type: Any) -> Any:
+    """`rows` keyed by their first field, on the JVM (the Java keyed stream): PyFlink's `key_by`
+    puts a Python operator (and a Row round trip) in front of the key; PyFlink's own Java
+    `KeyByKeySelector` takes the first field there."""
+    return rows._j_data_stream.keyBy(get_gateway().jvm.KeyByKeySelector(), java_key_type)
+
+
+def gated_keyed(j_keyed: Any, operator_class: str, operator_args: tuple[Any, ...], *, name: str, uid: str,
+                parallelism: int, java_key_type: Any) -> Any:
+    """The Java keyed stream `j_keyed` through a forwarding Java operator (`operator_class` made with
+    `operator_args`), keyed again as it was (`reinterpretAsKeyedStream`, so no shuffle and the operator
+    chains into the next task). Python cannot make a Java operator, and `reinterpretAsKeyedStream`
+    has no Python counterpart."""
+    jvm = get_gateway().jvm
+    operator = getattr(jvm, operator_class)(*operator_args)
+    forwarded = j_keyed.transform(name, j_keyed.getType(), operator)
+    forwarded.uid(uid).setParallelism(parallelism)
+    return jvm.org.apache.flink.streaming.api.datastream.DataStreamUtils.reinterpretAsKeyedStream(
+        forwarded, jvm.KeyByKeySelector(), java_key_type)
+
+
+def keyed_stream(j_keyed: Any, row_type: Any, origin: DataStream) -> KeyedStream:
+    """The Python `KeyedStream` over a Java keyed stream made here (`key_by_first_field`,
+    `gated_keyed`): its constructor takes the Java object, which the public API never hands out."""
+    return KeyedStream(j_keyed, row_type, origin)
+
+
+def datagen_source(env: StreamExecutionEnvironment, generator_class: str, slots: list[int], *,
+                   java_row_type: Any, name: str, uid: str) -> DataStream:
+    """A FLIP-27 `DataGeneratorSource` of `generator_class` (a Java `GeneratorFunction` made from
+    `slots`) at `len(slots)` rows a second, with parallelism 1. PyFlink has no Python wrapper of
+    `DataGeneratorSource`, and a Java generator needs a Java int array made through the gateway."""
+    gateway = get_gateway()
+    jvm = gateway.jvm
+    j_slots = gateway.new_array(jvm.int, len(slots))
+    for i, key in enumerate(slots):
+        j_slots[i] = key
+    source = jvm.org.apache.flink.connector.datagen.source.DataGeneratorSource(
+        getattr(jvm, generator_class)(j_slots), jvm.Long.MAX_VALUE,
+        jvm.org.apache.flink.api.connector.source.util.ratelimit.RateLimiterStrategy.perSecond(float(len(slots))),
+        java_row_type)
+    j_stream = env._j_stream_execution_environment.fromSource(
+        source, jvm.org.apache.flink.api.common.eventtime.WatermarkStrategy.noWatermarks(), name)
+    j_stream.uid(uid).setParallelism(1)
+    return DataStream(j_stream)
+
+
+def adaptive_process(keyed: KeyedStream, function: Any, output_type: Any, wrapper_class: str,
+                     *wrapper_args: Any) -> DataStream:
+    """`keyed.process(function, output_type)` with PyFlink's keyed Python operator wrapped by the
+    Java operator `wrapper_class` (``of(operator, *wrapper_args)``). `KeyedStream.process` builds
+    and adds its operator in one step; only PyFlink's internal `_get_one_input_stream_operator`
+    hands out the operator it would add, with every setting PyFlink gives it."""
+    from pyflink.datastream import data_stream as pyflink_data_stream
+    from pyflink.fn_execution import flink_fn_execution_pb2
+
+    made, j_output_type = pyflink_data_stream._get_one_input_stream_operator(
+        keyed, function, flink_fn_execution_pb2.UserDefinedDataStreamFunction.KEYED_PROCESS, output_type)
+    wrapped = getattr(get_gateway().jvm, wrapper_class).of(made, *wrapper_args)
+    return DataStream(keyed._j_data_stream.transform("KEYED PROCESS", j_output_type, wrapped))
