@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from udfs.config import JobConfig, LimitsConfig, config_from_dict
+from tests.support.configs import minimal_config
+from udfs.config import JobConfig, LimitsConfig
 from udfs.errors import BadInput, ConfigError
 from udfs.records import Completion, Request, SourceRef, formats
 from udfs.records.decode import decode
@@ -56,14 +57,7 @@ def lines(monkeypatch: pytest.MonkeyPatch) -> str:
     return "lines"
 
 
-def job(**sections: dict[str, Any]) -> JobConfig:
-    data: dict[str, Any] = {
-        "kafka": {"bootstrap_servers": "127.0.0.1:9", "input_topic": "in", "output_topic": "out",
-                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t"},
-        "model": {"endpoint": "http://127.0.0.1:9/v1", "model": "m"},
-    }
-    data.update(sections)
-    return config_from_dict(data)
+job = minimal_config
 
 
 def completion(**changes: Any) -> Completion:

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from udfs.config import JobConfig, config_from_dict
+from tests.support.configs import minimal_config
+from udfs.config import JobConfig
 from udfs.errors import ConfigError
 from udfs.records import Completion, Request, SourceRef
 from udfs.records.avro import result_schema
@@ -19,14 +20,7 @@ from udfs.records.result import RESULT_FIELDS, ResultField
 SOURCE = SourceRef("in", 2, 9, 1_700_000_000_000)
 
 
-def job(**sections: dict[str, Any]) -> JobConfig:
-    data: dict[str, Any] = {
-        "kafka": {"bootstrap_servers": "127.0.0.1:9", "input_topic": "in", "output_topic": "out",
-                  "dead_letter_topic": "dlq", "group_id": "g", "transactional_id_prefix": "t"},
-        "model": {"endpoint": "http://127.0.0.1:9/v1", "model": "m"},
-    }
-    data.update(sections)
-    return config_from_dict(data)
+job = minimal_config
 
 
 def avro_job(carry_fields: list[str] | None = None, **model: Any) -> JobConfig:
