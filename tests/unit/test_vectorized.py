@@ -56,3 +56,20 @@ def test_a_batch_reads_back_into_records() -> None:
         (b"k1", b'{"id": "a"}', 0, 5, 1_700_000_000_123, (("traceparent", b"00-1"),)),
         (None, None, 1, 6, None, None),
     ]
+
+
+def test_the_bench_runs_the_vectorized_lane_as_an_approach_of_its_own(tmp_path: Any) -> None:
+    from jobs.dev.bench.harness import (
+        ALL_APPROACHES,
+        LlmstreamSettings,
+        Topics,
+        llmstream_config,
+    )
+    from jobs.dev.bench.scenarios import SCENARIOS, VECTORIZED
+
+    scenario = SCENARIOS["d"]
+    assert VECTORIZED in ALL_APPROACHES and VECTORIZED in scenario.approaches(["llmstream", VECTORIZED])
+    data = llmstream_config(Topics("i", "o", "d", "g"), "127.0.0.1:9", "http://127.0.0.1:9/v1",
+                            LlmstreamSettings.recommended(scenario, 1), scenario, tmp_path, vectorized=True)
+    config = config_from_dict(data)
+    assert config.stage == "vectorized" and config.vectorized.batch_size == 1000

@@ -43,7 +43,13 @@ from jobs.dev.bench.measure import (
 )
 from jobs.dev.bench.ml_predict import FLOORS, ML_PREDICT, SQL_JOBS
 from jobs.dev.bench.profile import RecordPathProfiler
-from jobs.dev.bench.scenarios import PER_KEY, UNBATCHED, Scenario
+from jobs.dev.bench.scenarios import (
+    PER_KEY,
+    UNBATCHED,
+    VECTORIZED,
+    VECTORIZED_BATCH,
+    Scenario,
+)
 from jobs.dev.bench.workload import (
     MAX_TOKENS,
     MODEL,
@@ -63,7 +69,7 @@ from udfs.errors import LLMStreamError
 
 APPROACHES = ("sequential", "semaphore-gather", "llmstream", ML_PREDICT)
 """The approaches a bench runs unless told otherwise."""
-ALL_APPROACHES = (*APPROACHES, *FLOORS)
+ALL_APPROACHES = (*APPROACHES, VECTORIZED, *FLOORS)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """The checkout this file is in (jobs/dev/bench/harness.py: three folders up)."""
 STOP_GRACE_S = 45.0
@@ -196,10 +202,11 @@ class Topics:
 
 def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: LlmstreamSettings,
                      scenario: Scenario, state_root: Path, *, batched: bool = True,
-                     per_key: bool = False) -> dict[str, Any]:
+                     per_key: bool = False, vectorized: bool = False) -> dict[str, Any]:
     """The job config for one run: the repo's defaults, these topics and the tuned settings;
     an embeddings scenario batches up to `scenario.batch_size` inputs per request if `batched`;
-    `per_key`: `ordering: per_key` (the `PER_KEY` run of a keyed scenario)."""
+    `per_key`: `ordering: per_key` (the `PER_KEY` run of a keyed scenario); `vectorized`:
+    `stage: vectorized` (the `VECTORIZED` run), its subtasks at `parallelism.default`."""
     model: dict[str, Any] = {"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT,
                              "max_tokens": MAX_TOKENS}
     if scenario.api == "embeddings":
@@ -226,6 +233,11 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
     data["name"] = f"llmstream-bench-{scenario.key}"
     if per_key:
         data["ordering"] = "per_key"
+    if vectorized:
+        data["stage"] = "vectorized"
+        data["vectorized"] = {"batch_size": VECTORIZED_BATCH}
+        data["parallelism"] = {**data["parallelism"], "default": settings.parallelism, "inference": None}
+        data["python"] = {**data["python"], "bundle_target_ms": 0}
     if settings.flink:
         data["flink"] = {**data.get("flink", {}), **dict(settings.flink)}
     # One state directory per run: every run reads fresh topics, so no state carries over.
@@ -263,7 +275,8 @@ def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint:
         config_file.write_text(yaml.safe_dump(
             llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario, approach), scenario,
                              config_dir / "state",
-                             batched=approach != UNBATCHED, per_key=approach == PER_KEY),
+                             batched=approach != UNBATCHED, per_key=approach == PER_KEY,
+                             vectorized=approach == VECTORIZED),
             sort_keys=False))
         command = [*_llmstream_command(), "run", "--config", str(config_file), "--progress-every", "5"]
         return command if scenario.overload_factor else [*command, "--until-end"]

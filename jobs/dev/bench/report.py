@@ -306,7 +306,7 @@ def chart(results: Sequence[RunResult], path: Path) -> None:
     drawn = [a for a in ALL_APPROACHES if any(r.approach == a for r in results)]
     width = 0.8 / max(len(drawn), 1)
     colors = {"sequential": "#c44e52", "semaphore-gather": "#dd8452", "llmstream": "#4c72b0", "ml-predict": "#55a868",
-              "flink-floor": "#8c8c8c", "pyflink-floor": "#b07aa1"}
+              "flink-floor": "#8c8c8c", "pyflink-floor": "#b07aa1", "llmstream-vectorized": "#64b5cd"}
     for i, approach in enumerate(drawn):
         xs, tput, p99, pickup = [], [], [], []
         for j, key in enumerate(scenarios):

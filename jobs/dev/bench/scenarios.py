@@ -16,6 +16,11 @@ from jobs.dev.bench.ml_predict import SQL_JOBS
 
 UNBATCHED = "llmstream-unbatched"
 """llmstream with `model.batch.max_size: 1` in a batching scenario, for the comparison."""
+VECTORIZED = "llmstream-vectorized"
+"""llmstream with `stage: vectorized` (Arrow batches of `VECTORIZED_BATCH` records), beside the keyed
+stage: opt-in (`--approaches ...,llmstream-vectorized`), not yet in the default set."""
+VECTORIZED_BATCH = 1000
+"""The lane's `vectorized.batch_size` in the bench: its default."""
 PER_KEY = "llmstream-per-key"
 """llmstream with `ordering: per_key` in a keyed scenario, beside llmstream unordered: the per-key cost."""
 Z99 = 2.3263478740408408
@@ -58,11 +63,12 @@ class Scenario:
     def approaches(self, requested: list[str]) -> list[str]:
         """The runs for this scenario out of the requested approaches."""
         if self.fleet:
-            return ["llmstream"] if "llmstream" in requested else []
+            return [a for a in ("llmstream", VECTORIZED) if a in requested]
         if self.keys:
             return ["llmstream", PER_KEY] if "llmstream" in requested else []
         if self.batch_size > 1:
             runs = [UNBATCHED, "llmstream"] if "llmstream" in requested else []
+            runs += [VECTORIZED] if VECTORIZED in requested else []
             # Flink's ML_PREDICT has an embeddings task too (one request per row, no batching);
             # the floors call no model.
             return runs + [a for a in requested if a in SQL_JOBS]
