@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from jobs.runtime import python_worker_shutdown
 from udfs.errors import ConfigError, LLMStreamError
-from udfs.secrets import MaskSecrets
+from udfs.secret_refs import MaskSecrets
 
 log = logging.getLogger("llmstream.cli")
 

@@ -31,7 +31,7 @@ from kafka.protocol.consumer.offsets import IsolationLevel  # type: ignore[impor
 
 from udfs.config import JobConfig, KafkaConfig, kafka_security
 from udfs.errors import ConfigError
-from udfs.secrets import mask
+from udfs.secret_refs import mask
 
 T = TypeVar("T")
 Cluster: TypeAlias = str | KafkaConfig | Mapping[str, Any]

@@ -47,13 +47,16 @@ def _since(t: float | None, origin: float) -> float | None:
 # ---------------------------------------------------------------------- a. TaskManager crash
 
 
+@pytest.mark.parametrize("stage", ["keyed", "vectorized"])
 def test_taskmanager_sigkill_mid_stream_then_a_new_one(
         cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
-        fault_report: FaultReport) -> None:
+        fault_report: FaultReport, stage: str) -> None:
     """SIGKILL the only TaskManager mid-stream, start a fresh one: the job restarts from the last
-    checkpoint, aborts the dead TaskManager's open transactions, and nothing is lost or doubled."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="tm-kill")
-    run = start_run(cluster, setup, "tmkill")
+    checkpoint, aborts the dead TaskManager's open transactions, and nothing is lost or doubled.
+    In both lanes (the vectorized one with Arrow batches of 100, so a batch is a few seconds of work)."""
+    lane = {"stage": "vectorized", "vectorized": {"batch_size": 100}} if stage == "vectorized" else {}
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"tm-kill-{stage}", **lane)
+    run = start_run(cluster, setup, f"tmkill-{stage}")
     run.wait_mid_stream(0.2)
     committed_at_kill = run.reader.unique_ids()
     killed_at = time.monotonic()
@@ -66,7 +69,8 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one(
     check_exactly_once(result)
     assert run.restarts() >= 1
     first = run.reader.first_arrival_after(running_again)
-    report(fault_report, "a. TaskManager SIGKILL + new TaskManager", run, result,
+    report(fault_report, "a. TaskManager SIGKILL + new TaskManager" + (" (vectorized lane)" if stage == "vectorized" else ""),
+           run, result,
            recovery_s=_since(first, killed_at),
            notes="recovery counted from the kill (a new TaskManager is started at once)",
            killed_pid=killed, committed_before_kill=committed_at_kill,

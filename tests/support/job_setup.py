@@ -61,11 +61,12 @@ class JobSetup:
 
 
 def make_job(directory: Path, bootstrap: str, endpoint: str, *, name: str, partitions: int = 2,
-             topic_configs: dict[str, str] | None = None, **sections: dict[str, Any]) -> JobSetup:
+             topic_configs: dict[str, str] | None = None, **sections: Any) -> JobSetup:
     """A job config on fresh uuid topics (created here) against ``endpoint``, saved as YAML.
 
     Defaults suit the fault tests: checkpoints every 2 s (output latency), `FAULT_CAPACITY`
-    in-flight calls, everything else from jobs/inference.yaml; ``sections`` override.
+    in-flight calls, everything else from jobs/inference.yaml; ``sections`` override (a
+    top-level value such as ``stage`` is replaced whole).
     """
     tag = f"{name}-{uuid.uuid4().hex[:8]}"
     data = to_dict(load_config())
@@ -79,7 +80,7 @@ def make_job(directory: Path, bootstrap: str, endpoint: str, *, name: str, parti
     data["checkpointing"]["directory"] = str(directory / f"{tag}-state")
     for section, values in sections.items():
         key = "async" if section == "async_" else section
-        data[key] = {**(data.get(key) or {}), **values}
+        data[key] = {**(data.get(key) or {}), **values} if isinstance(values, dict) else values
     config = config_from_dict(data)
     kafka = config.kafka
     kafka_admin.create_topics(bootstrap, [kafka.input_topic], partitions=partitions, configs=topic_configs)

@@ -213,3 +213,13 @@ def test_concern_graph_sees_the_packages() -> None:
     """The checks can fail: the stage leans on inference, and inference on records."""
     graph = _concern_graph()
     assert "udfs.inference" in graph["udfs.stage"] and "udfs.records" in graph["udfs.inference"]
+
+
+def test_no_module_of_udfs_shares_a_name_with_the_standard_library() -> None:
+    """On a Flink cluster the Python workers find the shipped `udfs/` on their path as a folder, so a
+    `udfs/secrets.py` would stand in for the standard library's `secrets` (numpy's random module,
+    which pandas loads for the vectorized lane, imports it and failed with `cannot import name randbits`)."""
+    import sys
+
+    top = {p.stem for p in (ROOT / "udfs").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert not top & set(sys.stdlib_module_names), sorted(top & set(sys.stdlib_module_names))

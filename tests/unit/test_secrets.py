@@ -1,4 +1,4 @@
-"""Secrets by reference (`udfs/secrets.py`) and `kafka.properties` as kafka-python arguments
+"""Secrets by reference (`udfs/secret_refs.py`) and `kafka.properties` as kafka-python arguments
 (`udfs/config/kafka_security.py`): what resolves, what is refused at load, and that no message carries a secret."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from udfs import secrets
+from udfs import secret_refs
 from udfs.config import config_from_dict, kafka_security, load_config, to_dict
 from udfs.errors import ConfigError
 
@@ -32,10 +32,10 @@ def base(**kafka: Any) -> dict[str, Any]:
 def test_placeholders_resolve_from_the_environment_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLMSTREAM_TEST_SECRET", SECRET)
     path = secret_file(tmp_path)
-    assert secrets.resolve("a ${env:LLMSTREAM_TEST_SECRET} b", "k") == f"a {SECRET} b"
-    assert secrets.resolve(f"${{file:{path}}}", "k") == SECRET   # one trailing newline dropped
-    assert secrets.resolve("cost $${env:X} and $5", "k") == "cost ${env:X} and $5"
-    assert secrets.has_placeholder("${env:X}") and not secrets.has_placeholder("$${env:X}")
+    assert secret_refs.resolve("a ${env:LLMSTREAM_TEST_SECRET} b", "k") == f"a {SECRET} b"
+    assert secret_refs.resolve(f"${{file:{path}}}", "k") == SECRET   # one trailing newline dropped
+    assert secret_refs.resolve("cost $${env:X} and $5", "k") == "cost ${env:X} and $5"
+    assert secret_refs.has_placeholder("${env:X}") and not secret_refs.has_placeholder("$${env:X}")
 
 
 @pytest.mark.parametrize(("text", "says"), [
@@ -47,7 +47,7 @@ def test_placeholders_resolve_from_the_environment_and_files(tmp_path: Path, mon
 ])
 def test_unresolvable_placeholders_are_config_errors_naming_the_key(text: str, says: str) -> None:
     with pytest.raises(ConfigError) as err:
-        secrets.resolve(text, "kafka.properties.sasl.jaas.config")
+        secret_refs.resolve(text, "kafka.properties.sasl.jaas.config")
     assert str(err.value).startswith("kafka.properties.sasl.jaas.config: ") and says in str(err.value)
 
 
@@ -55,7 +55,7 @@ def test_a_secret_file_others_can_read_is_warned_about_without_its_content(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = secret_file(tmp_path, mode=0o644)
     with caplog.at_level(logging.WARNING, logger="llmstream.config"):
-        assert secrets.resolve(f"${{file:{path}}}", "model.api_key_file") == SECRET
+        assert secret_refs.resolve(f"${{file:{path}}}", "model.api_key_file") == SECRET
     assert "readable by other users (mode 644)" in caplog.text and SECRET not in caplog.text
 
 
@@ -208,7 +208,7 @@ def test_a_library_logging_a_resolved_secret_is_masked(tmp_path: Path, monkeypat
     args = kafka_security.client_args(scram("${env:LLMSTREAM_TEST_SECRET}"))
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.addFilter(secrets.MaskSecrets())
+    handler.addFilter(secret_refs.MaskSecrets())
     logger = logging.getLogger("kafka.test-masking")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)

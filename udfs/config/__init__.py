@@ -8,7 +8,7 @@ so a typo never reaches a running job. A rule on one value sits in its field's t
 with the functions that use them, so they live in `udfs/`. Secrets are never in the file:
 `model.api_key_env` / `model.api_key_file` name where the key is, and `kafka.properties`,
 `model.headers` and `cache.redis_url` take `${env:NAME}` / `${file:PATH}` placeholders
-(`udfs/secrets.py`), checked at load and resolved only where they are used.
+(`udfs/secret_refs.py`), checked at load and resolved only where they are used.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from udfs import secrets
+from udfs import secret_refs
 from udfs.config import kafka_security
 from udfs.config.json_schema import load_schema
 from udfs.errors import ConfigError
@@ -215,11 +215,11 @@ def _check_credentials(path: str, api_key_env: str | None, api_key_file: str | N
     _require(not (api_key_env and api_key_file), _join(path, "api_key_file"),
              "give api_key_env or api_key_file, not both")
     if api_key_file is not None:
-        secrets.read_secret_file(api_key_file, _join(path, "api_key_file"))
+        secret_refs.read_secret_file(api_key_file, _join(path, "api_key_file"))
     for name, value in headers.items():
-        _require(name.lower() not in SECRET_HEADERS or secrets.has_placeholder(value), _join(path, f"headers.{name}"),
+        _require(name.lower() not in SECRET_HEADERS or secret_refs.has_placeholder(value), _join(path, f"headers.{name}"),
                  "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
-        secrets.check(value, _join(path, f"headers.{name}"))
+        secret_refs.check(value, _join(path, f"headers.{name}"))
 
 
 def read_api_key(env: str | None, key_file: str | None, path: str) -> str | None:
@@ -227,7 +227,7 @@ def read_api_key(env: str | None, key_file: str | None, path: str) -> str | None
     variable, read where it is used and never stored: the one reader for the model's key and each
     fleet endpoint's."""
     if key_file:
-        return secrets.read_secret_file(key_file, _join(path, "api_key_file"))
+        return secret_refs.read_secret_file(key_file, _join(path, "api_key_file"))
     return os.environ.get(env) if env else None
 
 
@@ -531,7 +531,7 @@ class CacheConfig:
 
     def validate(self, path: str) -> None:
         if self.backend == "redis":
-            secrets.check(self.redis_url, _join(path, "redis_url"))
+            secret_refs.check(self.redis_url, _join(path, "redis_url"))
 
 
 @dataclass(frozen=True)
@@ -613,12 +613,12 @@ class SchemaRegistryConfig:
         _require((self.username is None) == (self.password is None),
                  _join(path, "password" if self.username else "username"),
                  "username and password go together (basic auth)")
-        _require(self.password is None or secrets.has_placeholder(self.password), _join(path, "password"),
+        _require(self.password is None or secret_refs.has_placeholder(self.password), _join(path, "password"),
                  "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
         for key in ("username", "password"):
             value = getattr(self, key)
             if value is not None:
-                secrets.check(value, _join(path, key))
+                secret_refs.check(value, _join(path, key))
 
 
 @dataclass(frozen=True)

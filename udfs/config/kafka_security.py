@@ -7,7 +7,7 @@ property that matters for connecting but has no kafka-python equivalent is a `Co
 key at load, never a silent drop (the job would then pass preflight on one identity and run on
 another, or fail preflight on a cluster the job itself could reach).
 
-Secrets stay placeholders in the config (`udfs/secrets.py`); `client_args` resolves them into the
+Secrets stay placeholders in the config (`udfs/secret_refs.py`); `client_args` resolves them into the
 arguments it returns, which go straight to kafka-python. A literal password in the file is refused.
 """
 
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from udfs import secrets
+from udfs import secret_refs
 from udfs.errors import ConfigError
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -57,12 +57,12 @@ def check_literal_secrets(properties: dict[str, str], path: str) -> None:
     """A password written into the config itself is refused: it would be in the file, and in every copy."""
     for name in SECRET_KEYS:
         value = properties.get(name)
-        if value and not secrets.has_placeholder(value):
+        if value and not secret_refs.has_placeholder(value):
             raise ConfigError(_key(path, name), "holds a literal secret; write ${file:PATH} or ${env:NAME} instead")
     jaas = properties.get("sasl.jaas.config")
     if jaas:
         for option, value in JAAS_OPTION.findall(jaas):
-            if option.lower() in ("password", "clientsecret") and not secrets.has_placeholder(value):
+            if option.lower() in ("password", "clientsecret") and not secret_refs.has_placeholder(value):
                 raise ConfigError(_key(path, "sasl.jaas.config"),
                                   f'{option}="..." is a literal secret; write {option}="${{file:PATH}}" '
                                   'or "${env:NAME}" instead')
@@ -117,7 +117,7 @@ def client_args(properties: dict[str, str], path: str = "kafka.properties") -> d
     """
     check_literal_secrets(properties, path)
     _check_supported(properties, path)
-    props = {name: secrets.resolve(value, _key(path, name)) for name, value in properties.items()
+    props = {name: secret_refs.resolve(value, _key(path, name)) for name, value in properties.items()
              if name.startswith(CONNECTION_PREFIXES)}
     protocol = props.get("security.protocol", "PLAINTEXT").upper()
     if protocol not in PROTOCOLS:
@@ -162,7 +162,7 @@ def flink_properties(properties: dict[str, str], path: str = "kafka.properties")
     writes it fails inside the job with "No LoginModule found" and a restart loop (measured); the
     Python clients take the unshaded name. Users write the usual name; this rewrites it for Flink.
     """
-    resolved = secrets.resolve_all(properties, path)
+    resolved = secret_refs.resolve_all(properties, path)
     return {name: CLASS_NAME.sub(SHADED_PREFIX + "org.apache.kafka.", value)
             if name == "sasl.jaas.config" or name.endswith(".class") else value
             for name, value in resolved.items()}

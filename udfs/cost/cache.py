@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from udfs import secrets
+from udfs import secret_refs
 from udfs.config import CacheConfig, JobConfig
 from udfs.errors import ConfigError
 from udfs.metrics import InferenceMetrics
@@ -342,7 +342,7 @@ def open_cache(config: JobConfig, metrics: InferenceMetrics, local_file: str | N
         inner = LocalCache(path, ttl_s=cache.ttl_s, max_entries=cache.max_entries, max_bytes=cache.max_bytes)
         name = str(path)
     else:
-        url = secrets.resolve(cache.redis_url, "cache.redis_url")
+        url = secret_refs.resolve(cache.redis_url, "cache.redis_url")
         inner = RedisCache(url, ttl_s=cache.ttl_s, key_prefix=cache.key_prefix)
         name = _without_password(url)
     return GuardedCache(inner, metrics, name=name)

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from udfs import secrets
+from udfs import secret_refs
 from udfs.errors import (
     ConfigError,
     InferenceError,
@@ -98,11 +98,11 @@ class Transport:
         self._max_response_bytes = config.model.max_response_bytes
         self._ssl = tls_context(config.model.tls)
         configured = {**config.model.headers, **(endpoint.headers if endpoint is not None else {})}
-        self._headers = secrets.resolve_all(configured, "model.headers")
+        self._headers = secret_refs.resolve_all(configured, "model.headers")
         if not any(name.lower() == "content-type" for name in self._headers):
             self._headers["Content-Type"] = "application/json"  # the body is sent as bytes (`post`)
         self._secret_headers = [self._headers[name] for name, value in configured.items()
-                                if secrets.has_placeholder(value)
+                                if secret_refs.has_placeholder(value)
                                 or any(word in name.lower() for word in SECRET_HEADER_WORDS)]
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None

@@ -38,7 +38,7 @@ from urllib.parse import quote
 
 import requests
 
-from udfs import secrets
+from udfs import secret_refs
 from udfs.errors import LLMStreamError
 
 if TYPE_CHECKING:
@@ -97,8 +97,8 @@ class RegistryClient:
         self._session = requests.Session()
         self._session.headers["Accept"] = f"{CONTENT_TYPE}, application/json"
         if config.username is not None and config.password is not None:
-            self._session.auth = (secrets.resolve(config.username, "schema_registry.username"),
-                                  secrets.resolve(config.password, "schema_registry.password"))
+            self._session.auth = (secret_refs.resolve(config.username, "schema_registry.username"),
+                                  secret_refs.resolve(config.password, "schema_registry.password"))
         self._schemas: OrderedDict[int, tuple[str, Any]] = OrderedDict()
 
     def close(self) -> None:
