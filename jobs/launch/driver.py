@@ -196,7 +196,10 @@ class MiniClusterDriver(JobDriver):
             return "ENDED"
 
     def ended(self) -> bool:
-        return bool(self._result.done())
+        try:
+            return bool(self._result.done())
+        except Exception:  # noqa: BLE001 - the gateway (and with it the mini cluster) is gone: the job has ended
+            return True
 
     def final_state(self) -> str:
         try:

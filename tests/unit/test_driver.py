@@ -307,3 +307,30 @@ def test_a_long_trace_keeps_its_root_cause_once_frames_are_left_out() -> None:
     assert last_error_line(kept[:TRACE_CHARS]).startswith("org.apache.kafka.common.errors.TopicAuthorizationException")
     suppressed = "x.Y: top\n\tSuppressed: a.B: inner\n\t\tat a.b(C.java:4)\n"
     assert without_frames(suppressed) == "x.Y: top\n\tSuppressed: a.B: inner"
+
+
+def test_a_gateway_gone_mid_watch_ends_the_drive_without_a_traceback() -> None:
+    """A stop that arrives while the job restarts, and the JVM behind PyFlink's gateway going away
+    meanwhile: asking the job's result whether it is done raises, which means the job has ended;
+    the drive says so instead of raising out of `llmstream run`."""
+    from jobs.launch.driver import MiniClusterDriver
+
+    class GoneResult:
+        def done(self) -> bool:
+            raise ConnectionRefusedError("the gateway is gone")
+
+        def result(self) -> None:
+            raise ConnectionRefusedError("the gateway is gone")
+
+    class Client:
+        def get_job_execution_result(self) -> GoneResult:
+            return GoneResult()
+
+        def get_job_id(self) -> str:
+            return "9a1c"
+
+        def get_job_status(self) -> None:
+            raise ConnectionRefusedError("the gateway is gone")
+
+    outcome = drive(MiniClusterDriver(Client()), StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None)
+    assert outcome.state != "RUNNING"
