@@ -28,6 +28,10 @@ log = logging.getLogger("llmstream.status")
 
 SOURCE_PREFIX = "Source: kafka_requests"
 INFERENCE_PREFIX = "inference"
+VECTORIZED_OPERATOR = re.compile(r"^PythonCalc\[\d+\]\.")
+"""How the vectorized lane's function shows in a vertex's metric ids (`PythonCalc[3].llmstream.requests`):
+the planner names its operator, chained behind the source; its figures are read as the keyed
+stage's (`inference.llmstream.requests`), so `llmstream status` and progress show either lane."""
 LLMSTREAM_GROUP = "inference.llmstream."
 REASON_METRIC = re.compile(r"^inference\.llmstream\.reason\.(.+)\.dead_letters$")
 # A fleet endpoint's gauges (udfs/metrics.py ENDPOINT_GAUGES), its label made of [A-Za-z0-9_-].
@@ -62,7 +66,8 @@ class JobMetrics:
         if not wanted:
             return {}
         values = self.rest.rest(base + "?get=" + urllib.parse.quote(",".join(wanted), safe=","))
-        return {m["id"]: {k: float(v) for k, v in m.items() if k != "id" and _number(v) is not None}
+        return {VECTORIZED_OPERATOR.sub(INFERENCE_PREFIX + ".", m["id"]):
+                {k: float(v) for k, v in m.items() if k != "id" and _number(v) is not None}
                 for m in values or []}
 
     def collect(self) -> dict[str, Any]:
@@ -82,6 +87,8 @@ class JobMetrics:
             if name.startswith((SOURCE_PREFIX, INFERENCE_PREFIX)):
                 key = "source" if name.startswith(SOURCE_PREFIX) else "inference"
                 parallelism[key] = int(vertex.get("parallelism", 1))
+                if "PythonCalc[" in name:  # the vectorized lane, chained behind the source
+                    parallelism["inference"] = parallelism[key]
                 metrics.update(self._vertex_metrics(str(vertex["id"])))
         out["metrics"] = metrics
         out["parallelism"] = parallelism
@@ -91,6 +98,7 @@ class JobMetrics:
 
 
 def _wanted(metric_id: str) -> bool:
+    metric_id = VECTORIZED_OPERATOR.sub(INFERENCE_PREFIX + ".", metric_id)
     return (metric_id.startswith(LLMSTREAM_GROUP)
             or metric_id.endswith((".numRecordsOut", ".numRecordsOutPerSecond", ".pendingRecords",
                                    ".records-lag-max", ".currentOffset"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import Console
 
@@ -210,3 +210,38 @@ def test_a_fleets_endpoints_in_figures_and_on_the_screen() -> None:
     row = next(r for r in text.splitlines() if "gpu-a" in r)
     assert "closed" in row and "10 / 16" in row and "900" in row and "170 / 880" in row
     assert "open" in next(r for r in text.splitlines() if "127_0_0_1_8001" in r)
+
+
+class VectorizedRest(FakeRest):
+    """The vectorized lane: one chained vertex, its function's figures under the planner's name."""
+
+    VALUES: ClassVar[list[dict[str, Any]]] = [
+        {"id": "Source__kafka_requests[1].numRecordsOut", "sum": 1200.0},
+        {"id": "PythonCalc[3].numRecordsOut", "sum": 1190.0},
+        {"id": "PythonCalc[3].llmstream.records_in", "sum": 1190.0},
+        {"id": "PythonCalc[3].llmstream.requests", "sum": 1180.0},
+        {"id": "PythonCalc[3].llmstream.admitted", "sum": 64.0},
+        {"id": "PythonCalc[3].llmstream.reason.invalid_json.dead_letters", "sum": 2.0},
+        {"id": "Calc[4].numRecordsOut", "sum": 1190.0},
+    ]
+
+    def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
+        base = f"/jobs/{JOB}/vertices/{SOURCE_V}/subtasks/metrics"
+        if path == f"/jobs/{JOB}":
+            answer = super().rest(path)
+            answer["vertices"] = [{"id": SOURCE_V, "parallelism": 2, "name": "Source: kafka_requests[1] -> Calc[2] -> "
+                                   "PythonCalc[3] -> Calc[4] -> kafka_results[5]: Writer -> kafka_results[5]: Committer"}]
+            return answer
+        if path == base:
+            return [{"id": m["id"]} for m in self.VALUES]
+        if path.startswith(base + "?get="):
+            return self.VALUES
+        return super().rest(path)
+
+
+def test_the_vectorized_lanes_figures_read_as_the_keyed_stages() -> None:
+    raw = JobMetrics(VectorizedRest(), JOB).collect()
+    fig = figures(config(stage="vectorized"), raw)
+    assert fig["records"]["in"] == 1200 and fig["records"]["processed"] == 1190 and fig["records"]["emitted"] == 1190
+    assert fig["calls"]["capacity"] == 32 and fig["calls"]["admitted"] == 64
+    assert fig["dead_letters"]["by_reason"] == {"invalid_json": 2}
