@@ -16,8 +16,8 @@ from udfs.errors import BadInput, ConfigError
 from udfs.records import Completion, Request, SourceRef, formats
 from udfs.records.decode import decode
 from udfs.records.encode import result_row
-from udfs.records.formats import FORMATS, JobFormats
-from udfs.records.result import result_fields
+from udfs.records.format_names import FORMATS
+from udfs.records.formats import JobFormats, result_fields
 
 SOURCE = SourceRef("in", 2, 9, 1_700_000_000_000)
 EVENTS: list[tuple[str, ...]] = []

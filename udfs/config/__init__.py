@@ -30,7 +30,7 @@ from udfs import secret_refs
 from udfs.config import kafka_security
 from udfs.config.json_schema import load_schema
 from udfs.errors import ConfigError
-from udfs.records.formats import FORMATS
+from udfs.records.format_names import FORMATS
 from udfs.records.result import RESULT_FIELDS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "inference.yaml"
@@ -87,7 +87,7 @@ TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid te
 AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """An Avro field name (the spec's rule for names)."""
 FORMAT = Rule(lambda v: v in FORMATS, lambda v: f"expected one of {' | '.join(map(repr, FORMATS))}, got {v!r}")
-"""`input.format` / `output.format`: a name in `FORMATS` (`udfs/records/formats.py`)."""
+"""`input.format` / `output.format`: a name in `FORMATS` (`udfs/records/format_names.py`)."""
 
 PositiveInt = Annotated[int, POSITIVE]
 PositiveFloat = Annotated[float, POSITIVE]

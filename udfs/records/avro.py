@@ -35,6 +35,7 @@ import fastavro
 
 from udfs.errors import BadInput, ConfigError
 from udfs.records import Request, SourceRef
+from udfs.records.formats import result_fields
 from udfs.records.registry import (
     RegistryClient,
     RegistryError,
@@ -43,7 +44,7 @@ from udfs.records.registry import (
     SchemaNotFound,
     SchemaRejected,
 )
-from udfs.records.result import ABSENT, ResultField, result_fields
+from udfs.records.result import ABSENT, ResultField
 
 if TYPE_CHECKING:
     from udfs.config import JobConfig, LimitsConfig

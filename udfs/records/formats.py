@@ -7,7 +7,7 @@ A format turns an input value into a `Request` (`decode`) and a result record, t
 result (`JobFormats`). The stage never asks which format it has: it hands records to the object.
 
 Adding a format: a module with a class that satisfies `FormatClass` (and its objects
-`RecordFormat`), its name in `FORMATS`, and its section in docs/formats.md. The config accepts the
+`RecordFormat`), its name in `FORMATS` (`udfs/records/format_names.py`), and its section in docs/formats.md. The config accepts the
 name from `FORMATS` alone; a format that needs settings of its own adds them to `udfs/config`
 as well (`avro` needs `schema_registry`).
 """
@@ -18,18 +18,12 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from udfs.records.format_names import FORMATS
+
 if TYPE_CHECKING:
     from udfs.config import JobConfig, LimitsConfig
     from udfs.records import Request, SourceRef
     from udfs.records.result import ResultField
-
-FORMATS: dict[str, str] = {
-    "json": "udfs.records.json_format:JsonFormat",
-    "avro": "udfs.records.avro:AvroFormat",
-}
-"""Format names (`input.format`, `output.format`) and the class of each, as `module:Class`: imported
-only when a job uses it, so checking a config needs neither fastavro nor a registry client."""
-
 
 class RecordFormat(Protocol):
     """One format's objects, on a worker. `fields`: the result fields it writes, in order. `decode`
@@ -93,3 +87,15 @@ def preflight(config: JobConfig, *, timeout_s: float) -> None:
     """Each format of the job checks what it needs outside the job (`FormatClass.preflight`)."""
     for name in dict.fromkeys((config.input.format, config.output.format)):
         format_class(name).preflight(config, output=name == config.output.format, timeout_s=timeout_s)
+
+
+def result_fields(config: JobConfig) -> tuple[ResultField, ...]:
+    """The fields of this job's results: the declared ones for its kind of answer, then its
+    `output.carry_fields`. Fixed at start, whatever each answer turns out to be."""
+    from udfs.records.result import RESULT_FIELDS, carried_field
+
+    kinds: set[str] = {"embeddings" if config.model.api == "embeddings" else "text"}
+    if config.model.response_format is not None:
+        kinds.add("structured")
+    declared = tuple(f for f in RESULT_FIELDS if f.only is None or f.only in kinds)
+    return declared + tuple(carried_field(name) for name in config.output.carry_fields or [])

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from udfs.records import Completion, Request
-
-if TYPE_CHECKING:
-    from udfs.config import JobConfig
 
 Getter = Callable[[Request, Completion], Any]
 Only = Literal["text", "embeddings", "structured"]
@@ -103,16 +100,6 @@ def carried_field(name: str) -> ResultField:
     """A field of `output.carry_fields`: the input record's top-level field of that name (null if
     the record has none)."""
     return ResultField(name, "carried", lambda r, c: r.fields.get(name), nullable=True)
-
-
-def result_fields(config: JobConfig) -> tuple[ResultField, ...]:
-    """The fields of this job's results: the declared ones for its kind of answer, then its
-    `output.carry_fields`. Fixed at start, whatever each answer turns out to be."""
-    kinds: set[str] = {"embeddings" if config.model.api == "embeddings" else "text"}
-    if config.model.response_format is not None:
-        kinds.add("structured")
-    declared = tuple(f for f in RESULT_FIELDS if f.only is None or f.only in kinds)
-    return declared + tuple(carried_field(name) for name in config.output.carry_fields or [])
 
 
 def result_record(request: Request, completion: Completion, fields: Iterable[ResultField]) -> dict[str, Any]:
