@@ -2,7 +2,7 @@
 
 Broker-side checks (jobs/launch/preflight.py) run against real brokers: one whose
 ``transaction.max.timeout.ms`` is lower than the job's ``kafka.transaction_timeout_ms``, and
-the session broker without the job's topics. Config-side checks (udfs/config/__init__.py) go through
+the session broker without the job's topics. Config-side checks (udfs/config/sections.py) go through
 the same `llmstream submit` command a user runs; none of these tests needs a Flink cluster
 (the --jobmanager given is a closed port, so reaching Flink would fail differently).
 """
@@ -109,7 +109,7 @@ def test_no_broker_at_bootstrap_servers_fails_fast(tmp_path: Path, capsys: pytes
     assert code == 2 and "kafka.bootstrap_servers" in stderr
 
 
-# ---------------------------------------------------------------------- config-side (udfs/config/__init__.py)
+# ---------------------------------------------------------------------- config-side (udfs/config/sections.py)
 
 
 @pytest.mark.parametrize(("sections", "key", "words"), [

@@ -14,13 +14,12 @@ import yaml
 from udfs.config import (
     DEFAULT_CONFIG,
     JobConfig,
-    Loaded,
-    Rule,
     config_from_dict,
     load_config,
     to_dict,
     with_overrides,
 )
+from udfs.config.loader import Loaded, Rule
 from udfs.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The documentation stays true: docs/configuration.md documents exactly the keys `udfs/config/__init__.py`
+"""The documentation stays true: docs/configuration.md documents exactly the keys `udfs/config/sections.py`
 accepts, the README stays a short front door, and no relative link in it or in docs/ is broken."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_config_reference_documents_every_key_and_only_those() -> None:
     stale = sorted(set(documented) - keys)
     repeated = sorted({key for key in documented if documented.count(key) > 1})
     assert not (missing or stale or repeated), (
-        f"docs/configuration.md is out of step with udfs/config/__init__.py: "
+        f"docs/configuration.md is out of step with udfs/config/sections.py: "
         f"undocumented keys {missing}; documented keys that do not exist {stale}; keys documented twice {repeated}")
 
 

@@ -1,864 +1,131 @@
 """Typed, frozen job configuration loaded from one YAML file.
 
-Every section is a frozen dataclass; `load_config` walks the YAML against the field types
-and fails at start with a `ConfigError` naming the key path (`kafka.group_id: required`),
-so a typo never reaches a running job. A rule on one value sits in its field's type
-(`capacity: PositiveInt`, see `Rule`); a rule relating several fields is the section's
-`validate` method. The objects are pickled to the Python workers
-with the functions that use them, so they live in `udfs/`. Secrets are never in the file:
-`model.api_key_env` / `model.api_key_file` name where the key is, and `kafka.properties`,
-`model.headers` and `cache.redis_url` take `${env:NAME}` / `${file:PATH}` placeholders
-(`udfs/secret_refs.py`), checked at load and resolved only where they are used.
+The package by concern: `sections.py` (one frozen dataclass per section, each value's rules in
+its field's type, a section's own rules in its `validate`), `loader.py` (the generic walk of YAML
+data against those types), `rules.py` (rules across sections, checked once the whole config is
+built), `kafka_security.py` and `json_schema.py` (values the loader reads or checks). Every
+problem is a `ConfigError` naming the key path (`kafka.group_id: required`), so a typo never
+reaches a running job. Secrets are never in the file: `model.api_key_env` /
+`model.api_key_file` name where the key is, and `kafka.properties`, `model.headers` and
+`cache.redis_url` take `${env:NAME}` / `${file:PATH}` placeholders (`udfs/secret_refs.py`),
+checked at load and resolved only where they are used.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-import types
 import typing
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
-from urllib.parse import urlsplit
+from typing import Any
 
 import yaml
 
-from udfs import secret_refs
-from udfs.config import kafka_security
-from udfs.config.json_schema import load_schema
+from udfs.config.loader import build, to_dict
+from udfs.config.rules import validate_job
+from udfs.config.sections import (  # the sections are the package's face: `from udfs.config import JobConfig`
+    ADAPTIVE_MIN_BUNDLE,
+    AVRO_NAME,
+    FORMAT,
+    HTTP_URL,
+    NON_NEGATIVE,
+    NOT_EMPTY,
+    POSITIVE,
+    REDIS_URL,
+    SECRET_HEADERS,
+    TCP_PORT,
+    TEMPLATE,
+    AsyncConfig,
+    BatchConfig,
+    BudgetConfig,
+    CacheConfig,
+    CheckpointConfig,
+    CircuitConfig,
+    EndpointConfig,
+    FallbackConfig,
+    InputConfig,
+    JobConfig,
+    KafkaConfig,
+    LimitsConfig,
+    MetricsConfig,
+    ModelConfig,
+    ModelTlsConfig,
+    Name,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OutputConfig,
+    ParallelismConfig,
+    Port,
+    PositiveFloat,
+    PositiveInt,
+    PriceConfig,
+    PythonConfig,
+    RateLimitConfig,
+    RetryConfig,
+    SchemaRegistryConfig,
+    VectorizedConfig,
+    read_api_key,
+)
 from udfs.errors import ConfigError
-from udfs.records.format_names import FORMATS
-from udfs.records.result import RESULT_FIELDS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "inference.yaml"
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A constraint on one config value, carried in the field's type (`Annotated[int, POSITIVE]`):
-    `holds(value)`, or the load fails at the key's path with `problem`, a text with `{value}`
-    filled in, or a function of the value."""
-
-    holds: Callable[[Any], bool]
-    problem: str | Callable[[Any], str]
-
-    def check(self, value: Any, path: str) -> None:
-        if not self.holds(value):
-            problem = self.problem(value) if callable(self.problem) else self.problem.format(value=value)
-            raise ConfigError(path, problem)
-
-
-class _FieldProbe(dict[str, str]):
-    """Accepts any field name so a template can be checked for syntax alone."""
-
-    def __missing__(self, key: str) -> str:
-        return ""
-
-
-def _template_error(text: str) -> str | None:
-    """Why `text` is not a `str.format` template (fields are not checked, only the syntax)."""
-    try:
-        text.format_map(_FieldProbe())
-    except (ValueError, IndexError) as err:
-        return str(err)
-    return None
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """A value the loader replaces by what it names, carried in the field's type: `load(value, path)`
-    (a schema file becomes the schema). The config then holds what the workers need, and a frozen
-    section never rewrites itself in `validate`."""
-
-    load: Callable[[Any, str], Any]
-
-
-POSITIVE = Rule(lambda v: v > 0, "must be > 0, got {value}")
-NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0, got {value}")
-NOT_EMPTY = Rule(lambda v: v.strip() != "", "must not be empty")
-TCP_PORT = Rule(lambda v: v < 65536, "must be a TCP port (1-65535), got {value}")
-HTTP_URL = Rule(lambda v: v.startswith(("http://", "https://")), "must be an http(s) URL, got {value!r}")
-REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${")),
-                 "must be a redis://, rediss:// or unix:// URL (or a ${{env:...}}/${{file:...}} placeholder), got {value!r}")
-TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
-AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-"""An Avro field name (the spec's rule for names)."""
-FORMAT = Rule(lambda v: v in FORMATS, lambda v: f"expected one of {' | '.join(map(repr, FORMATS))}, got {v!r}")
-"""`input.format` / `output.format`: a name in `FORMATS` (`udfs/records/format_names.py`)."""
-
-PositiveInt = Annotated[int, POSITIVE]
-PositiveFloat = Annotated[float, POSITIVE]
-NonNegativeInt = Annotated[int, NON_NEGATIVE]
-NonNegativeFloat = Annotated[float, NON_NEGATIVE]
-Name = Annotated[str, NOT_EMPTY]
-"""A name, topic, id or address: a string with something in it."""
-Port = Annotated[int, POSITIVE, TCP_PORT]
-
-
-@dataclass(frozen=True)
-class KafkaConfig:
-    """Where requests come from and where results and dead letters go.
-
-    The input is one of `input_topic`, `input_topics` (a list) or `input_topic_pattern` (a Java
-    regular expression; topics that appear later are picked up). `properties` are Kafka client
-    properties (Java names) for every connection, Flink's and llmstream's own (`udfs/config/kafka_security.py`);
-    secrets in them as `${env:NAME}` / `${file:PATH}`. `forward_headers`: which input record headers
-    the output record and the dead letter carry (`all`, `none`, or a list of header names).
-    `discovery_interval_ms`: how often the source looks for new partitions and, with a pattern,
-    new topics.
-    """
-
-    bootstrap_servers: Name
-    output_topic: Name
-    dead_letter_topic: Name
-    group_id: Name
-    transactional_id_prefix: Name
-    input_topic: Name | None = None
-    input_topics: list[Name] | None = None
-    input_topic_pattern: Name | None = None
-    transaction_timeout_ms: PositiveInt = 900_000
-    create_topics: bool = False
-    topic_partitions: PositiveInt = 1
-    properties: dict[str, str] = field(default_factory=dict)
-    forward_headers: Literal["all", "none"] | list[Name] = "all"
-    discovery_interval_ms: PositiveInt = 30_000
-
-    def validate(self, path: str) -> None:
-        given = [key for key in ("input_topic", "input_topics", "input_topic_pattern") if getattr(self, key)]
-        _require(len(given) == 1, _join(path, given[1] if len(given) > 1 else "input_topic"),
-                 "give exactly one of kafka.input_topic, kafka.input_topics, kafka.input_topic_pattern"
-                 + (f" (got {', '.join(given)})" if given else ""))
-        if self.input_topic_pattern is not None:
-            try:
-                pattern = re.compile(self.input_topic_pattern)
-            except re.error as err:
-                raise ConfigError(_join(path, "input_topic_pattern"), f"not a regular expression: {err}") from None
-            for key in ("output_topic", "dead_letter_topic"):
-                _require(not pattern.fullmatch(getattr(self, key)), _join(path, key),
-                         "matches kafka.input_topic_pattern: the job would read its own output")
-        for key in ("output_topic", "dead_letter_topic"):
-            _require(getattr(self, key) not in self.topics(), _join(path, key),
-                     "must differ from the input topic(s)")
-        kafka_security.client_args(self.properties, _join(path, "properties"))
-
-    def topics(self) -> list[str]:
-        """The input topics named in the config (none for a pattern)."""
-        if self.input_topics:
-            return list(self.input_topics)
-        return [self.input_topic] if self.input_topic else []
-
-    def input_description(self) -> str:
-        """The input as one string: a topic, `a;b` for a list, `pattern:<regex>` for a pattern."""
-        if self.input_topic_pattern is not None:
-            return f"pattern:{self.input_topic_pattern}"
-        return ";".join(self.topics())
-
-    def client_args(self) -> dict[str, Any]:
-        """kafka-python keyword arguments for this cluster (bootstrap and security, secrets resolved)."""
-        return {"bootstrap_servers": self.bootstrap_servers,
-                **kafka_security.client_args(self.properties, "kafka.properties")}
-
-
-@dataclass(frozen=True)
-class PriceConfig:
-    """Prices per 1,000 tokens, in any currency; outputs then carry an estimated cost."""
-
-    prompt_per_1k: NonNegativeFloat = 0.0
-    completion_per_1k: NonNegativeFloat = 0.0
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """Micro-batching of `api: embeddings` calls (`udfs/inference/batching.py`): up to `max_size` inputs
-    per request, a partial batch sent once its oldest record has waited `max_wait_ms`.
-    `max_size: 1` (the default) sends one request per record."""
-
-    max_size: PositiveInt = 1
-    max_wait_ms: NonNegativeInt = 5
-
-
-@dataclass(frozen=True)
-class ModelTlsConfig:
-    """TLS towards the model server: a CA bundle to trust (default: the system's), a client
-    certificate and key for mutual TLS. Verification is on; `verify: false` is refused unless
-    `allow_insecure: true` says so too (a test server with a self-signed certificate)."""
-
-    ca_file: Name | None = None
-    client_cert_file: Name | None = None
-    client_key_file: Name | None = None
-    verify: bool = True
-    allow_insecure: bool = False
-
-    def validate(self, path: str) -> None:
-        _require(self.verify or self.allow_insecure, _join(path, "verify"),
-                 "false turns off certificate checks towards the model server; set model.tls.allow_insecure: true "
-                 "as well if that is really meant")
-        _require((self.client_cert_file is None) == (self.client_key_file is None),
-                 _join(path, "client_key_file" if self.client_cert_file else "client_cert_file"),
-                 "client_cert_file and client_key_file go together (mutual TLS)")
-        for key in ("ca_file", "client_cert_file", "client_key_file"):
-            value = getattr(self, key)
-            _require(value is None or Path(value).expanduser().is_file(), _join(path, key),
-                     f"file {value} does not exist")
-
-
-SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
-"""Model request headers whose value is a credential: only placeholders are accepted."""
-
-
-def _check_credentials(path: str, api_key_env: str | None, api_key_file: str | None,
-                       headers: dict[str, str]) -> None:
-    """One key source at most, a key file that can be read, no literal credential in a header."""
-    _require(not (api_key_env and api_key_file), _join(path, "api_key_file"),
-             "give api_key_env or api_key_file, not both")
-    if api_key_file is not None:
-        secret_refs.read_secret_file(api_key_file, _join(path, "api_key_file"))
-    for name, value in headers.items():
-        _require(name.lower() not in SECRET_HEADERS or secret_refs.has_placeholder(value), _join(path, f"headers.{name}"),
-                 "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
-        secret_refs.check(value, _join(path, f"headers.{name}"))
-
-
-def read_api_key(env: str | None, key_file: str | None, path: str) -> str | None:
-    """An API key from its file (`<path>.api_key_file`, checked as a secret file) or its environment
-    variable, read where it is used and never stored: the one reader for the model's key and each
-    fleet endpoint's."""
-    if key_file:
-        return secret_refs.read_secret_file(key_file, _join(path, "api_key_file"))
-    return os.environ.get(env) if env else None
-
-
-@dataclass(frozen=True)
-class EndpointConfig:
-    """One replica or provider of a model fleet (`model.endpoints`, `model.fallback.endpoints`).
-
-    `weight`: its share when routing (weighted least-outstanding requests, `udfs/inference/fleet.py`).
-    `max_concurrency`: calls in flight to it per inference subtask (none: `async.capacity`);
-    adaptive concurrency shrinks it on a 429 from this endpoint only. `requests_per_minute` /
-    `tokens_per_minute`: its own limits, job-wide, each inference subtask taking its share as
-    with `rate_limit`. `api_key_env` / `api_key_file`, `headers`: its credentials and headers
-    (added to `model.headers`; credentials as placeholders only). `model`: the model name sent
-    to it (none: `model.model`, or a record's own override). `name`: its label in metrics and
-    `llmstream status` (none: host:port of `url`)."""
-
-    url: Annotated[str, NOT_EMPTY, HTTP_URL]
-    weight: PositiveFloat = 1.0
-    max_concurrency: PositiveInt | None = None
-    requests_per_minute: PositiveFloat | None = None
-    tokens_per_minute: PositiveFloat | None = None
-    api_key_env: str | None = None
-    api_key_file: Name | None = None
-    model: Name | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    name: Name | None = None
-
-    def validate(self, path: str) -> None:
-        _check_credentials(path, self.api_key_env, self.api_key_file, self.headers)
-
-    @property
-    def label(self) -> str:
-        """`name`, else host:port of the URL."""
-        if self.name:
-            return self.name
-        parts = urlsplit(self.url)
-        return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
-
-    def api_key(self, path: str = "model.endpoints") -> str | None:
-        """The endpoint's API key from the environment or its file, read where it is used, never stored."""
-        return read_api_key(self.api_key_env, self.api_key_file, path)
-
-
-@dataclass(frozen=True)
-class CircuitConfig:
-    """The circuit of each fleet endpoint (`udfs/inference/fleet.py`): it opens after `failures`
-    consecutive connection errors, timeouts or 5xx answers, takes no traffic for `cooldown_s`,
-    then lets one probe through (half-open); a failed probe opens it again for twice as long,
-    up to `max_cooldown_s`; a success closes it."""
-
-    failures: PositiveInt = 5
-    cooldown_s: PositiveFloat = 5.0
-    max_cooldown_s: PositiveFloat = 60.0
-
-    def validate(self, path: str) -> None:
-        _require(self.max_cooldown_s >= self.cooldown_s, _join(path, "max_cooldown_s"),
-                 "must be >= model.circuit.cooldown_s")
-
-
-@dataclass(frozen=True)
-class FallbackConfig:
-    """Another endpoint group (perhaps another model) for when every primary circuit is open,
-    or for a record's attempts after `after_attempts` (none: only when every primary is open)."""
-
-    endpoints: list[EndpointConfig]
-    after_attempts: PositiveInt | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """An OpenAI-compatible endpoint (or a fleet of them) and how to turn a record into a request for it.
-
-    `endpoint` is the one-endpoint shorthand; `endpoints` a fleet (`udfs/inference/fleet.py`: weighted
-    routing, a circuit and adaptive concurrency per endpoint), with `circuit` and `fallback`.
-    Give exactly one of `endpoint` and `endpoints`."""
-
-    endpoint: Annotated[str, NOT_EMPTY, HTTP_URL] | None = None
-    model: Name
-    api: Literal["chat", "completions", "embeddings"] = "chat"
-    api_key_env: str | None = None
-    api_key_file: Name | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    system_prompt: str | None = None
-    prompt_template: Annotated[str, NOT_EMPTY, TEMPLATE] = "{prompt}"
-    max_input_tokens: PositiveInt = 8192
-    on_context_overflow: Literal["dead-letter", "truncate"] = "dead-letter"
-    max_tokens: PositiveInt | None = 256
-    temperature: NonNegativeFloat | None = None
-    prices: PriceConfig | None = None
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    # The most bytes of one answer read from the server (`udfs/inference/transport.py`); past it the
-    # attempt fails as `response_too_large` and the connection is closed (docs/operations.md).
-    max_response_bytes: PositiveInt = 8_388_608
-    # Structured output (udfs/inference/structured.py): a JSON Schema, inline or a file path read at load
-    # (the config then carries the schema itself); how the server is asked for it; how many
-    # more answers an invalid one may be replaced by before the record is dead-lettered.
-    response_format: Annotated[dict[str, Any] | str | None, Loaded(load_schema)] = None
-    response_format_mode: Literal["native", "json_object", "prompt"] = "native"
-    max_invalid_retries: NonNegativeInt = 2
-    tls: ModelTlsConfig = field(default_factory=ModelTlsConfig)
-
-    endpoints: list[EndpointConfig] | None = None
-    circuit: CircuitConfig = field(default_factory=CircuitConfig)
-    fallback: FallbackConfig | None = None
-
-    @property
-    def routed(self) -> bool:
-        """Calls go through a fleet's routing (`udfs/inference/fleet.py`): `endpoints` or a `fallback`."""
-        return self.endpoints is not None or self.fallback is not None
-
-    def validate(self, path: str) -> None:
-        _require((self.endpoint is None) != (self.endpoints is None), _join(path, "endpoint"),
-                 "give exactly one of model.endpoint and model.endpoints"
-                 + (" (got both)" if self.endpoint is not None else ""))
-        _require(not (self.api_key_env and self.api_key_file), _join(path, "api_key_file"),
-                 "give model.api_key_env or model.api_key_file, not both")
-        _check_credentials(path, self.api_key_env, self.api_key_file, self.headers)
-        for group, endpoints in (("endpoints", self.endpoints or []),
-                                 ("fallback.endpoints", self.fallback.endpoints if self.fallback else [])):
-            labels = [e.label for e in endpoints]
-            for i, label in enumerate(labels):
-                _require(label not in labels[:i], _join(path, f"{group}[{i}].name"),
-                         f"another endpoint is labelled {label!r} already; give each a distinct name")
-        _require(self.batch.max_size == 1 or self.api == "embeddings", _join(path, "batch.max_size"),
-                 f"batching needs model.api: embeddings (got {self.api!r}); set it to 1")
-        if self.response_format is not None:
-            _require(self.api != "embeddings", _join(path, "response_format"),
-                     "needs model.api: chat or completions (embeddings answer with vectors)")
-
-
-@dataclass(frozen=True)
-class AsyncConfig:
-    """The async operator: `capacity` bounds in-flight calls per inference subtask.
-
-    Timeouts are enforced inside the coroutine (per attempt and per record), never by the
-    operator's own timeout, which costs one thread per record.
-    """
-
-    capacity: PositiveInt = 64
-    request_timeout_s: PositiveFloat = 30.0
-    record_deadline_s: PositiveFloat = 120.0
-
-    def validate(self, path: str) -> None:
-        _require(self.record_deadline_s >= self.request_timeout_s, _join(path, "record_deadline_s"),
-                 "must be >= async.request_timeout_s")
-
-
-@dataclass(frozen=True)
-class RetryConfig:
-    """Exponential backoff with full jitter; the only retry layer in llmstream."""
-
-    max_attempts: PositiveInt = 10
-    initial_backoff_s: PositiveFloat = 0.5
-    max_backoff_s: PositiveFloat = 30.0
-    max_retry_after_s: PositiveFloat = 60.0
-
-
-@dataclass(frozen=True)
-class RateLimitConfig:
-    """Job-wide provider limits; each inference subtask takes its share by parallelism."""
-
-    requests_per_minute: PositiveFloat | None = None
-    tokens_per_minute: PositiveFloat | None = None
-    adaptive_concurrency: bool = True
-    min_concurrency: PositiveInt = 1
-
-    @property
-    def enabled(self) -> bool:
-        """A requests- or tokens-per-minute limit is set."""
-        return self.requests_per_minute is not None or self.tokens_per_minute is not None
-
-
-@dataclass(frozen=True)
-class ParallelismConfig:
-    """Parallelism of the job and of each stage; `None` means `default`."""
-
-    default: PositiveInt = 1
-    source: PositiveInt | None = None
-    inference: PositiveInt | None = None
-    sink: PositiveInt | None = None
-
-    def of(self, stage: str) -> int:
-        value = getattr(self, stage)
-        return self.default if value is None else int(value)
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Exactly-once output is committed when a checkpoint completes: interval = output latency.
-
-    `directory` is the job's state directory (retained checkpoints and savepoints; every
-    run resumes from the newest snapshot in it); `None` means `var/state/<job name>`.
-    `max_restart_ms` is the longest a restart (a failover, or a crashed run started again)
-    may take before the Kafka transactions of the last checkpoint must still be committable;
-    `tolerable_failed_checkpoints` are checkpoint failures tolerated before the job fails over.
-    Both count towards the transaction-timeout rule (see `transaction_lifetime_ms`).
-    """
-
-    interval_ms: PositiveInt = 5_000
-    timeout_ms: PositiveInt = 600_000
-    min_pause_ms: NonNegativeInt = 0
-    directory: str | None = None
-    max_restart_ms: PositiveInt = 120_000
-    tolerable_failed_checkpoints: NonNegativeInt = 0
-
-    def transaction_lifetime_ms(self) -> int:
-        """The longest a sink transaction can stay open before a checkpoint commits it.
-
-        A transaction opens right after one checkpoint and is committed when the next one
-        completes: one interval plus one checkpoint's duration, times one more for every
-        failed checkpoint tolerated (the transaction stays open across it), plus a restart,
-        after which the restored job commits the pending transaction of its checkpoint.
-        """
-        per_attempt = self.interval_ms + self.timeout_ms
-        return (self.tolerable_failed_checkpoints + 1) * per_attempt + self.max_restart_ms
-
-
-@dataclass(frozen=True)
-class PythonConfig:
-    """Python worker bundles and the checkpoint mode the inference stage needs.
-
-    The stage keeps calls in flight across bundles, so a bundle end waits for nothing; a
-    checkpoint waits for the records of the current bundle still queued for a free slot
-    (about bundle_size / throughput), hence a small bundle. `unaligned_checkpoints` lets the
-    barrier overtake the records buffered in front of the keyed stage (aligned: it queues
-    behind them, tens of seconds under backpressure).
-
-    `bundle_target_ms` > 0: the bundle size follows throughput instead, about that many ms of
-    input records (ticks included, timers not), between `ADAPTIVE_MIN_BUNDLE` and `bundle_size` (`pom-free/gate/AdaptiveBundles.java`,
-    which needs the gate's jar: a JDK's javac). Fast models get fewer bundle ends, slow ones
-    short checkpoint waits; 0: the fixed `bundle_size`."""
-
-    bundle_size: PositiveInt = 100
-    bundle_time_ms: PositiveInt = 1000
-    bundle_target_ms: NonNegativeInt = 0
-    unaligned_checkpoints: bool = True
-
-
-ADAPTIVE_MIN_BUNDLE = 10
-"""The smallest bundle `python.bundle_target_ms` makes (a bundle end costs a few ms of CPU)."""
-
-
-@dataclass(frozen=True)
-class VectorizedConfig:
-    """The vectorized lane (`stage: vectorized`, `udfs/stage/vectorized.py`): Flink hands the
-    Python function `batch_size` records at once (`python.fn-execution.arrow.batch.size`), and
-    the Python bundle is the same size, so a checkpoint waits for about one batch, not for
-    Flink's default 100,000 rows (docs/tuning.md, "Which lane")."""
-
-    batch_size: PositiveInt = 1000
-
-
-@dataclass(frozen=True)
-class LimitsConfig:
-    """Input guards: records beyond these go to the dead-letter topic, never to the model."""
-
-    max_record_bytes: PositiveInt = 1_048_576
-    max_prompt_chars: PositiveInt = 100_000
-    max_id_chars: PositiveInt = 512
-    # Output records larger than this (value + key) are dead-lettered as `result_too_large`
-    # instead of failing the sink (the producer's max.request.size is 1 MiB by default).
-    max_result_bytes: PositiveInt = 1_000_000
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """How a local run (`llmstream run`) exposes its metrics; a cluster's reporters are set in
-    its own configuration (flink-conf/config.yaml).
-
-    `prometheus_port`: serve every Flink metric (llmstream's included) at
-    http://127.0.0.1:<port>/metrics with Flink's Prometheus reporter; none (the default):
-    no exporter, so two runs on one host never fight over a port. `rest_port`: the mini
-    cluster's REST API (web UI, `llmstream status`); none: a free port, written to the
-    state directory for `llmstream status` to find."""
-
-    prometheus_port: Port | None = None
-    rest_port: Port | None = None
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The result cache in front of the model (`udfs/cost/cache.py`): a call whose answer is already
-    stored is not made again, after a restart's replay or for a repeated request.
-
-    `backend`: `local` (SQLite on this machine, shared by its subtasks; what
-    jobs/inference.yaml sets), `redis` (a Redis/Valkey server shared by several machines)
-    or `none` (the default for a config without a `cache` section). `only_deterministic`: cache
-    only requests whose answer is meant to be reproducible (temperature 0 or a fixed seed;
-    embeddings always). `path`: the local store's file; none = `result-cache.sqlite` in the
-    job's state directory. `max_entries` / `max_bytes`: the local store's bounds (oldest
-    entries are evicted). `ttl_s`: how long an answer is reused; none = until evicted."""
-
-    backend: Literal["none", "local", "redis"] = "none"
-    ttl_s: PositiveFloat | None = 604_800.0
-    only_deterministic: bool = True
-    path: str | None = None
-    max_entries: PositiveInt = 1_000_000
-    max_bytes: PositiveInt = 1_073_741_824
-    redis_url: Annotated[str, NOT_EMPTY, REDIS_URL] = "redis://127.0.0.1:6379/0"
-    key_prefix: Name = "llmstream:result:"
-
-    def validate(self, path: str) -> None:
-        if self.backend == "redis":
-            secret_refs.check(self.redis_url, _join(path, "redis_url"))
-
-
-@dataclass(frozen=True)
-class BudgetConfig:
-    """A job-wide spend cap per window (an hour by default), each inference subtask taking
-    its share; past it the stage waits (backpressure), it never fails or drops a record.
-    `max_cost_per_hour` is priced from `model.prices`. `window_s` is the window's length and
-    the caps apply per window. A pause lasts up to a window; the admission gate in front of the
-    stage (`udfs/stage/admission.py`) stops its input meanwhile without holding a checkpoint, which needs
-    unaligned checkpoints (checked)."""
-
-    max_cost_per_hour: PositiveFloat | None = None
-    max_tokens_per_hour: PositiveFloat | None = None
-    window_s: PositiveFloat = 3600.0
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_cost_per_hour is not None or self.max_tokens_per_hour is not None
-
-
-@dataclass(frozen=True)
-class InputConfig:
-    """How an input record's value is read (issue 22: typed topics and change streams).
-
-    `format`: `json` (llmstream's record contract, README) or `avro` (Confluent wire format, the
-    writer's schema fetched by id from `schema_registry`; docs/formats.md). `id_field`: for typed
-    input, the top-level field that is the record's id (none: the Kafka key, as UTF-8). `tombstones`: what a record with a null value
-    becomes: `forward` (a null value with the same key on the output topic; a null key has nothing
-    to delete and is a `null_value` dead letter), `dead-letter` or `skip`. `forward` by default: a
-    null value is Kafka's delete (compacted topics, CDC), and a delete must reach the output as one.
-    """
-
-    format: Annotated[str, FORMAT] = "json"
-    id_field: Name | None = None
-    tombstones: Literal["forward", "dead-letter", "skip"] = "forward"
-
-
-@dataclass(frozen=True)
-class OutputConfig:
-    """How a result record's value is written. `format`: `json` (the record contract) or `avro`
-    (a schema derived from the job config, registered at start under `subject`; docs/formats.md).
-    `carry_fields`: top-level fields of a typed input record copied into its result (avro output).
-    `subject`: the registry subject of the output schema (none: `<kafka.output_topic>-value`,
-    Confluent's TopicNameStrategy)."""
-
-    format: Annotated[str, FORMAT] = "json"
-    carry_fields: list[Name] | None = None
-    subject: Name | None = None
-
-    def validate(self, path: str) -> None:
-        taken = [f.name for f in RESULT_FIELDS]  # every field a result can have (udfs/records/result.py)
-        for name in self.carry_fields or []:
-            _require(AVRO_NAME.fullmatch(name) is not None, _join(path, "carry_fields"),
-                     f"{name!r} is not an Avro field name ([A-Za-z_][A-Za-z0-9_]*)")
-            _require(name not in taken, _join(path, "carry_fields"),
-                     f"{name!r} is a field of the result itself ({', '.join(taken)})")
-
-
-@dataclass(frozen=True)
-class SchemaRegistryConfig:
-    """A Confluent-compatible Schema Registry (Confluent, Apicurio's ccompat API, Karapace), for
-    `input.format: avro` / `output.format: avro` (`udfs/records/registry.py`). `username` / `password`:
-    basic auth, as `${env:NAME}` / `${file:PATH}` placeholders, never literal. `cache_size`:
-    schemas kept by id per worker. `timeout_s`: one request's timeout. `unavailable_timeout_s`:
-    how long a record whose schema is not cached waits for a registry that does not answer
-    (retries with backoff; the stage admits nothing meanwhile, which is backpressure) before it
-    is dead-lettered as `registry_unavailable`."""
-
-    url: Annotated[str, NOT_EMPTY, HTTP_URL]
-    username: Name | None = None
-    password: Name | None = None
-    cache_size: PositiveInt = 1000
-    timeout_s: PositiveFloat = 5.0
-    unavailable_timeout_s: PositiveFloat = 120.0
-
-    def validate(self, path: str) -> None:
-        _require("@" not in urlsplit(self.url).netloc, _join(path, "url"),
-                 "holds credentials; give them as schema_registry.username and schema_registry.password")
-        _require((self.username is None) == (self.password is None),
-                 _join(path, "password" if self.username else "username"),
-                 "username and password go together (basic auth)")
-        _require(self.password is None or secret_refs.has_placeholder(self.password), _join(path, "password"),
-                 "holds a literal credential; write ${file:PATH} or ${env:NAME} instead")
-        for key in ("username", "password"):
-            value = getattr(self, key)
-            if value is not None:
-                secret_refs.check(value, _join(path, key))
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """The whole job. `name` is the Flink job name and part of log lines; `flink` holds any
-    further Flink options for the job (e.g. `restart-strategy.type`), passed through as is."""
-
-    kafka: KafkaConfig
-    model: ModelConfig
-    name: Name = "llmstream-inference"
-    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
-    retry: RetryConfig = field(default_factory=RetryConfig)
-    rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
-    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
-    python: PythonConfig = field(default_factory=PythonConfig)
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    budget: BudgetConfig = field(default_factory=BudgetConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    input: InputConfig = field(default_factory=InputConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    schema_registry: SchemaRegistryConfig | None = None
-    ordering: Literal["none", "per_key"] = "none"
-    stage: Literal["keyed", "vectorized"] = "keyed"
-    vectorized: VectorizedConfig = field(default_factory=VectorizedConfig)
-    flink: dict[str, str] = field(default_factory=dict)
-
-    def validate(self, path: str) -> None:
-        """Rules across sections: transactions outlive checkpoints, batches fit the capacity, a budget
-        can be priced and paused, a result fits the producer's request."""
-        _validate_transactions(self)
-        _require(self.model.batch.max_size <= self.async_.capacity, "model.batch.max_size",
-                 f"{self.model.batch.max_size} is over async.capacity ({self.async_.capacity}), which counts records: "
-                 "a batch could never fill")
-        _require(self.budget.max_cost_per_hour is None or self.model.prices is not None, "budget.max_cost_per_hour",
-                 "needs model.prices to price the calls")
-        _require(not self.budget.enabled or self.python.unaligned_checkpoints, "python.unaligned_checkpoints",
-                 "a spend budget (budget.*) needs unaligned checkpoints: while the budget is paused the admission gate "
-                 "stops the stage's input, and only an unaligned checkpoint barrier gets past a task that is not "
-                 "reading its input")
-        _require(str(self.flink.get("python.execution-mode", "process")).strip().lower() != "thread",
-                 "flink.python.execution-mode",
-                 "thread is not supported: the stage's calls run on a Python thread of its own, and in thread mode "
-                 "(PEMJA) every record and timer waits for that thread to let go of the GIL (measured: fewer than "
-                 "45 records/s; PEMJA also crashed the JVM once); use process, the default")
-        _validate_formats(self)
-        _validate_stage(self)
-        request_limit = int(self.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
-        _require(self.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
-                 f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
-                 f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
-
-    def fleet(self) -> tuple[list[EndpointConfig], list[EndpointConfig]]:
-        """The primary and fallback endpoints; `model.endpoint` is a fleet of one whose
-        credentials and model are the section's own."""
-        model = self.model
-        fallback = list(model.fallback.endpoints) if model.fallback else []
-        if model.endpoints is not None:
-            return list(model.endpoints), fallback
-        assert model.endpoint is not None
-        return [EndpointConfig(url=model.endpoint, api_key_env=model.api_key_env,
-                               api_key_file=model.api_key_file)], fallback
-
-    def api_key(self) -> str | None:
-        """The API key from the environment or its file, read where it is used and never stored."""
-        return read_api_key(self.model.api_key_env, self.model.api_key_file, "model")
-
-
-def _key_of(f: dataclasses.Field[Any]) -> str:
-    return str(f.metadata.get("key", f.name))
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Annotated:
-        return _type_name(get_args(tp)[0])
-    if get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in get_args(tp))
-    if get_origin(tp) in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(tp))
-    if tp is type(None):
-        return "null"
-    if dataclasses.is_dataclass(tp):
-        return "mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    origin = get_origin(tp)
-    if origin is Annotated:
-        base, *rules = get_args(tp)
-        converted = _convert(base, value, path)
-        for rule in rules:
-            if isinstance(rule, Rule):
-                rule.check(converted, path)
-            elif isinstance(rule, Loaded) and converted is not None:
-                converted = rule.load(converted, path)
-        return converted
-    if origin in (Union, types.UnionType):
-        options = get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _convert(option, value, path)
-            except ConfigError as err:
-                errors.append(err)
-        raise errors[0] if len(errors) == 1 else ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise ConfigError(path, f"expected one of {_type_name(tp)}, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(typing.cast(type, tp), value, path)
-    if origin is list:
-        if not isinstance(value, list) or not value:
-            raise ConfigError(path, f"expected a non-empty list, got {value!r}")
-        (itype,) = get_args(tp)
-        return [_convert(itype, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping, got {type(value).__name__}")
-        _, vtype = get_args(tp)
-        return {str(k): _convert(vtype, v, _join(path, str(k))) for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}")
-        return value
-    raise ConfigError(path, f"unsupported type {tp!r}")  # pragma: no cover - a bug in this module
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls, include_extras=True)
-    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(map(str, data)) - set(fields))
-    if unknown:
-        raise ConfigError(_join(path, unknown[0]), f"unknown key (known: {', '.join(sorted(fields))})")
-    kwargs = {}
-    for key, f in fields.items():
-        if key in data:
-            kwargs[f.name] = _convert(hints[f.name], data[key], _join(path, key))
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(_join(path, key), "required")
-    obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate(path)
-    return obj
-
-
-def _require(ok: bool, path: str, problem: str) -> None:
-    if not ok:
-        raise ConfigError(path, problem)
-
-
-# The Kafka producer's default `max.request.size`, and room for a record's headers and framing.
-PRODUCER_MAX_REQUEST_BYTES = 1_048_576
-RECORD_OVERHEAD_BYTES = 1024
-
-
-def _validate_transactions(config: JobConfig) -> None:
-    """A sink transaction must be committed before `kafka.transaction_timeout_ms` runs out, or
-    the broker aborts it and a completed checkpoint's output is lost on restore."""
-    checkpoints = config.checkpointing
-    lifetime = checkpoints.transaction_lifetime_ms()
-    _require(
-        config.kafka.transaction_timeout_ms >= lifetime, "kafka.transaction_timeout_ms",
-        f"{config.kafka.transaction_timeout_ms} ms is shorter than a transaction can stay open: "
-        f"(checkpointing.tolerable_failed_checkpoints + 1) x (checkpointing.interval_ms + "
-        f"checkpointing.timeout_ms) + checkpointing.max_restart_ms = "
-        f"({checkpoints.tolerable_failed_checkpoints} + 1) x ({checkpoints.interval_ms} + {checkpoints.timeout_ms}) "
-        f"+ {checkpoints.max_restart_ms} = {lifetime} ms; raise it (up to the broker's "
-        "transaction.max.timeout.ms) or lower those")
-
-
-def _validate_formats(config: JobConfig) -> None:
-    """Avro needs a registry; the typed-input settings mean nothing for JSON input; a wait for the
-    registry ends before a checkpoint it holds times out."""
-    for key in ("input", "output"):
-        _require(getattr(config, key).format != "avro" or config.schema_registry is not None, f"{key}.format",
-                 "avro needs schema_registry.url (a Confluent-compatible Schema Registry)")
-    _require(config.input.id_field is None or config.input.format == "avro", "input.id_field",
-             "only for input.format: avro (a JSON record's id is its 'id' field)")
-    _require(not config.output.carry_fields or config.input.format == "avro", "output.carry_fields",
-             "needs input.format: avro (the fields are copied from the typed input record)")
-    _require(not config.output.carry_fields or config.output.format == "avro", "output.carry_fields",
-             "needs output.format: avro (the JSON result's fields are fixed by the record contract)")
-    registry = config.schema_registry
-    _require(registry is None or registry.unavailable_timeout_s * 1000 < config.checkpointing.timeout_ms,
-             "schema_registry.unavailable_timeout_s",
-             f"{registry.unavailable_timeout_s if registry else 0:g} s is not shorter than checkpointing.timeout_ms "
-             f"({config.checkpointing.timeout_ms} ms): a record waiting for the registry holds the next checkpoint, "
-             "which would time out and restart the job")
-
-
-def _validate_stage(config: JobConfig) -> None:
-    """What the vectorized lane does not do (yet), refused at load rather than half done."""
-    if config.stage != "vectorized":
-        return
-    keyed_only = "needs the keyed stage (stage: keyed): "
-    unsupported = {
-        "ordering": (config.ordering == "per_key",
-                     keyed_only + "the vectorized lane does not route a key's records to one subtask"),
-        "budget": (config.budget.enabled, keyed_only + "a paused budget would hold the batch in progress, "
-                   "and with it every checkpoint, for up to its window"),
-        "python.bundle_target_ms": (config.python.bundle_target_ms > 0,
-                                    "is for the keyed stage; the vectorized lane's bundle is vectorized.batch_size"),
-        "parallelism.inference": (config.parallelism.of("inference") != config.parallelism.default,
-                                  "the vectorized lane runs at parallelism.default (set that instead)"),
-        "input.format": (config.input.format == "avro", "avro is not yet supported with stage: vectorized"),
-        "output.format": (config.output.format == "avro", "avro is not yet supported with stage: vectorized"),
-    }
-    for key, (refused, why) in unsupported.items():
-        _require(not refused, key, f"{why}")
+__all__ = [
+    "ADAPTIVE_MIN_BUNDLE",
+    "AVRO_NAME",
+    "DEFAULT_CONFIG",
+    "FORMAT",
+    "HTTP_URL",
+    "NON_NEGATIVE",
+    "NOT_EMPTY",
+    "POSITIVE",
+    "REDIS_URL",
+    "SECRET_HEADERS",
+    "TCP_PORT",
+    "TEMPLATE",
+    "AsyncConfig",
+    "BatchConfig",
+    "BudgetConfig",
+    "CacheConfig",
+    "CheckpointConfig",
+    "CircuitConfig",
+    "EndpointConfig",
+    "FallbackConfig",
+    "InputConfig",
+    "JobConfig",
+    "KafkaConfig",
+    "LimitsConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "ModelTlsConfig",
+    "Name",
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "OutputConfig",
+    "ParallelismConfig",
+    "Port",
+    "PositiveFloat",
+    "PositiveInt",
+    "PriceConfig",
+    "PythonConfig",
+    "RateLimitConfig",
+    "RetryConfig",
+    "SchemaRegistryConfig",
+    "VectorizedConfig",
+    "config_from_dict",
+    "load_config",
+    "read_api_key",
+    "to_dict",
+    "with_overrides",
+]
+"""The package's face: the sections (`udfs/config/sections.py`) and the loader's entry points."""
 
 
 def config_from_dict(data: Any) -> JobConfig:
     """Builds a `JobConfig` from already-parsed YAML, validating every key."""
-    return typing.cast(JobConfig, _build(JobConfig, data, ""))
+    config = typing.cast(JobConfig, build(JobConfig, data, ""))
+    validate_job(config)
+    return config
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> JobConfig:
@@ -886,12 +153,3 @@ def with_overrides(config: JobConfig, **sections: Any) -> JobConfig:
     return config_from_dict(data)
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """The config as YAML-ready data, keyed as in the file."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if isinstance(value, list):  # model.endpoints: a list of sections
-            value = [to_dict(item) if dataclasses.is_dataclass(item) else item for item in value]
-        out[_key_of(f)] = to_dict(value) if dataclasses.is_dataclass(value) else value
-    return out

@@ -1,7 +1,7 @@
 """A JSON Schema given in the config: inline, or a JSON/YAML file read when the config loads.
 
 The config loader calls `load_schema` for `model.response_format` (a `Loaded` field, see
-`udfs/config/__init__.py`), so a bad schema is a `ConfigError` naming the key before the job starts, and the
+`udfs/config/sections.py`), so a bad schema is a `ConfigError` naming the key before the job starts, and the
 config then carries the schema itself: a cluster's workers never need the file. It lives apart from
 `udfs/inference/structured.py`, which uses the schema, so that the config depends on neither.
 """

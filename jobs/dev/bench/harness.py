@@ -88,7 +88,7 @@ class LlmstreamSettings:
 
     Only capacity depends on the scenario. The inference stage keeps calls in flight across
     bundles and checkpoints, so the bundle and checkpoint settings are the job config's
-    defaults (`udfs/config/__init__.py`): the benchmark measures the default config.
+    defaults (`udfs/config/sections.py`): the benchmark measures the default config.
     """
 
     capacity: int = 128

@@ -1,0 +1,98 @@
+"""Rules across sections, checked once a whole config is built: the numbers of each rule filled
+in, and every key involved named, so a user sees why two settings cannot go together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from udfs.config.loader import require
+
+if TYPE_CHECKING:
+    from udfs.config.sections import JobConfig
+
+# The Kafka producer's default `max.request.size`, and room for a record's headers and framing.
+PRODUCER_MAX_REQUEST_BYTES = 1_048_576
+RECORD_OVERHEAD_BYTES = 1024
+
+
+def _transactions(config: JobConfig) -> None:
+    """A sink transaction must be committed before `kafka.transaction_timeout_ms` runs out, or
+    the broker aborts it and a completed checkpoint's output is lost on restore."""
+    checkpoints = config.checkpointing
+    lifetime = checkpoints.transaction_lifetime_ms()
+    require(
+        config.kafka.transaction_timeout_ms >= lifetime, "kafka.transaction_timeout_ms",
+        f"{config.kafka.transaction_timeout_ms} ms is shorter than a transaction can stay open: "
+        f"(checkpointing.tolerable_failed_checkpoints + 1) x (checkpointing.interval_ms + "
+        f"checkpointing.timeout_ms) + checkpointing.max_restart_ms = "
+        f"({checkpoints.tolerable_failed_checkpoints} + 1) x ({checkpoints.interval_ms} + {checkpoints.timeout_ms}) "
+        f"+ {checkpoints.max_restart_ms} = {lifetime} ms; raise it (up to the broker's "
+        "transaction.max.timeout.ms) or lower those")
+
+
+def _formats(config: JobConfig) -> None:
+    """Avro needs a registry; the typed-input settings mean nothing for JSON input; a wait for the
+    registry ends before a checkpoint it holds times out."""
+    for key in ("input", "output"):
+        require(getattr(config, key).format != "avro" or config.schema_registry is not None, f"{key}.format",
+                 "avro needs schema_registry.url (a Confluent-compatible Schema Registry)")
+    require(config.input.id_field is None or config.input.format == "avro", "input.id_field",
+             "only for input.format: avro (a JSON record's id is its 'id' field)")
+    require(not config.output.carry_fields or config.input.format == "avro", "output.carry_fields",
+             "needs input.format: avro (the fields are copied from the typed input record)")
+    require(not config.output.carry_fields or config.output.format == "avro", "output.carry_fields",
+             "needs output.format: avro (the JSON result's fields are fixed by the record contract)")
+    registry = config.schema_registry
+    require(registry is None or registry.unavailable_timeout_s * 1000 < config.checkpointing.timeout_ms,
+             "schema_registry.unavailable_timeout_s",
+             f"{registry.unavailable_timeout_s if registry else 0:g} s is not shorter than checkpointing.timeout_ms "
+             f"({config.checkpointing.timeout_ms} ms): a record waiting for the registry holds the next checkpoint, "
+             "which would time out and restart the job")
+
+
+def _stage(config: JobConfig) -> None:
+    """What the vectorized lane does not do (yet), refused at load rather than half done."""
+    if config.stage != "vectorized":
+        return
+    keyed_only = "needs the keyed stage (stage: keyed): "
+    unsupported = {
+        "ordering": (config.ordering == "per_key",
+                     keyed_only + "the vectorized lane does not route a key's records to one subtask"),
+        "budget": (config.budget.enabled, keyed_only + "a paused budget would hold the batch in progress, "
+                   "and with it every checkpoint, for up to its window"),
+        "python.bundle_target_ms": (config.python.bundle_target_ms > 0,
+                                    "is for the keyed stage; the vectorized lane's bundle is vectorized.batch_size"),
+        "parallelism.inference": (config.parallelism.of("inference") != config.parallelism.default,
+                                  "the vectorized lane runs at parallelism.default (set that instead)"),
+        "input.format": (config.input.format == "avro", "avro is not yet supported with stage: vectorized"),
+        "output.format": (config.output.format == "avro", "avro is not yet supported with stage: vectorized"),
+    }
+    for key, (refused, why) in unsupported.items():
+        require(not refused, key, f"{why}")
+
+
+def validate_job(config: JobConfig) -> None:
+    """Rules across sections: transactions outlive checkpoints, batches fit the capacity, a budget
+    can be priced and paused, a result fits the producer's request."""
+    _transactions(config)
+    require(config.model.batch.max_size <= config.async_.capacity, "model.batch.max_size",
+             f"{config.model.batch.max_size} is over async.capacity ({config.async_.capacity}), which counts records: "
+             "a batch could never fill")
+    require(config.budget.max_cost_per_hour is None or config.model.prices is not None, "budget.max_cost_per_hour",
+             "needs model.prices to price the calls")
+    require(not config.budget.enabled or config.python.unaligned_checkpoints, "python.unaligned_checkpoints",
+             "a spend budget (budget.*) needs unaligned checkpoints: while the budget is paused the admission gate "
+             "stops the stage's input, and only an unaligned checkpoint barrier gets past a task that is not "
+             "reading its input")
+    require(str(config.flink.get("python.execution-mode", "process")).strip().lower() != "thread",
+             "flink.python.execution-mode",
+             "thread is not supported: the stage's calls run on a Python thread of its own, and in thread mode "
+             "(PEMJA) every record and timer waits for that thread to let go of the GIL (measured: fewer than "
+             "45 records/s; PEMJA also crashed the JVM once); use process, the default")
+    _formats(config)
+    _stage(config)
+    request_limit = int(config.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
+    require(config.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
+             f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
+             f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
