@@ -74,11 +74,14 @@ def _keys(bootstrap: str, topic: str) -> list[bytes]:
     return [r.key for r in kafka_admin.consume_committed(bootstrap, topic, timeout_s=20)]
 
 
+@pytest.mark.parametrize("stage", ["keyed", "vectorized"])
 def test_avro_in_avro_out_with_an_evolved_schema_bad_bytes_and_a_registry_outage(
         cluster: LocalCluster, kafka_broker: Any, schema_registry: LocalRegistry, fast_simulator: SpawnedSimulator,
-        tmp_path: Path) -> None:
+        tmp_path: Path, stage: str) -> None:
+    """In both lanes: the vectorized one decodes through the same formats (`RecordPath`), and a
+    batch waits for the registry as the keyed stage's bundle does."""
     fast_simulator.admin({})
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, fast_simulator.url, name="avro",
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, fast_simulator.url, name=f"avro-{stage}", stage=stage,
                      model={"prompt_template": "Summarise {title}: {body}", "max_tokens": 8},
                      input={"format": "avro"}, output={"format": "avro", "carry_fields": ["doc_id", "lang", "score"]},
                      schema_registry={"url": schema_registry.url, "unavailable_timeout_s": 300.0})

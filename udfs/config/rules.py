@@ -65,8 +65,6 @@ def _stage(config: JobConfig) -> None:
                                     "is for the keyed stage; the vectorized lane's bundle is vectorized.batch_size"),
         "parallelism.inference": (config.parallelism.of("inference") != config.parallelism.default,
                                   "the vectorized lane runs at parallelism.default (set that instead)"),
-        "input.format": (config.input.format == "avro", "avro is not yet supported with stage: vectorized"),
-        "output.format": (config.output.format == "avro", "avro is not yet supported with stage: vectorized"),
     }
     for key, (refused, why) in unsupported.items():
         require(not refused, key, f"{why}")
