@@ -14,6 +14,7 @@ the output (`udfs/records/__init__.py`).
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from udfs.stage.ordering import HASH_HEX_DIGITS
 
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
+log = logging.getLogger("llmstream.pipeline")
 UDFS_DIR = Path(__file__).resolve().parents[2] / "udfs"
 
 
@@ -418,8 +420,22 @@ def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it.
     `cache_file`: the local result cache's file, as the launch decided it (`jobs.launch.plan.JobBuild`);
     a graph built only to be shown needs none. Returns the admission gate's directory when the job
-    has one (`jobs.graph.gate_operator.open_for_stop`)."""
-    t_env = StreamTableEnvironment.create(env)
+    has one (`jobs.graph.gate_operator.open_for_stop`).
+
+    Built again once, on a new table environment, when the planner fails on a JVM thread it did
+    not start on before anything was added to `env` (`pyflink_private.planner_thread_error`)."""
+    before = private.transformation_count(env)
+    try:
+        return _build_pipeline(env, StreamTableEnvironment.create(env), config, cache_file)
+    except Exception as err:
+        if not private.planner_thread_error(err) or private.transformation_count(env) != before:
+            raise
+        log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job again")
+        return _build_pipeline(env, StreamTableEnvironment.create(env), config, cache_file)
+
+
+def _build_pipeline(env: StreamExecutionEnvironment, t_env: StreamTableEnvironment, config: JobConfig,
+                    cache_file: str | None) -> str | None:
     # The planner names its operators' uids from a process-wide counter (`<id>_...`), so a job
     # built twice, or after a change elsewhere in the graph, would not find its state again.
     # Each Kafka end gets fixed uids instead; the DataStream operators set their own.

@@ -90,3 +90,20 @@ def adaptive_process(keyed: KeyedStream, function: Any, output_type: Any, wrappe
         keyed, function, flink_fn_execution_pb2.UserDefinedDataStreamFunction.KEYED_PROCESS, output_type)
     wrapped = getattr(get_gateway().jvm, wrapper_class).of(made, *wrapper_args)
     return DataStream(keyed._j_data_stream.transform("KEYED PROCESS", j_output_type, wrapped))
+
+
+
+def transformation_count(env: StreamExecutionEnvironment) -> int:
+    """How many transformations `env` holds: whether a failed build added any. PyFlink does not
+    expose the list."""
+    return int(env._j_stream_execution_environment.getTransformations().size())
+
+
+def planner_thread_error(err: BaseException) -> bool:
+    """Whether `err` is the table planner failing on a JVM thread where it never made its cluster
+    (FLINK-23020, open): Calcite keeps its metadata provider in a ThreadLocal, and Py4J hands a
+    Python thread whichever pooled connection, with its JVM thread, came back last, so in a
+    process where other threads called the JVM meanwhile (tests; in-process workers) planning
+    can land on a thread without it: `NullPointerException: metadataHandlerProvider`. A table
+    environment made on the thread at hand plans there (the original one does not recover)."""
+    return "metadataHandlerProvider" in str(err)
