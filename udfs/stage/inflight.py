@@ -1,6 +1,6 @@
 """Calls in flight outside Flink's bundle: an asyncio loop of its own, admission up to a capacity.
 
-PyFlink's async operator drains every call at each bundle end and checkpoint barrier (NOTES),
+PyFlink's async operator drains every call at each bundle end and checkpoint barrier (docs/architecture.md),
 so a checkpoint waits for the slowest model call. `CallRunner` instead runs the calls on an
 event loop in a background thread that outlives bundles: the Flink function hands it a
 coroutine and returns at once, and collects finished results later, per bucket (the key the

@@ -5,7 +5,7 @@
 outside Flink's bundles. So neither a bundle end nor a checkpoint waits for a model call:
 a checkpoint snapshots the pending requests, and a restored job starts them again. This
 replaced PyFlink's `AsyncDataStream`, whose operator drains every call at each bundle end
-and checkpoint barrier (see README, "Architecture", and NOTES for the measurements).
+and checkpoint barrier (see README, "Architecture", and docs/architecture.md for the measurements).
 
 Keys are a few buckets (the input offset modulo `buckets`, computed before the shuffle),
 only so that keyed state and timers exist; they have no meaning. Per bucket:
