@@ -105,8 +105,12 @@ class JobDriver(ABC):
         while stop.savepoint is None:
             stop.poll()
             if stop.savepoint is None and (stop.timed_out or self.ended()):
-                raise ClusterError(stop.error or f"timed out after {timeout_s:g} s waiting for the savepoint "
-                                                  f"of job {self.job_id}")
+                if not stop.timed_out:  # the job ended on the savepoint: its answer may come a moment later
+                    stop.settle()
+                if stop.savepoint is None:
+                    raise ClusterError(stop.error or (
+                        f"timed out after {timeout_s:g} s waiting for the savepoint of job {self.job_id}"
+                        if stop.timed_out else f"job {self.job_id} ended without a savepoint"))
             if stop.savepoint is None:
                 time.sleep(0.2)
         deadline = time.monotonic() + 60

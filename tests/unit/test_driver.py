@@ -334,3 +334,17 @@ def test_a_gateway_gone_mid_watch_ends_the_drive_without_a_traceback() -> None:
 
     outcome = drive(MiniClusterDriver(Client()), StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None)
     assert outcome.state != "RUNNING"
+
+
+def test_a_job_that_ends_before_its_savepoint_is_reported_still_returns_the_savepoint() -> None:
+    """Seen on the standalone cluster: the job reached FINISHED on its savepoint before the REST
+    trigger's answer came; `upgrade` then raised 'timed out after 180 s' 1.6 s after asking."""
+
+    @dataclass
+    class EndsFirst(FakeJob):
+        def trigger_stop(self, *, drain: bool, directory: str) -> Any:
+            attempt = super().trigger_stop(drain=drain, directory=directory)
+            self.state = "FINISHED"
+            return attempt
+
+    assert EndsFirst().stop_with_savepoint(drain=False, directory=SAVEPOINTS, timeout_s=30) == f"{SAVEPOINTS}/savepoint-1"
