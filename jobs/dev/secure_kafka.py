@@ -40,6 +40,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,9 +51,11 @@ from kafka.admin import (  # type: ignore[import-untyped]
     ACL,
     ACLOperation,
     ACLPermissionType,
+    ACLFilter,
     ACLResourcePatternType,
     KafkaAdminClient,
     ResourcePattern,
+    ResourcePatternFilter,
     ResourceType,
 )
 
@@ -339,6 +342,30 @@ def _principal(name: str) -> str:
     return name if name.startswith("User:") else f"User:{name}"
 
 
+def _acl_key(acl: ACL) -> tuple[Any, ...]:
+    pattern = acl.resource_pattern
+    return (acl.principal, acl.host, acl.operation, acl.permission_type,
+            pattern.resource_type, pattern.resource_name, pattern.pattern_type)
+
+
+def _wait_until_enforced(client: KafkaAdminClient, principal: str, acls: Sequence[ACL],
+                         timeout_s: float = 60.0) -> None:
+    """Return once the broker's authorizer lists every one of ``acls`` for ``principal``."""
+    wanted = {_acl_key(acl) for acl in acls}
+    everything = ACLFilter(principal=principal, host="*", operation=ACLOperation.ANY,
+                           permission_type=ACLPermissionType.ANY,
+                           resource_pattern=ResourcePatternFilter(ResourceType.ANY, None, ACLResourcePatternType.ANY))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed, _error = client.describe_acls(everything)
+        missing = wanted - {_acl_key(acl) for acl in listed}
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise BrokerError(f"{len(missing)} ACLs for {principal} not enforced after {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 def job_acls(
     principal: str,
     *,
@@ -593,15 +620,22 @@ class SecureBroker(LocalBroker):
     ) -> list[ACL]:
         """Allow ``principal`` (``job`` or ``User:job``) what the job needs, but ``omit``; see `job_acls`.
 
-        Idempotent (an ACL that exists already is kept). Returns the ACLs; a refused one is a `BrokerError`.
+        Idempotent (an ACL that exists already is kept). Returns the ACLs once the broker enforces them;
+        a refused one is a `BrokerError`.
+
+        The controller acknowledges CreateAcls once the records are in the metadata log; the broker's
+        authorizer applies them a moment later. A client that connects in between is refused (seen in CI:
+        a preflight saw "may not READ" for an ACL created just before), so this waits until DescribeAcls,
+        which the broker answers from its authorizer, lists every one.
         """
         acls = job_acls(principal, input_topics=input_topics, output_topic=output_topic,
                         dead_letter_topic=dead_letter_topic, group_id=group_id,
                         transactional_id_prefix=transactional_id_prefix, prefixed=prefixed, omit=omit)
         with self.admin() as client:
             result = client.create_acls(acls)
-        if result["failed"]:
-            raise BrokerError(f"creating ACLs for {_principal(principal)} failed: {result['failed']}")
+            if result["failed"]:
+                raise BrokerError(f"creating ACLs for {_principal(principal)} failed: {result['failed']}")
+            _wait_until_enforced(client, _principal(principal), acls)
         return acls
 
     # -- LocalBroker's hooks
