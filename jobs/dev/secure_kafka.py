@@ -49,9 +49,9 @@ from typing import Any, Literal, get_args
 import yaml
 from kafka.admin import (  # type: ignore[import-untyped]
     ACL,
+    ACLFilter,
     ACLOperation,
     ACLPermissionType,
-    ACLFilter,
     ACLResourcePatternType,
     KafkaAdminClient,
     ResourcePattern,
