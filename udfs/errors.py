@@ -71,6 +71,19 @@ class InternalError(RecordError):
         return cls(f"{type(err).__name__}: {err}"[:500])
 
 
+class UserFunctionError(RecordError):
+    """A user function (`model.preprocess`, `output.postprocess`; udfs/stage/user_functions.py)
+    raised, returned what cannot be used, or did not return within `async.record_deadline_s`.
+    `detail` names the setting, the function and what happened (the exception, or what was
+    expected). Never a restart: the record is dead-lettered with reason `user_function_error`."""
+
+    reason = "user_function_error"
+
+    def __init__(self, detail: str, *, attempts: int = 0) -> None:
+        super().__init__(detail[:1000])
+        self.attempts = attempts
+
+
 class InferenceError(RecordError):
     """A call to the model server failed; carries what the dead letter needs to explain it.
     Abstract: what is raised is one of its subclasses, each with its own `reason`."""

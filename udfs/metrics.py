@@ -102,7 +102,7 @@ def metric_label(label: str) -> str:
 
 
 COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_limited", "dead_lettered",
-            "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors", "invalid_answers")
+            "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors", "invalid_answers", "dropped")
 
 
 class InferenceMetrics:
@@ -122,6 +122,8 @@ class InferenceMetrics:
     `budget_paused` is 1 while calls wait for the spend budget's next window.
     `invalid_answers` counts answers that did not validate against `model.response_format`
     (each one asked again, or the record dead-lettered as `invalid_model_output`).
+    `dropped` counts records that leave nothing by the user's own functions (`model.skipped: drop`,
+    a postprocess that returns None; docs/user-functions.md).
     """
 
     def __init__(self, group: MetricGroup | None = None) -> None:
@@ -139,6 +141,7 @@ class InferenceMetrics:
         self.cache_misses = Counter()
         self.cache_errors = Counter()
         self.invalid_answers = Counter()
+        self.dropped = Counter()
         self.budget_paused = False
         self.latency_ms = Distribution()
         self.in_flight = 0

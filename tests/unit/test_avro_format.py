@@ -224,3 +224,24 @@ def test_config_rules(sections: dict[str, Any], key: str | None) -> None:
         with pytest.raises(ConfigError) as info:
             config(**data)
     assert info.value.key == key
+
+
+LABEL = {"type": "record", "name": "Label", "namespace": "team", "fields": [
+    {"name": "ticket_id", "type": "long"}, {"name": "label", "type": "string"},
+    {"name": "confidence", "type": ["null", "double"], "default": None}]}
+
+
+def test_with_a_postprocess_the_users_records_are_written_under_output_schema_and_checked() -> None:
+    """`output.postprocess` decides the record: `output.schema` is registered instead of the result
+    schema, and a dict it does not accept raises ValueError naming the field (the stage makes that
+    a `user_function_error` dead letter, tests/unit/test_user_functions.py) instead of writing it."""
+    c, store = avro_format(config(output={"carry_fields": None, "postprocess": "m:f", "schema": LABEL}))
+    c.open()
+    assert store.schemas[c.output_id] == LABEL and store.subjects == {"summaries-value": [c.output_id]}
+    value = c.encode({"ticket_id": 7, "label": "billing", "confidence": 0.9})
+    assert wire_schema_id(value) == c.output_id
+    assert read(value, LABEL) == {"ticket_id": 7, "label": "billing", "confidence": 0.9}
+    with pytest.raises(ValueError, match="ticket_id"):
+        c.encode({"ticket_id": "seven", "label": "billing"})
+    with pytest.raises(ValueError, match="label"):
+        c.encode({"ticket_id": 7})

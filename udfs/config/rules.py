@@ -37,8 +37,16 @@ def _formats(config: JobConfig) -> None:
     for key in ("input", "output"):
         require(getattr(config, key).format != "avro" or config.schema_registry is not None, f"{key}.format",
                  "avro needs schema_registry.url (a Confluent-compatible Schema Registry)")
-    require(config.input.id_field is None or config.input.format == "avro", "input.id_field",
-             "only for input.format: avro (a JSON record's id is its 'id' field)")
+    require(config.input.id_field is None or config.input.format == "avro" or config.model.preprocess is not None,
+             "input.id_field", "only for input.format: avro or with model.preprocess "
+             "(a record-contract JSON record's id is its 'id' field)")
+    output = config.output
+    require(output.postprocess is None or not output.carry_fields, "output.carry_fields",
+            "not with output.postprocess: the function decides the output record's fields")
+    require(output.schema is None or output.postprocess is not None, "output.schema",
+            "only with output.postprocess (without it the Avro result schema is derived from the config)")
+    require(output.postprocess is None or output.format != "avro" or output.schema is not None, "output.schema",
+            "output.postprocess with output.format: avro needs the Avro schema of what the function returns")
     require(not config.output.carry_fields or config.input.format == "avro", "output.carry_fields",
              "needs input.format: avro (the fields are copied from the typed input record)")
     require(not config.output.carry_fields or config.output.format == "avro", "output.carry_fields",

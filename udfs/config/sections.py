@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from udfs import secret_refs
 from udfs.config import kafka_security
-from udfs.config.json_schema import load_schema
+from udfs.config.json_schema import load_avro_schema, load_schema
 from udfs.config.loader import Loaded, Rule, join_key, require
 from udfs.errors import ConfigError
 from udfs.records.format_names import FORMATS
@@ -50,6 +50,10 @@ REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${
 TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
 AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """An Avro field name (the spec's rule for names)."""
+FUNCTION_REF = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+FUNCTION = Rule(lambda v: FUNCTION_REF.fullmatch(v) is not None,
+                "expected 'package.module:function' (a function of an importable module), got {value!r}")
+"""`model.preprocess` / `output.postprocess`: a user function by reference (`udfs/stage/user_functions.py`)."""
 FORMAT = Rule(lambda v: v in FORMATS, lambda v: f"expected one of {' | '.join(map(repr, FORMATS))}, got {v!r}")
 """`input.format` / `output.format`: a name in `FORMATS` (`udfs/records/format_names.py`)."""
 
@@ -276,6 +280,10 @@ class ModelConfig:
     headers: dict[str, str] = field(default_factory=dict)
     system_prompt: str | None = None
     prompt_template: Annotated[str, NOT_EMPTY, TEMPLATE] = "{prompt}"
+    # Your own Python (docs/user-functions.md): record -> prompt, messages or None; `skipped`: what
+    # a record the function returns None for becomes (nothing, or the record itself on the output).
+    preprocess: Annotated[str, FUNCTION] | None = None
+    skipped: Literal["drop", "forward"] = "drop"
     max_input_tokens: PositiveInt = 8192
     on_context_overflow: Literal["dead-letter", "truncate"] = "dead-letter"
     max_tokens: PositiveInt | None = 256
@@ -428,6 +436,9 @@ class PythonConfig:
     bundle_time_ms: PositiveInt = 1000
     bundle_target_ms: NonNegativeInt = 0
     unaligned_checkpoints: bool = True
+    # Directories the user functions' modules are found in (besides the current directory and
+    # sys.path), shipped with the job to every worker (docs/user-functions.md).
+    path: list[Name] | None = None
 
 
 ADAPTIVE_MIN_BUNDLE = 10
@@ -544,6 +555,10 @@ class OutputConfig:
     format: Annotated[str, FORMAT] = "json"
     carry_fields: list[Name] | None = None
     subject: Name | None = None
+    # Your own Python (docs/user-functions.md): (record, result) -> the output value, a dict the
+    # format writes; with avro, `schema` is its Avro schema (inline, or a .avsc/.json file).
+    postprocess: Annotated[str, FUNCTION] | None = None
+    schema: Annotated[dict[str, Any] | str | None, Loaded(load_avro_schema)] = None
 
     def validate(self, path: str) -> None:
         taken = [f.name for f in RESULT_FIELDS]  # every field a result can have (udfs/records/result.py)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import fastavro
+import fastavro.validation
 
 from udfs.errors import BadInput, ConfigError
 from udfs.records import Request, SourceRef
@@ -109,7 +110,10 @@ def avro_field(field: ResultField) -> dict[str, Any]:
 def result_schema(config: JobConfig) -> dict[str, Any]:
     """The output record's Avro schema for this config, derived from its result fields
     (`udfs/records/result.py`; see the module docstring on evolution). `output_json` is the
-    validated answer as JSON text: a typed schema is not derived from the JSON Schema."""
+    validated answer as JSON text: a typed schema is not derived from the JSON Schema. With
+    `output.postprocess`, the user's function decides the record: `output.schema` is its schema."""
+    if config.output.postprocess is not None and config.output.schema is not None:
+        return dict(config.output.schema)  # type: ignore[arg-type]  # loaded as a mapping
     return {"type": "record", "name": "Result", "namespace": NAMESPACE,
             "doc": "An llmstream result (docs/formats.md)", "fields": [avro_field(f) for f in result_fields(config)]}
 
@@ -142,8 +146,10 @@ class AvroFormat:
         self._parsed: dict[int, Any] = {}
         self._output_schema: Any = None
         self.output_id: int | None = None
-        self.fields = result_fields(config)
-        # The top-level fields `encode` converts or fills with null: (name, conversion or None).
+        # A postprocess's dict is the user's record, checked against its schema before it is written;
+        # a result record is llmstream's, whose fields `encode` converts or fills with null.
+        self._user_records = config.output.postprocess is not None
+        self.fields = () if self._user_records else result_fields(config)
         self._prepare = tuple((f.name, CONVERSIONS.get(f.type)) for f in self.fields
                               if f.nullable or f.type in CONVERSIONS)
 
@@ -191,6 +197,11 @@ class AvroFormat:
         if self.output_id is None:
             self.open()
         assert self.output_id is not None
+        if self._user_records:
+            try:
+                fastavro.validation.validate(record, self._output_schema, raise_errors=True)
+            except fastavro.validation.ValidationError as err:
+                raise ValueError(f"a record output.schema does not accept: {err}"[:500]) from None
         body = dict(record)
         for name, convert in self._prepare:
             value = body.get(name, ABSENT)
@@ -225,8 +236,8 @@ class AvroFormat:
         self._parsed[schema_id] = parsed
         return parsed
 
-    def decode(self, key: bytes | None, value: bytes, source: SourceRef, limits: LimitsConfig) -> Request:
-        """One wire-format record as a `Request` (prompt from the template, fields for it and the carry)."""
+    def read(self, value: bytes, limits: LimitsConfig) -> dict[str, Any]:
+        """One wire-format value as the record its writer's schema reads (`BadInput` if it is not one)."""
         if len(value) > limits.max_record_bytes:
             raise BadInput("record_too_large", f"value has {len(value)} bytes, limit {limits.max_record_bytes}")
         schema_id = wire_schema_id(value)
@@ -245,6 +256,11 @@ class AvroFormat:
                                            f"schema id {schema_id}")
         if not isinstance(record, dict):
             raise BadInput("schema_error", f"schema id {schema_id} is not a record schema")
+        return record
+
+    def decode(self, key: bytes | None, value: bytes, source: SourceRef, limits: LimitsConfig) -> Request:
+        """One wire-format record as a `Request` (prompt from the template, fields for it and the carry)."""
+        record = self.read(value, limits)
         return Request(id=self._id(key, record, limits), key=key, source=source, fields=record, raw=value)
 
     def _id(self, key: bytes | None, record: dict[str, Any], limits: LimitsConfig) -> str:

@@ -34,9 +34,16 @@ def result_row(request: Request, completion: Completion, topic: str, max_bytes: 
     Raises `ResultTooLarge` when key + value + headers exceed `max_bytes` (`limits.max_result_bytes`):
     the caller dead-letters the record rather than let the sink fail on it.
     """
-    value = result_value(request, completion, fmt)
-    size = len(value) + len(request.key or b"") + headers_size(headers)
+    return sized_row(request.key, result_value(request, completion, fmt), topic, max_bytes, headers,
+                     completion.attempts)
+
+
+def sized_row(key: bytes | None, value: bytes | None, topic: str, max_bytes: int | None,
+              headers: SinkHeaders | None, attempts: int = 0) -> SinkRow:
+    """The sink row of an outgoing value (a result, a postprocess's record, a record passed
+    through); `ResultTooLarge` when key + value + headers exceed `max_bytes`."""
+    size = len(value or b"") + len(key or b"") + headers_size(headers)
     if max_bytes is not None and size > max_bytes:
         raise ResultTooLarge(f"the output record would be {size} bytes, over limits.max_result_bytes ({max_bytes})",
-                             attempts=completion.attempts)
-    return SinkRow(request.key, value, topic, headers or None)
+                             attempts=attempts)
+    return SinkRow(key, value, topic, headers or None)

@@ -34,6 +34,11 @@ class RecordFormat(Protocol):
 
     fields: tuple[ResultField, ...]
 
+    def read(self, value: bytes, limits: LimitsConfig) -> dict[str, Any]:
+        """The value as the record it holds, whatever its fields (`BadInput` if it holds none): what
+        a user's preprocess gets (`udfs/stage/user_functions.py`); `decode` is `read` and the
+        format's own rules for a request."""
+
     def decode(self, key: bytes | None, value: bytes, source: SourceRef, limits: LimitsConfig) -> Request: ...
 
     def encode(self, record: dict[str, Any]) -> bytes: ...

@@ -52,7 +52,7 @@ def _parse(value: bytes) -> Any:
         raise BadInput("invalid_json", str(err)[:200]) from None
 
 
-def _string(record: dict[str, Any], name: str, *, max_chars: int, reason_empty: str) -> str:
+def checked_text(record: dict[str, Any], name: str, *, max_chars: int, reason_empty: str) -> str:
     value = record.get(name)
     if not isinstance(value, str):
         raise BadInput("wrong_type", f"'{name}' must be a string, got {type(value).__name__}")
@@ -64,7 +64,7 @@ def _string(record: dict[str, Any], name: str, *, max_chars: int, reason_empty: 
     return value
 
 
-def _messages(value: Any, limits: LimitsConfig) -> tuple[dict[str, Any], ...]:
+def checked_messages(value: Any, limits: LimitsConfig) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise BadInput("invalid_messages", "'messages' must be a non-empty list")
     total = 0
@@ -84,7 +84,7 @@ def _messages(value: Any, limits: LimitsConfig) -> tuple[dict[str, Any], ...]:
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
-def _params(value: Any) -> dict[str, Any]:
+def checked_params(value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -128,27 +128,33 @@ class JsonFormat:
     def close(self) -> None:
         pass
 
-    def decode(self, key: bytes | None, value: bytes, source: SourceRef, limits: LimitsConfig) -> Request:
-        """Validates one value against the record contract; raises `BadInput` if it cannot be a request."""
+    def read(self, value: bytes, limits: LimitsConfig) -> dict[str, Any]:
+        """The value as a JSON object, whatever its fields (a user's preprocess makes the request of
+        it); raises `BadInput` if it is not one."""
         if len(value) > limits.max_record_bytes:
             raise BadInput("record_too_large", f"value has {len(value)} bytes, limit {limits.max_record_bytes}")
         record = _parse(value)
         if not isinstance(record, dict):
             raise BadInput("not_an_object", f"value is a JSON {type(record).__name__}, expected an object")
+        return record
+
+    def decode(self, key: bytes | None, value: bytes, source: SourceRef, limits: LimitsConfig) -> Request:
+        """Validates one value against the record contract; raises `BadInput` if it cannot be a request."""
+        record = self.read(value, limits)
         if "id" not in record:
             raise BadInput("missing_field", "'id' is required")
-        request_id = _string(record, "id", max_chars=limits.max_id_chars, reason_empty="empty_id")
+        request_id = checked_text(record, "id", max_chars=limits.max_id_chars, reason_empty="empty_id")
         has_prompt, has_messages = "prompt" in record, "messages" in record
         if has_prompt == has_messages:
             raise BadInput("missing_field" if not has_prompt else "ambiguous_input",
                            "exactly one of 'prompt' and 'messages' is required")
         prompt = messages = None
         if has_prompt:
-            prompt = _string(record, "prompt", max_chars=limits.max_prompt_chars, reason_empty="empty_prompt")
+            prompt = checked_text(record, "prompt", max_chars=limits.max_prompt_chars, reason_empty="empty_prompt")
         else:
-            messages = _messages(record["messages"], limits)
+            messages = checked_messages(record["messages"], limits)
         return Request(id=request_id, key=key, source=source, prompt=prompt, messages=messages,
-                       params=_params(record.get("params")), fields=record, raw=value)
+                       params=checked_params(record.get("params")), fields=record, raw=value)
 
     def encode(self, record: dict[str, Any]) -> bytes:
         return fastjson.dumps(record)

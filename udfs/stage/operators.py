@@ -176,6 +176,9 @@ class InferenceStage(KeyedProcessFunction):
         formats = getattr(self, "_formats", None)
         if formats is not None:
             formats.close()  # e.g. the registry client's connections
+        path = getattr(self, "_path", None)
+        if path is not None:
+            path.close()
 
     # ------------------------------------------------------------------ Flink callbacks
     def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
@@ -325,7 +328,7 @@ class InferenceStage(KeyedProcessFunction):
         if order is None or not order.waiting(bucket, record.key):
             if reissue:
                 self._pending.remove(handle)
-            yield self._out(outcome)
+            yield from self._out(outcome)
             return
         if not reissue:
             self._pending.put(handle, record)
@@ -345,7 +348,7 @@ class InferenceStage(KeyedProcessFunction):
                 outcome = (self._dead_letter(err, self._stored(handle)), err.reason)
             if order is None:
                 self._pending.remove(handle)
-                yield self._out(outcome)
+                yield from self._out(outcome)
             else:
                 yield from self._release(order.finish(handle, outcome))
         self._outstanding[bucket] -= len(done)
@@ -354,14 +357,16 @@ class InferenceStage(KeyedProcessFunction):
     def _release(self, released: list[tuple[Any, Outcome]]) -> Iterator[Row]:
         for handle, outcome in released:
             self._pending.remove(handle)
-            yield self._out(outcome)
+            yield from self._out(outcome)
 
-    def _out(self, outcome: Outcome) -> Row:
-        """An outcome as the row it leaves as, its dead letter counted by reason."""
+    def _out(self, outcome: Outcome) -> Iterator[Row]:
+        """An outcome as the row it leaves as (none for a record the user's functions drop), its
+        dead letter counted by reason."""
         row, dead_letter_reason = outcome
         if dead_letter_reason is not None:
             self._metrics.dead_letter(dead_letter_reason)
-        return _row(row)
+        if row is not None:
+            yield _row(row)
 
     def _flush(self, bucket: Any) -> Iterator[Row]:
         """End of input: every call of `bucket`, waited for and emitted."""

@@ -1,22 +1,23 @@
 """What one input record becomes, in either lane: a result row, a dead letter, a forwarded
-tombstone, or nothing (a skipped tombstone).
+tombstone, or nothing (a skipped tombstone, or a record the user's functions drop).
 
 The keyed lane (`udfs/stage/operators.py`) and the vectorized lane (`udfs/stage/vectorized.py`)
 differ only in where a record waits for its call (keyed state and a call loop outside Flink's
 bundles, or the Arrow batch in progress); the rules for a record are the same, so they are
 written once here: tombstones by `input.tombstones`, decode with its dead letters, the call
-through `InferenceClient` (retries, deadlines, fleet, cache, budget), the output record, the
-forwarded headers, and the one place a record becomes a dead letter. Nothing here raises for a
+through `InferenceClient` (retries, deadlines, fleet, cache, budget), the user's own functions
+around it (`model.preprocess`, `output.postprocess`: `udfs/stage/user_functions.py`), the output
+record, the forwarded headers, and the one place a record becomes a dead letter. Nothing here raises for a
 record: every failure is a dead letter with its reason.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from udfs.config import JobConfig
-from udfs.errors import BadInput, InternalError, RecordError
+from udfs.errors import BadInput, InternalError, RecordError, UserFunctionError
 from udfs.records import (
     PendingRecord,
     Request,
@@ -26,7 +27,10 @@ from udfs.records import (
     forwarded_headers,
 )
 from udfs.records.decode import decode, record_id
-from udfs.records.encode import result_row
+from udfs.records.encode import result_row, sized_row
+from udfs.records.json_format import CONTRACT_FIELDS
+from udfs.records.result import result_record
+from udfs.stage.user_functions import UserFunctions, provisional_id, references
 
 if TYPE_CHECKING:
     from udfs.inference.client import InferenceClient
@@ -35,8 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmstream.udfs")
 
-Outcome = tuple[SinkRow, str | None]
-"""What a record becomes: its outgoing row and, for a dead letter, the reason."""
+Outcome = tuple[SinkRow | None, str | None]
+"""What a record becomes: its outgoing row (None: nothing leaves, a record the user's functions
+drop) and, for a dead letter, the reason."""
 
 SKIP = None
 """`RecordPath.prepare`'s answer for a record that leaves nothing behind (`input.tombstones: skip`)."""
@@ -51,10 +56,23 @@ class RecordPath:
         self._client = client
         self._formats = formats
         self._metrics = metrics
+        self._user = UserFunctions(config) if references(config) else None
+        self._preprocess = self._user is not None and self._user.preprocess is not None
+        self._postprocess = self._user is not None and self._user.postprocess is not None
+
+    @property
+    def user_functions(self) -> int:
+        """How many user functions a record goes through (each may take up to the record deadline)."""
+        return self._user.count if self._user is not None else 0
+
+    def close(self) -> None:
+        if self._user is not None:
+            self._user.close()
 
     def prepare(self, record: PendingRecord) -> Request | Outcome | None:
         """The request to call the model with, or the outcome a record gets without a call (bad
-        input, a forwarded tombstone), or `SKIP`."""
+        input, a forwarded tombstone), or `SKIP`. With a preprocess the request has the record's
+        fields but no prompt yet: `call` asks the function for it."""
         tombstones = self._config.input.tombstones
         if record.value is None and tombstones != "dead-letter":
             if tombstones == "skip":
@@ -62,6 +80,8 @@ class RecordPath:
             if record.key is not None:  # forward; without a key there is nothing to delete: a dead letter
                 return SinkRow(record.key, None, self._config.kafka.output_topic, self.forwarded(record)), None
         try:
+            if self._preprocess:
+                return self._unshaped(record)
             return decode(record.key, record.value, record.source, self._config.limits, self._formats.input)
         except BadInput as err:
             self._metrics.bad_input.inc()
@@ -72,11 +92,31 @@ class RecordPath:
             failure = InternalError.from_exception(err)
             return self.dead_letter(failure, record), failure.reason
 
+    def _unshaped(self, record: PendingRecord) -> Request:
+        """The record read by the input format, for the preprocess to make a request of."""
+        if record.value is None:
+            raise BadInput("null_value", "record value is null (a tombstone?)")
+        fields = self._formats.input.read(record.value, self._config.limits)
+        return Request(id=provisional_id(fields, record.key, record.handle, self._config.input.id_field),
+                       key=record.key, source=record.source, fields=fields, raw=record.value)
+
     async def call(self, request: Request, record: PendingRecord) -> Outcome:
-        """The output row of `request`, or its dead letter and reason; never raises."""
+        """The output row of `request` (none for a record the user's functions drop), or its dead
+        letter and reason; never raises."""
         failure: RecordError
         try:
+            if self._preprocess:
+                assert self._user is not None
+                shaped = await self._user.request(request, self._config.limits)
+                if shaped is None:
+                    return await self._skipped(request, record), None
+                request = shaped
             completion = await self._client.complete(request)
+            if self._postprocess:
+                assert self._user is not None
+                result = result_record(request, completion, CONTRACT_FIELDS)
+                value = await self._user.output(request.fields, result, completion.attempts)
+                return self._user_row(request, value, record, completion.attempts), None
             return result_row(request, completion, self._config.kafka.output_topic,
                               self._config.limits.max_result_bytes, self.forwarded(record), self._formats.output), None
         except InternalError as err:
@@ -88,6 +128,33 @@ class RecordPath:
             log.exception("unexpected error in inference for id=%s", request.id)
             failure = InternalError.from_exception(err)
         return self.dead_letter(failure, record, request.id), failure.reason
+
+    async def _skipped(self, request: Request, record: PendingRecord) -> SinkRow | None:
+        """A record the preprocess needs no call for (`model.skipped`): nothing, or on the output
+        topic as it came (or as the postprocess makes it of no result)."""
+        if self._config.model.skipped == "drop":
+            self._metrics.dropped.inc()
+            return None
+        if self._postprocess:
+            assert self._user is not None
+            return self._user_row(request, await self._user.output(request.fields, None, 0), record, 0)
+        return sized_row(record.key, record.value, self._config.kafka.output_topic,
+                         self._config.limits.max_result_bytes, self.forwarded(record))
+
+    def _user_row(self, request: Request, value: dict[str, Any] | None, record: PendingRecord,
+                  attempts: int) -> SinkRow | None:
+        """A postprocess's value written by the output format (none for None)."""
+        if value is None:
+            self._metrics.dropped.inc()
+            return None
+        try:
+            written = self._formats.output.encode(value)
+        except (TypeError, ValueError, OverflowError) as err:
+            raise UserFunctionError(f"output.postprocess {self._config.output.postprocess} returned a dict the "
+                                    f"output format ({self._config.output.format}) cannot write: {err}",
+                                    attempts=attempts) from None
+        return sized_row(request.key, written, self._config.kafka.output_topic,
+                         self._config.limits.max_result_bytes, self.forwarded(record), attempts)
 
     def forwarded(self, record: PendingRecord) -> SinkHeaders:
         return forwarded_headers(record.headers, self._config.kafka.forward_headers)

@@ -119,16 +119,20 @@ class VectorizedInference(ScalarFunction):
         formats = getattr(self, "_formats", None)
         if formats is not None:
             formats.close()
+        path = getattr(self, "_path", None)
+        if path is not None:
+            path.close()
 
     def eval(self, k: Any, v: Any, topic: Any, partition: Any, offset: Any, ts: Any, headers: Any) -> Any:
         outcomes = self.outcomes(self.records(k, v, topic, partition, offset, ts, headers))
+        rows = [o[0] if o is not None else None for o in outcomes]
         return pd.DataFrame({
-            "k": pd.Series([o[0].key if o else None for o in outcomes], dtype=object),
-            "v": pd.Series([o[0].value if o else None for o in outcomes], dtype=object),
-            "topic": pd.Series([o[0].topic if o else None for o in outcomes], dtype=object),
-            "headers": pd.Series([list(o[0].headers.items()) if o and o[0].headers else None for o in outcomes],
+            "k": pd.Series([r.key if r else None for r in rows], dtype=object),
+            "v": pd.Series([r.value if r else None for r in rows], dtype=object),
+            "topic": pd.Series([r.topic if r else None for r in rows], dtype=object),
+            "headers": pd.Series([list(r.headers.items()) if r and r.headers else None for r in rows],
                                  dtype=object),
-            "emit": pd.Series([o is not None for o in outcomes], dtype=bool),
+            "emit": pd.Series([r is not None for r in rows], dtype=bool),
         })
 
     @staticmethod
@@ -157,10 +161,11 @@ class VectorizedInference(ScalarFunction):
             else:
                 outcomes[i] = prepared
         if calls:
-            timeout_s = self._config.async_.record_deadline_s + DEADLINE_SLACK_S
+            # The call and each user function may take up to the record deadline.
+            timeout_s = self._config.async_.record_deadline_s * (1 + self._path.user_functions) + DEADLINE_SLACK_S
             answers = self._runner.run_sync(self._batch(calls, timeout_s), timeout_s + DEADLINE_SLACK_S)
             for (i, _, _), outcome in zip(calls, answers, strict=True):
-                outcomes[i] = outcome
+                outcomes[i] = outcome if outcome[0] is not None else None  # None: the user's functions dropped it
         for outcome in outcomes:
             if outcome is not None and outcome[1] is not None:
                 self._metrics.dead_letter(outcome[1])
