@@ -26,15 +26,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoints and savepoints (default: checkpointing.directory, else var/state/<name>)")
     parser.add_argument("--jar", action="append", default=None,
                         help="connector jar URL (default: the pom-free cache)")
+    parser.add_argument("--python-file", action="append", default=None,
+                        help="a user function's module to ship (default: found from the config's python.path)")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
     except ConfigError as err:
         print(f"llmstream: config error: {err}", file=sys.stderr)
         return 2
-    build = job_build(config, StateDir.for_job(config, args.state_dir),
-                      args.jar if args.jar is not None else jars.connector_jar_urls())
-    env = create_environment(config, list(build.jar_urls), state=build.state)
+    try:
+        build = job_build(config, StateDir.for_job(config, args.state_dir),
+                          args.jar if args.jar is not None else jars.connector_jar_urls(), args.python_file)
+    except ConfigError as err:
+        print(f"llmstream: config error: {err}", file=sys.stderr)
+        return 2
+    env = create_environment(config, list(build.jar_urls), state=build.state, python_files=build.python_files)
     build_pipeline(env, config, cache_file=build.cache_file)
     env.execute(config.name)
     return 0

@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from jobs.clients.flink_rest import ClusterError, last_error_line
@@ -66,7 +66,7 @@ def python_jar() -> Path:
 
 def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Mapping[str, str],
                    savepoint: str | None = None, state_dir: str | None = None, leave_behind: bool = False,
-                   timeout: float = 180.0) -> str:
+                   python_files: Sequence[str] = (), timeout: float = 180.0) -> str:
     """Runs ``bin/flink run -d ... -py jobs/inference_job.py --config FILE``; returns the job id.
 
     ``-pyexec``/``-pyclientexec`` are this interpreter, so the client and the Python workers
@@ -76,6 +76,8 @@ def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Ma
     ``savepoint`` (``-s``) resumes from a savepoint or a retained checkpoint, ``leave_behind``
     (``-n``) dropping its state for operators the job lacks (`jobs.graph.gate_operator.left_behind`); ``state_dir`` is
     where the job keeps its checkpoints and savepoints (default: from the job config).
+    ``python_files``: the user functions' modules (`jobs.launch.plan.user_modules`), found where
+    the command was given and shipped by the job script (``flink run`` runs it from the checkout).
     """
     config = Path(config_path).expanduser().resolve()
     cmd = [str(flink_home() / "bin" / "flink"), "run", "-d", "-m", address,
@@ -87,6 +89,8 @@ def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Ma
     cmd += ["-py", str(jars.repo_root() / JOB_SCRIPT), "--config", str(config)]
     if state_dir:
         cmd += ["--state-dir", state_dir]
+    for python_file in python_files:
+        cmd += ["--python-file", python_file]
     log.info("submitting: %s", " ".join(cmd))
     try:
         proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +198,10 @@ def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateD
 
 def create_environment(config: JobConfig, jar_urls: list[str], *, state: StateDir | None = None,
                        restore_from: str | None = None, leave_behind: bool = False,
-                       local_rest_port: int | None = None) -> StreamExecutionEnvironment:
-    """A stream environment configured for this job (mini cluster or cluster client)."""
+                       local_rest_port: int | None = None,
+                       python_files: Sequence[str] = ()) -> StreamExecutionEnvironment:
+    """A stream environment configured for this job (mini cluster or cluster client), shipping
+    `udfs/` and `python_files` (the user functions' modules, `jobs.launch.plan.user_modules`)."""
     env = StreamExecutionEnvironment.get_execution_environment(
         flink_configuration(config, jar_urls, state=state, restore_from=restore_from,
                             leave_behind=leave_behind, local_rest_port=local_rest_port))
@@ -209,6 +212,8 @@ def create_environment(config: JobConfig, jar_urls: list[str], *, state: StateDi
     checkpoint_config.set_checkpoint_timeout(checkpoints.timeout_ms)
     checkpoint_config.set_min_pause_between_checkpoints(checkpoints.min_pause_ms)
     env.add_python_file(str(UDFS_DIR))
+    for path in python_files:
+        env.add_python_file(path)
     return env
 
 

@@ -9,6 +9,7 @@ point (`jobs/inference_job.py`), and handed on as values: nothing rewrites the c
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,8 +29,14 @@ from jobs.state.snapshots import (
 )
 from udfs.config import JobConfig
 from udfs.cost.cache import CACHE_FILE
+from udfs.stage.user_functions import (
+    load_function,
+    references,
+    search_path,
+    shipped_paths,
+)
 
-__all__ = ["JobBuild", "LaunchPlan", "RunOptions", "Site", "job_build", "prepare", "result_cache_file"]
+__all__ = ["JobBuild", "LaunchPlan", "RunOptions", "Site", "job_build", "prepare", "result_cache_file", "user_modules"]
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,13 @@ class JobBuild:
 
     `state`: the job's state directory (checkpoints, savepoints). `jar_urls`: the Kafka connector's
     jars for ``pipeline.jars``. `cache_file`: the local result cache's file (`result_cache_file`),
-    None for another backend; the stage takes it with it to its workers."""
+    None for another backend; the stage takes it with it to its workers. `python_files`: the
+    modules of the job's user functions, shipped to every worker (`user_modules`)."""
 
     state: StateDir
     jar_urls: tuple[str, ...]
     cache_file: str | None
+    python_files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,15 +113,35 @@ def result_cache_file(config: JobConfig, state: StateDir) -> str | None:
     return str((directory / CACHE_FILE).resolve())
 
 
-def job_build(config: JobConfig, state: StateDir, jar_urls: Sequence[str]) -> JobBuild:
-    """The `JobBuild` of `config` with its state in `state` and connector jars `jar_urls`."""
-    return JobBuild(state=state, jar_urls=tuple(jar_urls), cache_file=result_cache_file(config, state))
+def user_modules(config: JobConfig) -> tuple[str, ...]:
+    """Loads the job's user functions (`model.preprocess`, `output.postprocess`) here, looking in
+    `python.path` and the current directory before the installed packages, and returns the files
+    and package directories that ship them to the workers. A module or function that cannot be
+    loaded is a `ConfigError` naming its key: one line at start, not a worker that fails to open."""
+    named = references(config)
+    if not named:
+        return ()
+    for path in reversed(search_path(config)):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    for key, ref in named:
+        load_function(ref, key)
+    return tuple(str(path) for path in shipped_paths(config))
+
+
+def job_build(config: JobConfig, state: StateDir, jar_urls: Sequence[str],
+              python_files: Sequence[str] | None = None) -> JobBuild:
+    """The `JobBuild` of `config` with its state in `state`, connector jars `jar_urls` and the user
+    functions' modules `python_files` (None: found here, `user_modules`)."""
+    files = tuple(python_files) if python_files is not None else user_modules(config)
+    return JobBuild(state=state, jar_urls=tuple(jar_urls), cache_file=result_cache_file(config, state),
+                    python_files=files)
 
 
 def prepare(config: JobConfig, options: RunOptions, site: Site, *,
             report: Callable[[str], None] = print) -> LaunchPlan:
     """The launch sequence, in this order: the state directory (`--state-dir`, else
-    `checkpointing.directory`; made if missing), the config against the broker
+    `checkpointing.directory`; made if missing), the user functions (`user_modules`), the config against the broker
     (`jobs.launch.preflight`), `site.reach()`, the connector's and the admission gate's jars,
     `site.claim(state)`, the state's identity (`jobs.state.snapshots.check_identity`), the
     snapshot to resume from and whether its gate state is left behind (both reported), and the
@@ -121,6 +150,7 @@ def prepare(config: JobConfig, options: RunOptions, site: Site, *,
     Each check raises as it always has: a `ConfigError` naming the setting (exit 2), or the error
     of the jar, the cluster or the state directory that failed. Nothing is started."""
     state = checked_state_dir(config, options.state_dir, create=True)
+    python_files = user_modules(config)
     preflight.check(config)
     site.reach()
     jars.ensure("connector")
@@ -133,7 +163,8 @@ def prepare(config: JobConfig, options: RunOptions, site: Site, *,
     if leave_behind:
         report(f"llmstream: {leave_behind}")
     end_offsets = _end_offsets(config) if options.until_end else None
-    return LaunchPlan(build=job_build(config, state, jars.connector_jar_urls()), restore=restore, resume=resume,
+    return LaunchPlan(build=job_build(config, state, jars.connector_jar_urls(), python_files),
+                      restore=restore, resume=resume,
                       leave_behind=leave_behind, end_offsets=end_offsets)
 
 

@@ -125,7 +125,8 @@ def _run(config: JobConfig, options: RunOptions, plan: LaunchPlan, archive: Gate
             report(f"llmstream: {workers} inference subtasks, each with a Python worker process of its own")
         with flink_log_dir(state), _archive_applied(archive, state):
             env = create_environment(config, list(plan.build.jar_urls), state=state, restore_from=restore,
-                                     leave_behind=plan.leave_behind is not None, local_rest_port=rest_port)
+                                     leave_behind=plan.leave_behind is not None, local_rest_port=rest_port,
+                                     python_files=plan.build.python_files)
         gate_dir = build_pipeline(env, config, cache_file=plan.build.cache_file)
         stack.callback(gate.forget, gate_dir)
         flink_log = FlinkLog.of_this_jvm()

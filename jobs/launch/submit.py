@@ -79,7 +79,7 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     plan = prepare(config, options, cluster)
     state = plan.build.state
     job_id = run_job_script(path, cluster.address, env=cluster.env, savepoint=plan.restore, state_dir=state.location,
-                            leave_behind=plan.leave_behind is not None)
+                            leave_behind=plan.leave_behind is not None, python_files=plan.build.python_files)
     print(f"llmstream: submitted job {config.name} as {job_id}")
     print(f"llmstream: web UI {cluster.rest.rest_url}/#/job/running/{job_id}/overview")
     if plan.end_offsets is not None:
@@ -153,9 +153,11 @@ def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: s
     the broker and the cluster are checked first, so a broken one never stops a healthy job.
     Returns 0; raises as `submit` does."""
     from jobs.launch import preflight
+    from jobs.launch.plan import user_modules
 
     path, config = _load(config_path)
     state = checked_state_dir(config, state_dir, create=state_dir is None)
+    python_files = user_modules(config)
     preflight.check(config)
     address, env, rest = _target(jobmanager)
     jars.ensure("connector")
@@ -170,7 +172,7 @@ def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: s
         print(f"llmstream: {leave_behind}")
     try:
         new_id = run_job_script(path, address, env=env, savepoint=savepoint, state_dir=state.location,
-                                leave_behind=leave_behind is not None)
+                                leave_behind=leave_behind is not None, python_files=python_files)
     except ClusterError as err:
         raise ClusterError(f"{err}; the job is stopped: `llmstream submit` resumes it from {savepoint}") from None
     print(f"llmstream: upgraded: job {config.name} runs as {new_id}, restored from {savepoint}")

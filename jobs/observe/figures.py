@@ -171,6 +171,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
         "processed": _int(llm("records_in")),
         "results": _int(emitted - dead) if emitted is not None and dead is not None else None,
         "dead_letters": _int(dead), "out_per_s": _round(out_rate), "emitted": _int(emitted),
+        "dropped": _int(llm("dropped")),
     }
     capacity = config.async_.capacity * int(((raw or {}).get("parallelism") or {}).get("inference", 1))
     out["calls"] = {

@@ -69,7 +69,8 @@ def line(fig: dict[str, Any]) -> str:
     dead = rec.get("dead_letters")
     parts = [
         f"{state:<9} in {_fmt(rec['in'])} ({_fmt(rec['in_per_s'])}/s)",
-        f"out {_fmt(rec['results'])} +{_fmt(dead)} dead ({_fmt(rec['out_per_s'])}/s)",
+        f"out {_fmt(rec['results'])} +{_fmt(dead)} dead"
+        + (f" +{_fmt(rec['dropped'])} dropped" if rec.get("dropped") else "") + f" ({_fmt(rec['out_per_s'])}/s)",
         f"lag {_fmt(inp['lag_records'])}" + (f" (~{_duration(inp['drain_s'])})" if inp["lag_records"] else ""),
         f"calls {_fmt(calls['admitted'])}/{_fmt(calls['capacity'])} limit {_fmt(calls['concurrency_limit'])}",
         f"p50/p99 {_fmt(calls['latency_p50_ms'])}/{_fmt(calls['latency_p99_ms'])} ms",
@@ -111,6 +112,7 @@ def render(fig: dict[str, Any]) -> Any:
         ("time to drain", _duration(inp["drain_s"]) if inp["lag_records"] else "–"),
         ("records in", f"{_fmt(rec['in'])}  ({_fmt(rec['in_per_s'])}/s)"),
         ("results out", f"{_fmt(rec['results'])}  ({_fmt(rec['out_per_s'])}/s incl. dead)"),
+        *([("dropped by your functions", _fmt(rec["dropped"]))] if rec.get("dropped") else []),
         ("group committed", f"{_fmt(inp['group_committed'])} / {_fmt(inp['end_offset'])}"),
     ])
     model = table("Is the model the bottleneck?", [
