@@ -114,7 +114,7 @@ def test_figures_from_the_rest_api() -> None:
     assert fig["input"]["lag_records"] == 1500 and fig["input"]["drain_s"] == 37.5   # at 40 records/s
     assert fig["input"]["group_lag"] == 2000     # the group's commits lag; the figures do not use them
     assert fig["records"] == {"in": 1200, "in_per_s": 40.0, "processed": 1150, "results": 1097, "dead_letters": 3,
-                              "out_per_s": 38.5, "emitted": 1100}
+                              "out_per_s": 38.5, "emitted": 1100, "dropped": None}
     calls = fig["calls"]
     assert calls["capacity"] == 32 and calls["admitted"] == 14 and calls["concurrency_limit"] == 16
     assert calls["latency_p50_ms"] == 180 and calls["latency_p99_ms"] == 900   # the slowest subtask's
