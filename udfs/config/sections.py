@@ -181,7 +181,7 @@ def _check_credentials(path: str, api_key_env: str | None, api_key_file: str | N
                        headers: dict[str, str]) -> None:
     """One key source at most, a key file that can be read, no literal credential in a header."""
     require(not (api_key_env and api_key_file), join_key(path, "api_key_file"),
-             "give api_key_env or api_key_file, not both")
+             f"give {join_key(path, 'api_key_env')} or {join_key(path, 'api_key_file')}, not both")
     if api_key_file is not None:
         secret_refs.read_secret_file(api_key_file, join_key(path, "api_key_file"))
     for name, value in headers.items():
@@ -314,8 +314,6 @@ class ModelConfig:
         require((self.endpoint is None) != (self.endpoints is None), join_key(path, "endpoint"),
                  "give exactly one of model.endpoint and model.endpoints"
                  + (" (got both)" if self.endpoint is not None else ""))
-        require(not (self.api_key_env and self.api_key_file), join_key(path, "api_key_file"),
-                 "give model.api_key_env or model.api_key_file, not both")
         _check_credentials(path, self.api_key_env, self.api_key_file, self.headers)
         for group, endpoints in (("endpoints", self.endpoints or []),
                                  ("fallback.endpoints", self.fallback.endpoints if self.fallback else [])):
