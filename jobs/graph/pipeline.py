@@ -542,10 +542,11 @@ def keyed_stage(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, 
     return outgoing, gate_dir
 
 
-def write_rows(t_env: StreamTableEnvironment, rows: DataStream) -> None:
+def write_rows(t_env: StreamTableEnvironment, rows: DataStream, *, uid_prefix: str = SINK_TABLE) -> None:
     """`rows` (`SINK_ROW_TYPE`) into the Kafka sink table declared in `t_env` (`create_sink_table`),
-    each to its own topic, in transactions committed when a checkpoint completes."""
-    t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")
+    each to its own topic, in transactions committed when a checkpoint completes; the sink's
+    operators' uids are `<uid_prefix>_<transformation>`."""
+    t_env.get_config().set("table.exec.uid.format", f"{uid_prefix}_<transformation>")
     statements = t_env.create_statement_set()
     statements.add_insert(SINK_TABLE, t_env.from_data_stream(rows))
     statements.attach_as_datastream()

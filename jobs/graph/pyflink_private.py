@@ -14,7 +14,7 @@ from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironme
 from pyflink.java_gateway import get_gateway
 
 __all__ = ["adaptive_process", "datagen_source", "gated_keyed", "key_by_first_field", "keyed_stream",
-           "name_transformation", "set_output_type"]
+           "name_transformation", "parallelism_of", "pipeline_jars", "python_files", "set_output_type"]
 
 
 def set_output_type(stream: DataStream, java_type_info: Any) -> None:
@@ -91,6 +91,37 @@ def adaptive_process(keyed: KeyedStream, function: Any, output_type: Any, wrappe
     wrapped = getattr(get_gateway().jvm, wrapper_class).of(made, *wrapper_args)
     return DataStream(keyed._j_data_stream.transform("KEYED PROCESS", j_output_type, wrapped))
 
+
+
+def parallelism_of(stream: DataStream) -> int:
+    """The parallelism of the operator that produced `stream` (-1: the environment's default, not
+    set on it). PyFlink's `DataStream` can set a parallelism but not read it back."""
+    return int(stream._j_data_stream.getParallelism())
+
+
+def _environment_setting(env: StreamExecutionEnvironment, key: str) -> str | None:
+    """`key` in `env`'s configuration, where PyFlink's own `add_jars` and `add_python_file` read and
+    write it (`PythonConfigUtil.getEnvironmentConfig`); PyFlink has no getter for either list."""
+    config = get_gateway().jvm.org.apache.flink.python.util.PythonConfigUtil.getEnvironmentConfig(
+        env._j_stream_execution_environment)
+    value = config.getString(key, None)
+    return None if value is None else str(value)
+
+
+def pipeline_jars(env: StreamExecutionEnvironment) -> list[str]:
+    """The jar URLs in `env`'s `pipeline.jars` (what `add_jars` adds to)."""
+    from pyflink.common import Configuration
+
+    value = _environment_setting(env, "pipeline.jars")
+    return [str(jar) for jar in Configuration.parse_list_value(value)] if value else []
+
+
+def python_files(env: StreamExecutionEnvironment) -> list[str]:
+    """The files and directories `env` ships to its Python workers (`python.files`, what
+    `add_python_file` adds to)."""
+    value = _environment_setting(env, "python.files")
+    delimiter = str(get_gateway().jvm.PythonDependencyUtils.FILE_DELIMITER)
+    return [item for item in value.split(delimiter) if item] if value else []
 
 
 def transformation_count(env: StreamExecutionEnvironment) -> int:
