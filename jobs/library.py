@@ -22,7 +22,9 @@ example job `jobs/examples/enrich_and_infer.py`: docs/library.md.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from pyflink.common.typeinfo import TypeInformation
 from pyflink.datastream import DataStream, StreamExecutionEnvironment
@@ -52,6 +54,7 @@ from udfs.stage.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE
 __all__ = ["INPUT_ROW_TYPE", "SINK_ROW_TYPE", "check", "environment", "infer", "read_kafka", "write_kafka"]
 
 log = logging.getLogger("llmstream.library")
+T = TypeVar("T")
 
 
 def environment(config: JobConfig, *, state_dir: str | None = None,
@@ -77,10 +80,10 @@ def check(config: JobConfig) -> None:
 
 def read_kafka(env: StreamExecutionEnvironment, config: JobConfig) -> DataStream:
     """The input topics of `config.kafka` as a DataStream of `INPUT_ROW_TYPE` rows (key, value,
-    topic, partition, offset, ts, headers): the app's Kafka source (a consumer group, its committed
-    offsets, earliest where there are none, committed again on every checkpoint; `kafka.properties`
-    for TLS and SASL), with uids of its own (`kafka_requests_*`), so a savepoint finds its offsets.
-    Headers are NULL under `kafka.forward_headers: none` (not read at all)."""
+    topic, partition, offset, ts, headers): the app's Kafka source (a
+    consumer group, its committed offsets, earliest where there are none, committed again on every
+    checkpoint; `kafka.properties` for TLS and SASL), with uids of its own (`kafka_requests_*`), so a
+    savepoint finds its offsets. Headers are NULL under `kafka.forward_headers: none` (not read at all)."""
     _add_connector(env)
 
     def build(t_env: StreamTableEnvironment) -> DataStream:
@@ -93,7 +96,7 @@ def read_kafka(env: StreamExecutionEnvironment, config: JobConfig) -> DataStream
         private.set_output_type(stream, INPUT_ROW_TYPE.get_java_type_info())
         return stream
 
-    return planned(env, build)
+    return _planned(env, build)
 
 
 def infer(requests: DataStream, config: JobConfig, *, uid: str = "inference",
@@ -109,7 +112,8 @@ def infer(requests: DataStream, config: JobConfig, *, uid: str = "inference",
     order (`ordering: per_key`) and its `source` in the output. Kafka records keep theirs through
     filters and maps that copy them; with `ordering: per_key` a key's rows must reach the stage in
     order (no rebalance in between). The stage runs at `parallelism.inference`, keyed on the JVM
-    (no Python operator in front); the rows reach it through a SQL step at `requests`' parallelism.
+    (no Python operator in front); the rows reach it through a SQL step that the planner runs at
+    `requests`' parallelism, forward-connected.
 
     `uid`: the stage's uid and name (its ticks and gate are named from it): a job that calls
     `infer` more than once gives each call its own. `state_dir`: the job's state directory, as
@@ -125,25 +129,21 @@ def infer(requests: DataStream, config: JobConfig, *, uid: str = "inference",
     _expect_type(requests, INPUT_ROW_TYPE, "infer(requests)", "INPUT_ROW_TYPE")
     env = requests.get_execution_environment()
     if not env.get_checkpoint_config().is_checkpointing_enabled():
-        log.warning("infer(): checkpointing is off in this job: its output is not exactly-once and calls in "
-                    "flight are not kept across a failure (environment(config) turns it on)")
+        log.warning("infer(): checkpointing is off in this job: a transactional sink commits nothing and the "
+                    "calls in flight are not kept across a failure (environment(config) turns it on)")
     if str(UDFS_DIR) not in private.python_files(env):
         env.add_python_file(str(UDFS_DIR))
     ids = StageIds(uid)
     cache_file = result_cache_file(config, StateDir.for_job(config, state_dir))
-    parallelism = private.parallelism_of(requests)
 
     def build(t_env: StreamTableEnvironment) -> DataStream:
         _stable_uids(t_env)
-        settings = t_env.get_config()
-        settings.set("table.exec.uid.format", f"{ids.requests_view}_<transformation>")
-        if parallelism > 0:  # the SQL step chains to the user's last operator: no rebalance, order kept
-            settings.set("table.exec.resource.default-parallelism", str(parallelism))
+        t_env.get_config().set("table.exec.uid.format", f"{ids.requests_view}_<transformation>")
         t_env.create_temporary_view(ids.requests_view, t_env.from_data_stream(requests))
         outgoing, _gate_dir = keyed_stage(t_env, env, config, ids.requests_view, ids=ids, cache_file=cache_file)
         return outgoing
 
-    return planned(env, build)
+    return _planned(env, build)
 
 
 def write_kafka(rows: DataStream, config: JobConfig, *, uid: str = SINK_TABLE) -> None:
@@ -161,7 +161,19 @@ def write_kafka(rows: DataStream, config: JobConfig, *, uid: str = SINK_TABLE) -
         create_sink_table(t_env, config)
         write_rows(t_env, rows, uid_prefix=uid)
 
-    planned(env, build)
+    _planned(env, build)
+
+
+TABLE_SETTINGS = ("table.exec.uid.format", "table.exec.uid.generation")
+"""The table settings the library's steps set: none of them stays in the user's environment."""
+
+
+def _planned(env: StreamExecutionEnvironment, build: Callable[[StreamTableEnvironment], T]) -> T:
+    """`planned(env, build)`, leaving the user's environment as it was (its default parallelism and
+    `TABLE_SETTINGS`, which the planner copies into it: `pyflink_private.settings_kept`): a table
+    query of the user's own after it must not take, say, the sink's uid format."""
+    with private.settings_kept(env, TABLE_SETTINGS):
+        return planned(env, build)
 
 
 def _stable_uids(t_env: StreamTableEnvironment) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 from pyflink.common import Types
+from pyflink.table import StreamTableEnvironment
+from pyflink.table.expressions import col
 
 from jobs.clients.kafka_admin import consume_committed, produce
 from jobs.dev import local_kafka
@@ -108,6 +110,29 @@ def test_the_stage_in_a_users_job_has_the_apps_uids_and_a_second_call_its_own() 
             "second", "second_ticks_source", "second_results_sink"} <= set(uids), sorted(uids)
     assert TICKS_TABLE == "inference_ticks"
     assert len(uids) == len(env._j_stream_execution_environment.getStreamGraph(False).getStreamNodes().toArray())
+
+
+def test_the_stage_takes_the_rows_as_they_come_and_leaves_the_users_table_settings_alone() -> None:
+    """The bucket's SQL step runs at the parallelism of the user's last operator and takes its rows
+    forward (no rebalance to reorder a key's records), and the table settings the library plans
+    with do not stay in the user's environment: a table query of the user's own after it gets uids
+    of its own, not the sink's."""
+    config = with_overrides(load_config(), ordering="per_key", parallelism={"inference": 2})
+    env = environment(config)
+    mine = read_kafka(env, config).map(lambda row: row, output_type=INPUT_ROW_TYPE).uid("mine").set_parallelism(3)
+    answers = infer(mine, config)
+    write_kafka(answers, config)
+    t_env = StreamTableEnvironment.create(env)
+    t_env.to_data_stream(t_env.from_data_stream(answers).select(col("topic"))).print()
+    graph = env._j_stream_execution_environment.getStreamGraph(False)
+    nodes = {n.getId(): n for n in graph.getStreamNodes().toArray()}
+    step = [n for n in nodes.values() if str(n.getTransformationUID()) == "inference_requests_source"]
+    assert len(step) == 1 and step[0].getParallelism() == 3
+    (edge,) = step[0].getInEdges().toArray()
+    assert str(nodes[edge.getSourceId()].getTransformationUID()) == "mine"
+    assert str(edge.getPartitioner()) == "FORWARD"
+    uids = [str(n.getTransformationUID()) for n in nodes.values() if n.getTransformationUID() is not None]
+    assert len(uids) == len(set(uids)), sorted(uids)
 
 
 def test_the_library_names_the_row_type_it_expects() -> None:
