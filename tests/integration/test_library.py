@@ -163,12 +163,16 @@ def _run_example(config: Any, expected: int, *, restore_from: str | None = None)
     return savepoint
 
 
-def test_the_example_job_in_the_mini_cluster_stops_with_a_savepoint_and_resumes(job_config: JobConfigFactory) -> None:
+@pytest.mark.parametrize("sections", [{}, {"ordering": "per_key", "budget": {"max_tokens_per_hour": 10_000_000}}],
+                         ids=["plain", "per-key-gated"])
+def test_the_example_job_in_the_mini_cluster_stops_with_a_savepoint_and_resumes(
+        job_config: JobConfigFactory, sections: dict[str, Any]) -> None:
     """The example job as a user runs it on their machine (`env.execute`: a mini cluster): open
     tickets answered once each with their tier, closed ones never reach the model, bad input is
     a dead letter, all read_committed. Stopped with a savepoint and started again from it
-    (`environment(config, restore_from=...)`), it answers only what came since."""
-    config = job_config()
+    (`environment(config, restore_from=...)`), it answers only what came since. Also with per-key
+    order and a (never reached) token budget: the key-hash buckets, the admission gate and its ticks."""
+    config = job_config(**sections)
     bootstrap, kafka = config.kafka.bootstrap_servers, config.kafka
     first, first_open, _ = _tickets(150, "first")
     produce(bootstrap, kafka.input_topic, [*first, (b"bad-1", b'{"id": "bad-1", "prompt": ')])
