@@ -66,8 +66,10 @@ def python_jar() -> Path:
 
 def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Mapping[str, str],
                    savepoint: str | None = None, state_dir: str | None = None, leave_behind: bool = False,
-                   python_files: Sequence[str] = (), timeout: float = 180.0) -> str:
+                   python_files: Sequence[str] = (), timeout: float = 180.0, script: str = JOB_SCRIPT) -> str:
     """Runs ``bin/flink run -d ... -py jobs/inference_job.py --config FILE``; returns the job id.
+    ``script``: another job script of the repository taking the same options (a job of a user's
+    own that calls the stage, `jobs/examples/enrich_and_infer.py`).
 
     ``-pyexec``/``-pyclientexec`` are this interpreter, so the client and the Python workers
     use the same venv; the job ships ``udfs/`` and the connector jar itself. The cluster must
@@ -86,7 +88,7 @@ def run_job_script(config_path: str | os.PathLike[str], address: str, *, env: Ma
         cmd += ["-s", savepoint]
         if leave_behind:
             cmd += ["-n"]
-    cmd += ["-py", str(jars.repo_root() / JOB_SCRIPT), "--config", str(config)]
+    cmd += ["-py", str(jars.repo_root() / script), "--config", str(config)]
     if state_dir:
         cmd += ["--state-dir", state_dir]
     for python_file in python_files:

@@ -42,7 +42,13 @@ from typing import Any, Self
 import yaml
 
 from jobs.clients.cluster_address import ClusterAddress, default_work_dir
-from jobs.clients.flink_cli import client_env, flink_home, python_jar, run_job_script
+from jobs.clients.flink_cli import (
+    JOB_SCRIPT,
+    client_env,
+    flink_home,
+    python_jar,
+    run_job_script,
+)
 from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
 from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.dev.processes import children, cmdline, pid_alive, terminate, wait_gone
@@ -405,11 +411,12 @@ class LocalCluster(FlinkRest):
 
     # ------------------------------------------------------------------ jobs
     def submit(self, config_path: str | os.PathLike[str], *, savepoint: str | None = None,
-               state_dir: str | None = None, timeout: float = 180.0) -> str:
-        """``flink run -d`` the llmstream job with ``config_path``; returns the job id (no preflight,
-        no automatic resume: ``savepoint`` is what it restores)."""
+               state_dir: str | None = None, timeout: float = 180.0, script: str = JOB_SCRIPT) -> str:
+        """``flink run -d`` the llmstream job (or another job ``script`` of the repository) with
+        ``config_path``; returns the job id (no preflight, no automatic resume: ``savepoint`` is
+        what it restores)."""
         return run_job_script(config_path, self.address, env=self.env(), savepoint=savepoint,
-                              state_dir=state_dir, timeout=timeout)
+                              state_dir=state_dir, timeout=timeout, script=script)
 
 
 # ---------------------------------------------------------------------- command line

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pyflink.common import Configuration, Types
 from pyflink.datastream import (
@@ -310,6 +311,33 @@ INPUT_ROW_SQL = ("ROW<k BYTES, v BYTES, `topic` STRING, `partition` INT, `offset
 """`udfs.stage.operators.INPUT_ROW_TYPE` in SQL."""
 
 
+@dataclass(frozen=True)
+class StageIds:
+    """The names and uids of one inference stage's operators, made from the stage's uid: the
+    app's stage is `inference` (its ticks table `inference_ticks`, gated ticks
+    `inference-ticks-gated`, gate `admission-gate`, as every savepoint of the app has them); a
+    job that calls `jobs.library.infer` more than once gives each call a uid of its own."""
+
+    uid: str = "inference"
+
+    @property
+    def ticks_table(self) -> str:
+        return f"{self.uid}_ticks"
+
+    @property
+    def gated_ticks_uid(self) -> str:
+        return f"{self.uid}-ticks-gated"
+
+    @property
+    def gate_uid(self) -> str:
+        return GATE_UID if self.uid == "inference" else f"{self.uid}-{GATE_UID}"
+
+    @property
+    def requests_view(self) -> str:
+        """The view of a user's stream of input rows (`jobs.library.infer`); the app reads its source table."""
+        return f"{self.uid}_requests"
+
+
 def _as_rows(t_env: StreamTableEnvironment, table: Table, row_type: Any) -> DataStream:
     """`table` as a DataStream of `row_type`: the keyed Python operator accepts only a RowTypeInfo
     input, and the table hands over the same Row objects under an ExternalTypeInfo."""
@@ -329,15 +357,20 @@ def bucket_sql(ordering: str, keys: list[int]) -> str:
 
 
 def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
-                   with_headers: bool = True, ordering: str = "none", gate_dir: str | None = None) -> KeyedStream:
-    """The input rows keyed by bucket, with the bucket computed in SQL (`bucket_sql`) and the key
+                   with_headers: bool = True, ordering: str = "none", gate_dir: str | None = None,
+                   source: str = SOURCE_TABLE, ids: StageIds | None = None) -> KeyedStream:
+    """The input rows of the table `source` (columns k, v, topic, partition, offset, ts and, with
+    `with_headers`, headers: the Kafka source table, or a user's stream as a view, `jobs.library.infer`)
+    keyed by bucket, with the bucket computed in SQL (`bucket_sql`) and the key
     taken on the JVM: PyFlink's `key_by` would put another Python operator (and a Row round trip)
     in front. A tick (bucket, NULL) reaches every bucket about `TICKS_PER_BUCKET_PER_S` times a
     second (`PER_KEY_TICKS_PER_BUCKET_PER_S` under `ordering: per_key`), and the buckets of other
     parallelisms and of the other `ordering` (`tick_keys`) about once a second. Without
     `with_headers` the rows carry NULL headers and the source does not read them
     (`kafka.forward_headers: none`). With `gate_dir` the keyed rows pass the admission gate
-    (`admission_gate`) on their way to the stage."""
+    (`admission_gate`) on their way to the stage. `ids`: the names and uids of this stage's
+    operators (`StageIds`; the app's by default)."""
+    ids = ids or StageIds()
     max_p = env.get_max_parallelism() if env.get_max_parallelism() > 0 else None
     keys, other_keys = tick_keys(parallelism, max_p)
     rate = TICKS_PER_BUCKET_PER_S
@@ -352,7 +385,7 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     # (docs/performance.md, "Job start").
     tick_slots = "ARRAY[" + ", ".join(str(key) for key in slots) + "]"
     t_env.execute_sql(
-        f"CREATE TEMPORARY TABLE {TICKS_TABLE} (n BIGINT) WITH (\n  " + _with({
+        f"CREATE TEMPORARY TABLE {ids.ticks_table} (n BIGINT) WITH (\n  " + _with({
             "connector": "datagen",
             "rows-per-second": str(len(slots)),
             # random, not sequence: a sequence generator keeps its whole remaining range in state
@@ -365,47 +398,47 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     requests = _as_rows(t_env, t_env.sql_query(
         f"SELECT {bucket_sql(ordering, keys)} AS bucket,\n"
         f"  CAST(ROW(k, v, `topic`, `partition`, `offset`, ts, {headers}) AS {INPUT_ROW_SQL}) AS rec\n"
-        f"FROM {SOURCE_TABLE}"),
+        f"FROM {source}"),
         row_type)
     if gate_dir is not None:
-        ticks = gated_ticks(env, slots, row_type)
+        ticks = gated_ticks(env, slots, row_type, uid=ids.gated_ticks_uid)
     else:
         config = t_env.get_config()
         uid_format = config.get("table.exec.uid.format", f"{SOURCE_TABLE}_<transformation>")
-        config.set("table.exec.uid.format", f"{TICKS_TABLE}_<transformation>")
+        config.set("table.exec.uid.format", f"{ids.ticks_table}_<transformation>")
         ticks = _as_rows(t_env, t_env.sql_query(
             f"SELECT {tick_slots}[CAST(MOD(n, {len(slots)}) AS INT) + 1] AS bucket, CAST(NULL AS {INPUT_ROW_SQL}) AS rec\n"
-            f"FROM {TICKS_TABLE}"), row_type)
+            f"FROM {ids.ticks_table}"), row_type)
         private.name_transformation(ticks, "ticks: TableToDataStream")
         config.set("table.exec.uid.format", uid_format)
     rows = requests.union(ticks)
     key_type = Types.ROW([Types.INT()]).get_java_type_info()
     j_keyed = private.key_by_first_field(rows, key_type)
     if gate_dir is not None:
-        j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type)
+        j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type, uid=ids.gate_uid)
     return private.keyed_stream(j_keyed, INPUT_ROW_TYPE, rows)
 
 
 GATE_UID = "admission-gate"
 
 
-def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any) -> DataStream:
+def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any,
+                uid: str = gate.TICKS_UID) -> DataStream:
     """The ticks of a gated job (`pom-free/gate/Ticks.java`): the same slots, one after another, at
     the same rate, from Flink's FLIP-27 `DataGeneratorSource` instead of the SQL datagen source,
     whose legacy source thread would hold every checkpoint while a closed gate back-pressures it.
     Adds the gate's jar to the job (`jobs/graph/gate_operator.py` builds it)."""
     env.add_jars(gate.ensure().as_uri())
-    return private.datagen_source(env, gate.TICKS_CLASS, slots, java_row_type=row_type, name="ticks",
-                                  uid=gate.TICKS_UID)
+    return private.datagen_source(env, gate.TICKS_CLASS, slots, java_row_type=row_type, name="ticks", uid=uid)
 
 
-def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any) -> Any:
+def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any, uid: str = GATE_UID) -> Any:
     """`j_keyed` through the admission gate (`pom-free/gate/AdmissionGate.java`, `udfs/stage/admission.py`),
     keyed again as it was: the gate only forwards, so its output keeps the keyBy's partitioning
     (`reinterpretAsKeyedStream`) and the gate is chained into the stage's task. The gate's jar is
     in the job already (`gated_ticks`)."""
     return private.gated_keyed(j_keyed, gate.GATE_CLASS, (gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS),
-                               name="inference admission gate", uid=GATE_UID, parallelism=parallelism,
+                               name="inference admission gate", uid=uid, parallelism=parallelism,
                                java_key_type=key_type)
 
 
@@ -421,26 +454,50 @@ def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: Infere
                                     bundle_target_ms, ADAPTIVE_MIN_BUNDLE)
 
 
+T = TypeVar("T")
+
+
+def planned(env: StreamExecutionEnvironment, build: Callable[[StreamTableEnvironment], T]) -> T:
+    """`build(t_env)` on a new table environment of `env`; built again once, on another new one,
+    when the planner fails on a JVM thread it did not start on before anything was added to `env`
+    (`pyflink_private.planner_thread_error`)."""
+    before = private.transformation_count(env)
+    try:
+        return build(StreamTableEnvironment.create(env))
+    except Exception as err:
+        if not private.planner_thread_error(err) or private.transformation_count(env) != before:
+            raise
+        log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job again")
+        return build(StreamTableEnvironment.create(env))
+
+
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_file: str | None = None) -> str | None:
     """Adds the whole job to `env`; `env.execute()` then runs it and `get_execution_plan()` shows it.
     `cache_file`: the local result cache's file, as the launch decided it (`jobs.launch.plan.JobBuild`);
     a graph built only to be shown needs none. Returns the admission gate's directory when the job
     has one (`jobs.graph.gate_operator.open_for_stop`).
 
-    Built again once, on a new table environment, when the planner fails on a JVM thread it did
-    not start on before anything was added to `env` (`pyflink_private.planner_thread_error`)."""
-    before = private.transformation_count(env)
-    try:
-        return _build_pipeline(env, StreamTableEnvironment.create(env), config, cache_file)
-    except Exception as err:
-        if not private.planner_thread_error(err) or private.transformation_count(env) != before:
-            raise
-        log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job again")
-        return _build_pipeline(env, StreamTableEnvironment.create(env), config, cache_file)
+    The same steps as a user's own job that calls the stage (`jobs.library`): the source table
+    (`create_source_table`), the stage (`keyed_stage`), the sink (`write_rows`)."""
+    return planned(env, lambda t_env: _build_pipeline(env, t_env, config, cache_file))
 
 
 def _build_pipeline(env: StreamExecutionEnvironment, t_env: StreamTableEnvironment, config: JobConfig,
                     cache_file: str | None) -> str | None:
+    with_headers = create_source_table(t_env, config)
+    create_sink_table(t_env, config)
+    if config.stage == "vectorized":
+        vectorized_lane(t_env, config, with_headers, cache_file)
+        return None
+    outgoing, gate_dir = keyed_stage(t_env, env, config, SOURCE_TABLE, cache_file=cache_file)
+    write_rows(t_env, outgoing)
+    return gate_dir
+
+
+def create_source_table(t_env: StreamTableEnvironment, config: JobConfig) -> bool:
+    """Declares the Kafka source table (`SOURCE_TABLE`, `source_options`) in `t_env`, whose uid format
+    is then the source's (`kafka_requests_<transformation>`). Returns whether it reads the records'
+    headers (`kafka.forward_headers` is not `none`)."""
     # The planner names its operators' uids from a process-wide counter (`<id>_...`), so a job
     # built twice, or after a change elsewhere in the graph, would not find its state again.
     # Each Kafka end gets fixed uids instead; the DataStream operators set their own.
@@ -456,30 +513,47 @@ def _build_pipeline(env: StreamExecutionEnvironment, t_env: StreamTableEnvironme
         + (f",\n  `headers` {HEADERS_SQL} METADATA VIRTUAL" if with_headers else "")
         + f"\n) WITH (\n  {_with(source_options(config))}\n)"
     )
+    return with_headers
+
+
+def create_sink_table(t_env: StreamTableEnvironment, config: JobConfig) -> None:
+    """Declares the exactly-once Kafka sink table (`SINK_TABLE`, `sink_options`) in `t_env`."""
     t_env.execute_sql(
         f"CREATE TEMPORARY TABLE {SINK_TABLE} (k BYTES, v BYTES, `topic` STRING METADATA, `headers` {HEADERS_SQL} METADATA)\n"
         f"WITH (\n  {_with(sink_options(config))}\n)"
     )
-    if config.stage == "vectorized":
-        vectorized_lane(t_env, config, with_headers, cache_file)
-        return None
+
+
+def keyed_stage(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, config: JobConfig, source: str, *,
+                ids: StageIds | None = None, cache_file: str | None = None) -> tuple[DataStream, str | None]:
+    """The keyed inference stage over the input rows of the table `source` (`keyed_requests`): its
+    `SINK_ROW_TYPE` rows, results and dead letters alike, and the admission gate's directory when
+    the config needs the gate (a spend budget, a fleet, a rate limit: `jobs/graph/gate_operator.py`),
+    else None. Turns on unaligned checkpoints in `env` when `python.unaligned_checkpoints` says so."""
+    ids = ids or StageIds()
     inference_parallelism = config.parallelism.of("inference")
     if config.python.unaligned_checkpoints:
         env.get_checkpoint_config().enable_unaligned_checkpoints()
     # A spend budget pauses the stage for up to a window, a fleet with every endpoint down for a
     # cooldown: the gate keeps checkpoints going meanwhile (`jobs/graph/gate_operator.py`).
     gate_dir = gate.job_directory() if gate.gated(config) else None
-    keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=with_headers,
-                           ordering=config.ordering, gate_dir=gate_dir)
+    keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=config.kafka.forward_headers != "none",
+                           ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids)
     outgoing = (
         inference(env, keyed, InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file), config.python.bundle_target_ms)
-        .name("inference").uid("inference").set_parallelism(inference_parallelism)
+        .name(ids.uid).uid(ids.uid).set_parallelism(inference_parallelism)
     )
-    t_env.get_config().set("table.exec.uid.format", f"{SINK_TABLE}_<transformation>")
+    return outgoing, gate_dir
+
+
+def write_rows(t_env: StreamTableEnvironment, rows: DataStream, *, uid_prefix: str = SINK_TABLE) -> None:
+    """`rows` (`SINK_ROW_TYPE`) into the Kafka sink table declared in `t_env` (`create_sink_table`),
+    each to its own topic, in transactions committed when a checkpoint completes; the sink's
+    operators' uids are `<uid_prefix>_<transformation>`."""
+    t_env.get_config().set("table.exec.uid.format", f"{uid_prefix}_<transformation>")
     statements = t_env.create_statement_set()
-    statements.add_insert(SINK_TABLE, t_env.from_data_stream(outgoing))
+    statements.add_insert(SINK_TABLE, t_env.from_data_stream(rows))
     statements.attach_as_datastream()
-    return gate_dir
 
 
 VECTORIZED_FUNCTION = "llmstream_infer"

@@ -8,13 +8,15 @@ the reason the public API does not suffice, so that a PyFlink upgrade has one mo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
 __all__ = ["adaptive_process", "datagen_source", "gated_keyed", "key_by_first_field", "keyed_stream",
-           "name_transformation", "set_output_type"]
+           "name_transformation", "pipeline_jars", "python_files", "set_output_type", "settings_kept"]
 
 
 def set_output_type(stream: DataStream, java_type_info: Any) -> None:
@@ -91,6 +93,55 @@ def adaptive_process(keyed: KeyedStream, function: Any, output_type: Any, wrappe
     wrapped = getattr(get_gateway().jvm, wrapper_class).of(made, *wrapper_args)
     return DataStream(keyed._j_data_stream.transform("KEYED PROCESS", j_output_type, wrapped))
 
+
+
+def _environment_config(env: StreamExecutionEnvironment) -> Any:
+    """`env`'s configuration, where PyFlink's own `add_jars` and `add_python_file` read and write
+    (`PythonConfigUtil.getEnvironmentConfig`); PyFlink has no getter for it."""
+    return get_gateway().jvm.org.apache.flink.python.util.PythonConfigUtil.getEnvironmentConfig(
+        env._j_stream_execution_environment)
+
+
+def _environment_setting(env: StreamExecutionEnvironment, key: str) -> str | None:
+    value = _environment_config(env).getString(key, None)
+    return None if value is None else str(value)
+
+
+@contextlib.contextmanager
+def settings_kept(env: StreamExecutionEnvironment, keys: tuple[str, ...]) -> Iterator[None]:
+    """`keys` of `env`'s configuration, and its default parallelism, as they were before the block.
+    A table environment writes its own settings into its stream environment's configuration each
+    time it translates a query (Flink's `PlannerBase.beforeTranslation`: `configure` with the table
+    config, then the default parallelism from `table.exec.resource.default-parallelism`), where every
+    table environment made afterwards reads them as defaults; PyFlink has no way to take them back."""
+    config = _environment_config(env)
+    before = {key: config.getString(key, None) for key in keys}
+    parallelism = env.get_parallelism()
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                config.removeKey(key)
+            else:
+                config.setString(key, value)
+        env.set_parallelism(parallelism)
+
+
+def pipeline_jars(env: StreamExecutionEnvironment) -> list[str]:
+    """The jar URLs in `env`'s `pipeline.jars` (what `add_jars` adds to)."""
+    from pyflink.common import Configuration
+
+    value = _environment_setting(env, "pipeline.jars")
+    return [str(jar) for jar in Configuration.parse_list_value(value)] if value else []
+
+
+def python_files(env: StreamExecutionEnvironment) -> list[str]:
+    """The files and directories `env` ships to its Python workers (`python.files`, what
+    `add_python_file` adds to)."""
+    value = _environment_setting(env, "python.files")
+    delimiter = str(get_gateway().jvm.PythonDependencyUtils.FILE_DELIMITER)
+    return [item for item in value.split(delimiter) if item] if value else []
 
 
 def transformation_count(env: StreamExecutionEnvironment) -> int:
