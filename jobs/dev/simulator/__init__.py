@@ -33,6 +33,8 @@ Endpoints
 ``GET  /stats``                counters, see ``SimulatorServer.stats``; ``POST /stats/reset`` zeroes them
 ``GET|POST /admin/faults``     read / replace the fault scenario (keys below)
 ``GET|POST /admin/config``     read / update latency and limits (keys below)
+``/v1/files``, ``/v1/batches``, ``/v1/messages/batches``, ``/admin/batches``
+                               OpenAI's Batch API and Anthropic's Message Batches (``batches``, docs/models.md)
 
 Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: unknown path
 404, bad JSON or missing ``messages``/``prompt``/``input`` 400, wrong or missing API key 401
@@ -107,6 +109,8 @@ Modules
                ``spawn_fleet`` / ``SpawnedFleet``
 ``fleet``      ``SimulatorFleet`` and ``serve_fleet``: several endpoints in one process (``--fleet 16,8,4``)
                and a control port that kills, revives, faults and reconfigures each
+``batches``    ``BatchApis``: the provider batch APIs, OpenAI (``batch_openai``) and Anthropic
+               (``batch_anthropic``) on one engine (``batch_engine``), their settings (``batch_config``)
 ``cli``        ``llmstream model-server``: ``add_arguments``, ``config_from_args``, ``run``, ``main``
 """
 

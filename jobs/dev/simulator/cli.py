@@ -9,6 +9,10 @@ import os
 import signal
 import sys
 
+from jobs.dev.simulator.batch_config import (
+    add_batch_arguments,
+    batch_settings_from_args,
+)
 from jobs.dev.simulator.config import DEFAULT_MODEL, FaultSettings, SimulatorConfig
 from jobs.dev.simulator.fleet import (
     FLEET_PREFIX,
@@ -93,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction whose connection is reset without an answer")
     faults.add_argument("--fault-until-s", type=float, default=None,
                         help="the fault rates revert to zero after this many seconds")
+    add_batch_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
@@ -135,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
             reset_rate=args.reset_rate,
             until_s=args.fault_until_s,
         ),
+        batch=batch_settings_from_args(args),
     )
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.dev.simulator.batch_config import BatchSettings
+
 SIMULATOR_FINGERPRINT = "llmstream-simulator"
 DEFAULT_MODEL = "llmstream-sim"
 MAX_EMBEDDING_DIM = 8192
@@ -193,6 +195,8 @@ class SimulatorConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     required_headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # The provider batch APIs (``batches.BatchApis``); changed at runtime by POST /admin/batches.
+    batch: BatchSettings = field(default_factory=BatchSettings)
 
     def __post_init__(self) -> None:
         parse_latency(self.latency)
@@ -219,6 +223,8 @@ class SimulatorConfig:
             raise ValueError("models must be a non-empty list of names")
         if not isinstance(self.faults, FaultSettings):
             raise TypeError("faults must be a FaultSettings")
+        if not isinstance(self.batch, BatchSettings):
+            raise TypeError("batch must be a BatchSettings")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -268,6 +274,7 @@ class SimulatorConfig:
         data["models"] = list(self.models)
         data["required_headers"] = [name for name, _ in self.required_headers]
         data["faults"] = self.faults.to_dict()
+        data["batch"] = self.batch.to_dict()
         data["api_key_set"] = self.api_key is not None
         return data
 

@@ -29,6 +29,7 @@ from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
+from jobs.dev.simulator.batches import BatchApis
 from jobs.dev.simulator.config import (
     SIMULATOR_FINGERPRINT,
     FaultSettings,
@@ -140,6 +141,7 @@ class SimulatorServer:
         self._apply_config(config, initial=True)
         self._set_faults(config.faults)
         self._reset_counters()
+        self.batch_apis = BatchApis(self)  # files, batches, message batches: every path not routed below
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._inference(Chat)},
             "/v1/completions": {"POST": self._inference(Completions)},
@@ -402,10 +404,12 @@ class SimulatorServer:
             "rpm": self.config.rpm,
             "tpm": self.config.tpm,
             "faults": self.faults_view(),
+            "batches": self.batch_apis.stats(),
         }
 
     def reset_stats(self) -> None:
         self._reset_counters()
+        self.batch_apis.reset_stats()
 
     # ----------------------------------------------------------------- responses
 
@@ -452,6 +456,8 @@ class SimulatorServer:
         elif methods is None:
             if path.startswith("/v1/models/") and request.method == "GET":
                 response = self._model(request)
+            elif (batch_answer := await self.batch_apis.handle(request)) is not None:
+                response = batch_answer
             else:
                 response = self._error_response(404, f"Unknown request URL: {request.method} {path}",
                                                 "invalid_request_error", "unknown_url")
