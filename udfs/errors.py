@@ -84,6 +84,20 @@ class UserFunctionError(RecordError):
         self.attempts = attempts
 
 
+class ProviderBatchError(RecordError):
+    """A record the provider-batch lane (`model.mode: batch`) could not get answered: the batch
+    failed validation (`batch_failed`), the provider refused the request in every batch it was in
+    (`batch_request_failed`), its batch expired or was cancelled and `provider_batch.on_expired` /
+    `on_cancelled` says dead-letter or its tries are used up (`batch_expired`, `batch_cancelled`),
+    or the provider lost the batch twice (`batch_gone`). `detail` carries the provider's words."""
+
+    def __init__(self, reason: str, detail: str, *, attempts: int = 0, status: int | None = None) -> None:
+        super().__init__(detail[:1000])
+        self.reason = reason
+        self.attempts = attempts
+        self.status = status
+
+
 class InferenceError(RecordError):
     """A call to the model server failed; carries what the dead letter needs to explain it.
     Abstract: what is raised is one of its subclasses, each with its own `reason`."""

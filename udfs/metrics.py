@@ -102,7 +102,13 @@ def metric_label(label: str) -> str:
 
 
 COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_limited", "dead_lettered",
-            "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors", "invalid_answers", "dropped")
+            "prompt_tokens", "completion_tokens", "cache_hits", "cache_misses", "cache_errors", "invalid_answers", "dropped",
+            "batch_requests")
+
+
+BATCH_GAUGES = ("batch_records_waiting", "batches_open", "batch_oldest_age_s")
+"""The provider-batch lane's gauges (`model.mode: batch`): records collected and not yet in a batch,
+batches created and not yet answered, and the age of the oldest of those in seconds."""
 
 
 class InferenceMetrics:
@@ -122,6 +128,8 @@ class InferenceMetrics:
     `budget_paused` is 1 while calls wait for the spend budget's next window.
     `invalid_answers` counts answers that did not validate against `model.response_format`
     (each one asked again, or the record dead-lettered as `invalid_model_output`).
+    `batch_requests` counts requests submitted in provider batches (`model.mode: batch`), with the
+    `BATCH_GAUGES`.
     `dropped` counts records that leave nothing by the user's own functions (`model.skipped: drop`,
     a postprocess that returns None; docs/user-functions.md).
     """
@@ -142,6 +150,10 @@ class InferenceMetrics:
         self.cache_errors = Counter()
         self.invalid_answers = Counter()
         self.dropped = Counter()
+        self.batch_requests = Counter()
+        self.batch_records_waiting = 0
+        self.batches_open = 0
+        self.batch_oldest_age_s = 0
         self.budget_paused = False
         self.latency_ms = Distribution()
         self.in_flight = 0
@@ -153,7 +165,7 @@ class InferenceMetrics:
             for name in COUNTERS:
                 counter: Counter = getattr(self, name)
                 group.gauge(name, lambda c=counter: int(c.value))
-            for name in ("admitted", "in_flight", "concurrency_limit", "budget_paused"):
+            for name in ("admitted", "in_flight", "concurrency_limit", "budget_paused", *BATCH_GAUGES):
                 group.gauge(name, lambda n=name: int(getattr(self, n)))
             latency = self.latency_ms
             group.gauge("latency_count", lambda: int(latency.count))
@@ -191,6 +203,8 @@ class InferenceMetrics:
         values["concurrency_limit"] = self.concurrency_limit
         values["admitted"] = self.admitted
         values["budget_paused"] = self.budget_paused
+        for name in BATCH_GAUGES:
+            values[name] = getattr(self, name)
         values["latency_ms"] = self.latency_ms.snapshot()
         values["dead_letters_by_reason"] = {r: c.value for r, c in self.dead_letters_by_reason.items()}
         if self.endpoints:

@@ -25,6 +25,7 @@ from pyflink.common import Configuration, Types
 from pyflink.datastream import (
     CheckpointingMode,
     DataStream,
+    KeyedProcessFunction,
     KeyedStream,
     StreamExecutionEnvironment,
 )
@@ -36,6 +37,7 @@ from jobs.graph import pyflink_private as private
 from jobs.runtime import jars
 from jobs.state.snapshots import StateDir
 from udfs.config import ADAPTIVE_MIN_BUNDLE, JobConfig, kafka_security
+from udfs.stage.batch_lane import BatchStage
 from udfs.stage.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
 from udfs.stage.ordering import HASH_HEX_DIGITS
 
@@ -442,7 +444,7 @@ def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any,
                                java_key_type=key_type)
 
 
-def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: InferenceStage,
+def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: KeyedProcessFunction,
               bundle_target_ms: int) -> DataStream:
     """`keyed.process(stage)`; with `bundle_target_ms` > 0 PyFlink's operator is swapped for
     `pom-free/gate/AdaptiveBundles.java` (its subclass whose bundle size follows throughput),
@@ -539,8 +541,10 @@ def keyed_stage(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, 
     gate_dir = gate.job_directory() if gate.gated(config) else None
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=config.kafka.forward_headers != "none",
                            ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids)
+    stage: KeyedProcessFunction = (BatchStage(config, cache_file=cache_file) if config.model.mode == "batch"
+                                   else InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file))
     outgoing = (
-        inference(env, keyed, InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file), config.python.bundle_target_ms)
+        inference(env, keyed, stage, config.python.bundle_target_ms)
         .name(ids.uid).uid(ids.uid).set_parallelism(inference_parallelism)
     )
     return outgoing, gate_dir

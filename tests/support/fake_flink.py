@@ -12,13 +12,16 @@ import copy
 import json
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyflink.common import Row
 
 from tests.support.fakes import MetricGroup
 from udfs.config import JobConfig
 from udfs.stage.operators import FLUSH_AT, InferenceStage
+
+if TYPE_CHECKING:
+    from pyflink.datastream import KeyedProcessFunction
 
 
 class KeyedState:
@@ -43,6 +46,9 @@ class KeyedState:
     def values(self) -> Iterable[Any]:
         return list(self._map().values())
 
+    def keys(self) -> Iterable[str]:
+        return list(self._map().keys())
+
     def items(self) -> Iterable[tuple[str, Any]]:
         return list(self._map().items())
 
@@ -51,17 +57,26 @@ class KeyedState:
 
 
 class RuntimeContext:
-    """`metrics=False`: no metric group, as PyFlink gives with `python.metric.enabled: false`."""
+    """`metrics=False`: no metric group, as PyFlink gives with `python.metric.enabled: false`.
+    The inference stage's one map (`pending`) is `state`; any other descriptor gets a map of its
+    own in `named` (the batch lane keeps three)."""
 
-    def __init__(self, state: KeyedState, *, metrics: bool = True) -> None:
+    def __init__(self, state: KeyedState, *, metrics: bool = True, named: dict[str, KeyedState] | None = None) -> None:
         self.state = state
+        self.named = named if named is not None else {}
         self.group = MetricGroup() if metrics else None
 
     def get_metrics_group(self) -> MetricGroup | None:
         return self.group
 
     def get_map_state(self, descriptor: Any) -> KeyedState:
-        return self.state
+        name = descriptor.get_name()
+        if name == "pending":
+            return self.state
+        return self.named.setdefault(name, KeyedState())
+
+    def states(self) -> list[KeyedState]:
+        return [self.state, *self.named.values()]
 
     def get_number_of_parallel_subtasks(self) -> int:
         return 1
@@ -102,17 +117,26 @@ class Harness:
     """Drives one function instance the way PyFlink's keyed operation does."""
 
     def __init__(self, config: JobConfig, state: KeyedState | None = None, *, gate_dir: str | None = None,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, function: KeyedProcessFunction | None = None,
+                 named: dict[str, KeyedState] | None = None) -> None:
+        """`function`: another keyed function than the inference stage (the batch lane); `named`: the
+        maps of its other state descriptors (a fake checkpoint of them: `snapshot_named`)."""
         self.state = state or KeyedState()
         self.timers = TimerService()
         self.ctx = Context(self.timers)
-        self.function = InferenceStage(config, gate_dir=gate_dir)
-        self.runtime = RuntimeContext(self.state, metrics=metrics)
+        self.function = function if function is not None else InferenceStage(config, gate_dir=gate_dir)
+        self.runtime = RuntimeContext(self.state, metrics=metrics, named=named)
         self.function.open(self.runtime)  # type: ignore[arg-type]
         self.out: list[Row] = []
 
     def _at(self, key: Any) -> None:
-        self.state.current_key = self.ctx.key = self.timers.key = key
+        for state in self.runtime.states():
+            state.current_key = key
+        self.ctx.key = self.timers.key = key
+
+    def snapshot_named(self) -> dict[str, KeyedState]:
+        """A fake checkpoint of the named maps, to open another instance on (`named=`)."""
+        return {name: KeyedState(state.snapshot()) for name, state in self.runtime.named.items()}
 
     def element(self, bucket: int, value: bytes | None, offset: int, key: bytes | None = b"k", *,
                 topic: str = "in", partition: int = 0, headers: dict[str, bytes | None] | None = None) -> None:

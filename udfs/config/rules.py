@@ -98,7 +98,45 @@ def validate_job(config: JobConfig) -> None:
              "45 records/s; PEMJA also crashed the JVM once); use process, the default")
     _formats(config)
     _stage(config)
+    _batch_lane(config)
     request_limit = int(config.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
     require(config.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
              f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
              f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")
+
+
+def _batch_lane(config: JobConfig) -> None:
+    """What the provider-batch lane (`model.mode: batch`) does not do (yet), refused at load rather
+    than half done; and what Anthropic's Message Batches cannot take."""
+    if config.model.mode != "batch":
+        return
+    batch_lane = "not with model.mode: batch: "
+    model = config.model
+    unsupported = {
+        "stage": (config.stage != "keyed", batch_lane + "the batch lane is a keyed stage (stage: keyed)"),
+        "model.endpoints": (model.endpoints is not None or model.fallback is not None,
+                            batch_lane + "a batch goes to one provider (model.endpoint)"),
+        "ordering": (config.ordering == "per_key", batch_lane + "a batch answers in any order"),
+        "budget": (config.budget.enabled, batch_lane + "a batch is priced when it ends, not admitted per call"),
+        "model.response_format": (model.response_format is not None,
+                                  batch_lane + "batch answers are not validated against a schema yet"),
+        "model.batch.max_size": (model.batch.max_size > 1, batch_lane + "each request line is one input"),
+        "model.preprocess": (model.preprocess is not None, batch_lane + "user functions run in the realtime lane"),
+        "output.postprocess": (config.output.postprocess is not None,
+                               batch_lane + "user functions run in the realtime lane"),
+        "model.provider": (model.provider == "anthropic" and model.api != "chat",
+                           f"anthropic batches take chat messages only (model.api is {model.api!r})"),
+    }
+    for key, (refused, why) in unsupported.items():
+        require(not refused, key, why)
+    require(config.provider_batch.max_requests <= PROVIDER_MAX_REQUESTS[model.provider], "provider_batch.max_requests",
+            f"{config.provider_batch.max_requests} is over {model.provider}'s limit of "
+            f"{PROVIDER_MAX_REQUESTS[model.provider]} requests a batch")
+    require(config.provider_batch.max_bytes <= PROVIDER_MAX_BYTES[model.provider], "provider_batch.max_bytes",
+            f"{config.provider_batch.max_bytes} is over {model.provider}'s limit of "
+            f"{PROVIDER_MAX_BYTES[model.provider]} bytes a batch")
+
+
+PROVIDER_MAX_REQUESTS = {"openai": 50_000, "anthropic": 100_000}
+PROVIDER_MAX_BYTES = {"openai": 200 * 1024 * 1024, "anthropic": 256 * 1024 * 1024}
+"""The providers' own limits on one batch (OpenAI: a file; Anthropic: a request)."""

@@ -284,6 +284,10 @@ class ModelConfig:
     # a record the function returns None for becomes (nothing, or the record itself on the output).
     preprocess: Annotated[str, FUNCTION] | None = None
     skipped: Literal["drop", "forward"] = "drop"
+    # realtime: a call per record; batch: the provider's batch API at its batch price (`provider_batch`,
+    # docs/cost.md), `provider` saying whose: OpenAI's /v1/batches (and compatible hosts) or Anthropic's.
+    mode: Literal["realtime", "batch"] = "realtime"
+    provider: Literal["openai", "anthropic"] = "openai"
     max_input_tokens: PositiveInt = 8192
     on_context_overflow: Literal["dead-letter", "truncate"] = "dead-letter"
     max_tokens: PositiveInt | None = 256
@@ -599,6 +603,37 @@ class SchemaRegistryConfig:
 
 
 @dataclass(frozen=True)
+class ProviderBatchConfig:
+    """The provider-batch lane (`model.mode: batch`, `udfs/stage/batch_lane.py`, docs/cost.md): records
+    are collected into a provider's batch (OpenAI `/v1/batches`, Anthropic Message Batches), sold
+    at about half the price of the same calls, answered within `completion_window`.
+
+    A bucket's collection becomes a batch at `max_requests` records, `max_bytes` of requests or
+    once its oldest record has waited `max_wait_s`. A batch is polled `poll_initial_s` after its
+    creation, then at doubling intervals up to `poll_max_s`. `on_expired` / `on_cancelled`: what
+    the records a batch did not answer become (`resubmit`: a later batch; `realtime`: a call now;
+    `dead-letter`). A batch older than `stale_after_s` is logged and shown by `llmstream status`.
+    `price_factor`: the batch price against `model.prices` (0.5: half). `max_result_bytes`: the
+    most of one batch's result files read (bounded like every other answer)."""
+
+    max_requests: PositiveInt = 10_000
+    max_bytes: PositiveInt = 100_000_000
+    max_wait_s: PositiveFloat = 300.0
+    poll_initial_s: PositiveFloat = 10.0
+    poll_max_s: PositiveFloat = 300.0
+    completion_window: Literal["24h"] = "24h"
+    on_expired: Literal["resubmit", "realtime", "dead-letter"] = "resubmit"
+    on_cancelled: Literal["resubmit", "realtime", "dead-letter"] = "dead-letter"
+    stale_after_s: PositiveFloat = 26 * 3600.0
+    price_factor: NonNegativeFloat = 0.5
+    max_result_bytes: PositiveInt = 1_000_000_000
+
+    def validate(self, path: str) -> None:
+        require(self.poll_max_s >= self.poll_initial_s, join_key(path, "poll_max_s"),
+                f"{self.poll_max_s:g} is below poll_initial_s ({self.poll_initial_s:g})")
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """The whole job. `name` is the Flink job name and part of log lines; `flink` holds any
     further Flink options for the job (e.g. `restart-strategy.type`), passed through as is."""
@@ -622,6 +657,7 @@ class JobConfig:
     ordering: Literal["none", "per_key"] = "none"
     stage: Literal["keyed", "vectorized"] = "keyed"
     vectorized: VectorizedConfig = field(default_factory=VectorizedConfig)
+    provider_batch: ProviderBatchConfig = field(default_factory=ProviderBatchConfig)
     flink: dict[str, str] = field(default_factory=dict)
 
     def fleet(self) -> tuple[list[EndpointConfig], list[EndpointConfig]]:

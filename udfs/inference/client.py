@@ -251,9 +251,11 @@ class InferenceClient:
     # ------------------------------------------------------------------ one record, layer by layer
 
     async def complete(self, request: Request) -> Completion:
-        """The model's answer to `request`, after any retries; see the class for what it raises."""
+        """The model's answer to `request`, after any retries; see the class for what it raises. In a
+        job with a provider-batch lane the answer says it came from a call of its own (`lane`)."""
         try:
-            return await self._complete(request)
+            completion = await self._complete(request)
+            return dataclasses.replace(completion, lane="realtime") if self._config.model.mode == "batch" else completion
         except InferenceError as err:
             log.debug("request %s failed after %d attempt(s): %s", request.id, err.attempts, err.reason)
             raise self._redacted(err) from None

@@ -104,10 +104,12 @@ def checked_params(value: Any) -> dict[str, Any]:
 
 CONTRACT_FIELDS: tuple[ResultField, ...] = (
     tuple(f for f in RESULT_FIELDS if f.only in (None, "text"))
-    + tuple(f for f in RESULT_FIELDS if f.only == "structured"))
+    + tuple(f for f in RESULT_FIELDS if f.only == "structured")
+    + tuple(f for f in RESULT_FIELDS if f.only == "batch"))
 """The result fields of the record contract: `output` holds any answer, an embedding too (JSON needs
 no field per type, so `embedding` is a typed format's), and the structured-output fields come
-last, as the contract added them; a result has them only when its answer is structured."""
+last, as the contract added them (a result has them only when its answer is structured), then
+`lane` (only in a job with a provider-batch lane)."""
 
 
 class JsonFormat:

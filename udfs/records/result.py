@@ -23,9 +23,10 @@ from typing import Any, Literal
 from udfs.records import Completion, Request
 
 Getter = Callable[[Request, Completion], Any]
-Only = Literal["text", "embeddings", "structured"]
+Only = Literal["text", "embeddings", "structured", "batch"]
 """The results a field belongs to: a text answer (`model.api` chat or completions), an embedding,
-or a structured answer (`model.response_format`); a field without `only` is in every result."""
+a structured answer (`model.response_format`), or a job with a provider-batch lane (`model.mode:
+batch`); a field without `only` is in every result."""
 
 
 class _Absent:
@@ -92,6 +93,8 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
         ResultField("partition", "int", lambda r, c: r.source.partition),
         ResultField("offset", "long", lambda r, c: r.source.offset),
         ResultField("timestamp", "long", lambda r, c: r.source.timestamp_ms, nullable=True))),
+    ResultField("lane", "string", lambda r, c: c.lane if c.lane is not None else ABSENT, nullable=True, only="batch",
+                doc="batch: a provider's batch answered; realtime: a call of its own (model.mode: batch)"),
 )
 """Every field a result can have, in the order of a typed schema (the Avro result schema)."""
 

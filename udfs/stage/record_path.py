@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from udfs.config import JobConfig
 from udfs.errors import BadInput, InternalError, RecordError, UserFunctionError
 from udfs.records import (
+    Completion,
     PendingRecord,
     Request,
     SinkHeaders,
@@ -128,6 +129,16 @@ class RecordPath:
             log.exception("unexpected error in inference for id=%s", request.id)
             failure = InternalError.from_exception(err)
         return self.dead_letter(failure, record, request.id), failure.reason
+
+    def answered(self, request: Request, completion: Completion, record: PendingRecord) -> Outcome:
+        """The output row of an answer got elsewhere than `call` (a provider's batch, the result
+        cache), or its dead letter (`result_too_large`); never raises. The lanes that use it take no
+        user functions (the config refuses them with `model.mode: batch`)."""
+        try:
+            return result_row(request, completion, self._config.kafka.output_topic,
+                              self._config.limits.max_result_bytes, self.forwarded(record), self._formats.output), None
+        except RecordError as err:
+            return self.dead_letter(err, record, request.id), err.reason
 
     async def _skipped(self, request: Request, record: PendingRecord) -> SinkRow | None:
         """A record the preprocess needs no call for (`model.skipped`): nothing, or on the output

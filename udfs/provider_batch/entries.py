@@ -1,0 +1,63 @@
+"""What the batch lane keeps in Flink state, per bucket (`udfs/stage/batch_lane.py`).
+
+- every record not yet emitted, as a `Held` (the `PendingRecord` and the batches it went through);
+- which batch a record is in (its handle -> the batch's `key`);
+- each batch as a `BatchEntry`: its key, the handles of its records in the order of its request
+  lines (line `i` is `r<i>`), the provider's id once the creation answered, and when to poll next.
+
+So a checkpoint holds batch ids and records, never waits for a batch, and a restore polls the
+batches it knows and finds (or creates) the ones whose creation it had not seen answered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from udfs.records import PendingRecord
+
+
+@dataclass(frozen=True)
+class Held:
+    """A record the lane holds until its result or dead letter is emitted. `tries`: the batches it
+    was in that did not answer it (a refused request, an expired or cancelled batch)."""
+
+    record: PendingRecord
+    tries: int = 0
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One batch of a bucket. `key`: the lane's name for it (the provider's `metadata`), unique.
+    `handles`: its records in line order. `provider_id`: None until the creation is answered.
+    `sealed_ms`: when the lane made it; `created_ms`: when the provider took it. `polls`: views
+    asked so far (the next waits longer); `next_poll_ms`: not before then. `resubmits`: how many
+    times the provider lost it (a batch it no longer knows is made again once)."""
+
+    key: str
+    handles: tuple[str, ...]
+    sealed_ms: int
+    provider_id: str | None = None
+    created_ms: int | None = None
+    polls: int = 0
+    next_poll_ms: int = 0
+    resubmits: int = 0
+
+    def created(self, provider_id: str, now_ms: int, first_poll_ms: int) -> BatchEntry:
+        return dataclasses.replace(self, provider_id=provider_id, created_ms=now_ms, next_poll_ms=first_poll_ms)
+
+    def polled(self, next_poll_ms: int) -> BatchEntry:
+        return dataclasses.replace(self, polls=self.polls + 1, next_poll_ms=next_poll_ms)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling: a field added after the state was written takes its default."""
+        for f in dataclasses.fields(self):
+            if f.name not in state and f.default is not dataclasses.MISSING:
+                state[f.name] = f.default
+        self.__dict__.update(state)
+
+
+def poll_delay_s(polls: int, initial_s: float, max_s: float) -> float:
+    """How long after its `polls`-th view a batch is viewed again: `initial_s`, doubling, at most `max_s`."""
+    return min(max_s, initial_s * (2 ** min(polls, 30)))

@@ -1,0 +1,595 @@
+"""The provider-batch lane (`model.mode: batch`, docs/cost.md): the same input, record rules and
+exactly-once sink as the keyed stage, with the calls made through a provider's batch API at its
+batch price instead of one at a time.
+
+`BatchStage` is a keyed function over the same buckets and ticks as `InferenceStage`
+(`udfs/stage/operators.py`). Per bucket:
+
+1. A record is read by the same `RecordPath` (bad input and tombstones are settled at once), kept in
+   keyed state (`RECORDS`) and, when the result cache may hold its answer, looked up there first: a
+   hit is emitted at once and never enters a batch.
+2. The bucket's records wait in a collection (in memory; rebuilt from state after a restore) until it
+   holds `provider_batch.max_requests` records or `max_bytes` of requests, or its oldest record has
+   waited `max_wait_s`; then it becomes a batch: a `BatchEntry` (`udfs/provider_batch/entries.py`) in
+   state (`BATCHES`), each record marked as in it (`ASSIGNED`).
+3. Talking to the provider (`udfs/provider_batch/providers.py`) is done on a loop of its own
+   (`CallRunner`), never on the task thread: creating the batch, viewing it on a timer with backoff,
+   reading its results. The task thread hands work to the loop and takes what came back on its next
+   element, tick or timer, so a checkpoint never waits for a batch: it holds records and batch ids.
+4. An ended batch's results are matched to records by line (`r<index>`), whatever their order: an
+   answer becomes the output record (`cost` at the batch price, `lane: batch`) and fills the cache; a
+   refused request goes to a later batch while it is retryable and `retry.max_attempts` allows, else it
+   is dead-lettered with the provider's code; records an expired or cancelled batch did not answer are
+   resubmitted, called now (`realtime`) or dead-lettered, as `provider_batch.on_expired` /
+   `on_cancelled` say; a batch that failed validation dead-letters its records with the provider's
+   words; a batch the provider no longer knows is made again once, then dead-lettered.
+
+Never paid twice: a record leaves state in the call that emits its outcome, and a batch's id is in
+state from the first checkpoint after its creation was answered. A restore views the batches it knows
+and, before creating one whose creation it had not seen answered, asks the provider for a batch made
+for its key (`Provider.find`: OpenAI's metadata). What is left is the window of a batch created after
+the last checkpoint whose entry that checkpoint did not hold at all: its records are read again and
+batched again (docs/cost.md measures it).
+
+End of input (the final watermark): everything collected becomes a batch and the function waits for
+every batch of the bucket, as the keyed stage waits for its calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from pyflink.common import Row, Types
+from pyflink.datastream import KeyedProcessFunction, RuntimeContext
+from pyflink.datastream.state import MapStateDescriptor
+
+from udfs.config import JobConfig
+from udfs.errors import BadInput, InternalError, ProviderBatchError, RecordError
+from udfs.records import Completion, PendingRecord, Request
+from udfs.stage.operators import FLUSH_AT, _row, _salvage, pending_record
+from udfs.stage.record_path import SKIP, Outcome, RecordPath
+
+log = logging.getLogger("llmstream.udfs")
+
+RECORDS = MapStateDescriptor("batch_records", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
+"""handle -> `Held`: every record of the bucket not yet emitted."""
+ASSIGNED = MapStateDescriptor("batch_assigned", Types.STRING(), Types.STRING())
+"""handle -> the key of the batch it is in (a record not in here waits in the collection)."""
+BATCHES = MapStateDescriptor("batch_entries", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
+"""batch key -> `BatchEntry`."""
+OPERATIONS = 8
+"""Provider calls and cache lookups at once per subtask (a batch is one call, not one per record)."""
+WAKE_MS = 1000
+"""How often a bucket with records looks at its batches when no element or tick comes."""
+LINE_OVERHEAD_BYTES = 96
+"""What a request line adds to its body (custom_id, method, url): the collection's byte count."""
+
+
+@dataclass
+class _Collection:
+    handles: list[str] = field(default_factory=list)
+    size: int = 0
+    oldest_ms: int = 0
+
+
+class BatchStage(KeyedProcessFunction):
+    """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick). Output: `SINK_ROW_TYPE` rows."""
+
+    def __init__(self, config: JobConfig, cache_file: str | None = None) -> None:
+        self._config = config
+        self._cache_file = cache_file
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self, runtime_context: RuntimeContext) -> None:
+        from udfs.inference.client import InferenceClient
+        from udfs.metrics import InferenceMetrics
+        from udfs.provider_batch.providers import provider_for
+        from udfs.records.formats import JobFormats
+        from udfs.stage.inflight import CallRunner
+
+        group = runtime_context.get_metrics_group()
+        self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
+        self._records = runtime_context.get_map_state(RECORDS)
+        self._assigned = runtime_context.get_map_state(ASSIGNED)
+        self._batches = runtime_context.get_map_state(BATCHES)
+        self._runner = CallRunner(OPERATIONS, name="llmstream-batch-lane")
+        # The realtime route (`on_expired: realtime`) and the result cache, as the keyed stage has them.
+        self._client = InferenceClient(self._config, subtasks=runtime_context.get_number_of_parallel_subtasks(),
+                                       metrics=self._metrics, cache_file=self._cache_file)
+        self._provider = provider_for(self._config)
+        self._formats = JobFormats.open(self._config)
+        self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
+        self._collections: dict[Any, _Collection] = {}
+        self._entries: dict[Any, dict[str, Any]] = {}
+        self._held: dict[Any, int] = {}
+        self._busy: set[str] = set()
+        self._maybe_created: set[str] = set()
+        self._timer_at: dict[Any, int] = {}
+        settings = self._config.provider_batch
+        log.info("batch lane: %s batches at %s of at most %d requests, %d bytes, %g s of waiting",
+                 self._provider.name, self._provider.base, settings.max_requests, settings.max_bytes,
+                 settings.max_wait_s)
+
+    def close(self) -> None:
+        runner = getattr(self, "_runner", None)
+        if runner is not None:
+            async def shut() -> None:
+                await self._provider.close()
+                await self._client.close()
+            runner.close(before_stop=shut)
+        for name in ("_formats", "_path"):
+            held = getattr(self, name, None)
+            if held is not None:
+                held.close()
+
+    # ------------------------------------------------------------------ Flink callbacks
+    def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
+        bucket = ctx.get_current_key()
+        if bucket not in self._held:
+            self._adopt(bucket, ctx)
+        if value is not None:
+            self._metrics.records_in.inc()
+            try:
+                record = pending_record(value)
+            except Exception as err:
+                log.exception("unexpected error reading an input row")
+                yield from self._emit((self._path.dead_letter(InternalError.from_exception(err), _salvage(value)),
+                                       "internal_error"))
+                record = None
+            if record is not None:
+                yield from self._admit(bucket, record)
+        yield from self._wake(bucket, ctx)
+
+    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
+        bucket = ctx.get_current_key()
+        if bucket not in self._held:
+            self._adopt(bucket, ctx)
+        if timestamp >= FLUSH_AT:
+            yield from self._flush(bucket, ctx)
+            return
+        if self._timer_at.get(bucket) == timestamp:
+            del self._timer_at[bucket]
+        yield from self._wake(bucket, ctx)
+
+    # ------------------------------------------------------------------ records in
+    def _adopt(self, bucket: Any, ctx: Any) -> None:
+        """First sight of `bucket` in this instance: what its state holds (after a restore) is taken
+        up again: unassigned records into the collection, batches to be viewed (or found or made)."""
+        from udfs.provider_batch.entries import BatchEntry
+
+        ctx.timer_service().register_event_time_timer(FLUSH_AT)
+        entries: dict[str, BatchEntry] = {key: entry for key, entry in self._batches.items()}
+        assigned = {handle for handle, _ in self._assigned.items()}
+        collection = self._collections[bucket] = _Collection(oldest_ms=_now_ms())
+        held = 0
+        for handle in self._records.keys():  # noqa: SIM118 - a Flink MapState, not a dict
+            held += 1
+            if handle not in assigned:
+                collection.handles.append(handle)
+        self._held[bucket] = held
+        self._entries[bucket] = entries
+        for key, entry in entries.items():
+            if entry.provider_id is None:
+                self._maybe_created.add(key)  # its creation may have been answered after the checkpoint
+        if held:
+            log.info("batch lane: bucket %r took up %d record(s) and %d batch(es) from its state",
+                     bucket, held, len(entries))
+
+    def _admit(self, bucket: Any, record: PendingRecord) -> Iterator[Row]:
+        from udfs.cost.cache import cache_key, cacheable
+        from udfs.inference.prompts import build_payload
+        from udfs.provider_batch.entries import Held
+
+        prepared = self._path.prepare(record)
+        if prepared is SKIP:
+            return
+        if not isinstance(prepared, Request):  # bad input, a forwarded tombstone
+            yield from self._emit(prepared)
+            return
+        try:
+            payload = build_payload(prepared, self._config.model)
+        except BadInput as err:
+            self._metrics.bad_input.inc()
+            yield from self._emit((self._path.dead_letter(err, record, prepared.id), err.reason))
+            return
+        handle = record.handle
+        self._records.put(handle, Held(record))
+        self._held[bucket] += 1
+        cache = self._client.cache
+        api = self._config.model.api
+        if cache is not None and cacheable(self._config.cache, api, payload):
+            key = cache_key(api, payload)
+            looked_up = time.perf_counter()
+            yield from self._submit(bucket, ("lookup", handle), lambda: self._lookup(key, looked_up))
+            return
+        self._collect(bucket, handle, payload)
+
+    def _collect(self, bucket: Any, handle: str, payload: dict[str, Any] | None = None) -> None:
+        from udfs.records import fastjson
+
+        collection = self._collections[bucket]
+        if not collection.handles:
+            collection.oldest_ms = _now_ms()
+        collection.handles.append(handle)
+        collection.size += (len(fastjson.dumps(payload)) if payload is not None else 0) + LINE_OVERHEAD_BYTES
+
+    async def _lookup(self, key: str, looked_up: float) -> Any:
+        cache = self._client.cache
+        assert cache is not None
+        stored = await cache.get(key)
+        return (stored, looked_up) if stored is not None else None
+
+    # ------------------------------------------------------------------ the bucket's work
+    def _wake(self, bucket: Any, ctx: Any) -> Iterator[Row]:
+        yield from self._events(bucket)
+        self._seal(bucket)
+        yield from self._drive(bucket)
+        self._gauges()
+        if self._held.get(bucket) and bucket not in self._timer_at:
+            at = ctx.timer_service().current_processing_time() + WAKE_MS
+            ctx.timer_service().register_processing_time_timer(at)
+            self._timer_at[bucket] = at
+
+    def _seal(self, bucket: Any, *, force: bool = False) -> None:
+        """The collection as a new batch, when it is full or its oldest record has waited long enough."""
+        from udfs.provider_batch.entries import BatchEntry
+
+        collection = self._collections[bucket]
+        if not collection.handles:
+            return
+        settings = self._config.provider_batch
+        now = _now_ms()
+        due = (len(collection.handles) >= settings.max_requests or collection.size >= settings.max_bytes
+               or now - collection.oldest_ms >= settings.max_wait_s * 1000)
+        if not (due or force):
+            return
+        while collection.handles:
+            handles = tuple(collection.handles[:settings.max_requests])
+            del collection.handles[:len(handles)]
+            entry = BatchEntry(uuid.uuid4().hex, handles, sealed_ms=now)
+            self._batches.put(entry.key, entry)
+            for handle in handles:
+                self._assigned.put(handle, entry.key)
+            self._entries[bucket][entry.key] = entry
+            log.info("batch lane: bucket %r sealed batch %s of %d record(s)", bucket, entry.key, len(handles))
+        collection.size = 0
+        collection.oldest_ms = now
+
+    def _drive(self, bucket: Any) -> Iterator[Row]:
+        """Each batch's next step with the provider, when it is due and none is under way."""
+        now = _now_ms()
+        for key, entry in list(self._entries[bucket].items()):
+            if key in self._busy or entry.next_poll_ms > now:
+                continue
+            if entry.provider_id is None:
+                yield from self._submit(bucket, ("create", key), self._creator(entry))
+            else:
+                yield from self._submit(bucket, ("view", key), functools.partial(self._view, entry.provider_id))
+
+    def _submit(self, bucket: Any, op: tuple[str, str], call: Callable[[], Coroutine[Any, Any, Any]]) -> Iterator[Row]:
+        """`call` on the lane's loop, its value to come back as an event of `bucket`; waits for a free
+        operation slot meanwhile taking up what came back (the lane's backpressure)."""
+        while not self._runner.has_slot():
+            self._runner.wait_for_slot(0.05)
+            yield from self._events(bucket)
+        if op[0] != "lookup":
+            self._busy.add(op[1])
+
+        async def guarded() -> Any:
+            try:
+                return await call()
+            except Exception as err:  # noqa: BLE001 - the event carries it; a provider error or a bug
+                return err
+        self._runner.submit(bucket, op, guarded)
+
+    def _creator(self, entry: Any) -> Callable[[], Coroutine[Any, Any, Any]]:
+        from udfs.inference.prompts import build_payload
+
+        records = [self._stored(handle) for handle in entry.handles]
+        find = entry.key in self._maybe_created
+        provider = self._provider
+
+        async def create() -> Any:
+            if find:
+                found = await provider.find(entry.key, entry.sealed_ms / 1000)
+                if found is not None:
+                    return ("found", found)
+            lines = []
+            for i, held in enumerate(records):
+                request = self._path.prepare(held.record)
+                payload = build_payload(request, self._config.model) if isinstance(request, Request) else {}
+                lines.append(provider.line(i, payload))
+            batch_id = await provider.create(entry.key, lines)
+            self._metrics.batch_requests.inc(len(lines))
+            return ("created", batch_id)
+        return create
+
+    async def _view(self, provider_id: str) -> Any:
+        return await self._provider.view(provider_id)
+
+    # ------------------------------------------------------------------ what came back
+    def _events(self, bucket: Any) -> Iterator[Row]:
+        from udfs.provider_batch.providers import BatchView, ProviderError
+
+        for op, value in self._runner.take(bucket):
+            kind, name = cast(tuple[str, str], op)
+            if kind != "lookup":
+                self._busy.discard(name)
+            if kind == "lookup":
+                yield from self._looked_up(bucket, name, value)
+                continue
+            if kind == "realtime":
+                yield from self._settle(bucket, name, value if value is not None else self._internal(name))
+                continue
+            entry = self._entries[bucket].get(name)
+            if entry is None:
+                continue
+            if isinstance(value, ProviderError):
+                yield from self._provider_failed(bucket, entry, kind, value)
+            elif isinstance(value, BaseException) or value is None:
+                log.error("batch lane: %s of batch %s failed: %r", kind, name, value)
+                self._retry_later(bucket, entry)
+            elif kind == "create":
+                self._created(bucket, entry, value)
+            elif kind == "view":
+                assert isinstance(value, BatchView)
+                yield from self._viewed(bucket, entry, value)
+            elif kind == "results":
+                yield from self._answered(bucket, entry, value)
+
+    def _looked_up(self, bucket: Any, handle: str, value: Any) -> Iterator[Row]:
+        from udfs.cost.single_flight import cached_completion
+
+        if isinstance(value, BaseException) or value is None:
+            if isinstance(value, BaseException):
+                log.warning("batch lane: a cache lookup failed (%r); the record goes to a batch", value)
+            else:
+                self._metrics.cache_misses.inc()
+            self._collect(bucket, handle)
+            return
+        self._metrics.cache_hits.inc()
+        stored, looked_up = value
+        held = self._stored(handle)
+        request = self._path.prepare(held.record)
+        if not isinstance(request, Request):
+            yield from self._settle(bucket, handle, request if request is not None else (None, None))
+            return
+        completion = cached_completion(stored, model=self._config.model.model, endpoint=self._provider.base,
+                                       priced=self._config.model.prices is not None, looked_up=looked_up)
+        yield from self._settle(bucket, handle, self._path.answered(request, dataclasses.replace(
+            completion, lane="batch"), held.record))
+
+    def _created(self, bucket: Any, entry: Any, value: tuple[str, str]) -> None:
+        how, provider_id = value
+        now = _now_ms()
+        settings = self._config.provider_batch
+        entry = entry.created(provider_id, now, now + int(settings.poll_initial_s * 1000))
+        self._maybe_created.discard(entry.key)
+        self._put(bucket, entry)
+        log.info("batch lane: batch %s %s as %s (%d requests)", entry.key,
+                 "found at the provider" if how == "found" else "created", provider_id, len(entry.handles))
+
+    def _viewed(self, bucket: Any, entry: Any, view: Any) -> Iterator[Row]:
+        from udfs.provider_batch.entries import poll_delay_s
+
+        settings = self._config.provider_batch
+        if view.phase == "running":
+            age_s = (_now_ms() - (entry.created_ms or entry.sealed_ms)) / 1000
+            if age_s > settings.stale_after_s and entry.polls % 10 == 0:
+                log.warning("batch lane: batch %s (%s) is %.0f s old and still %s", entry.key, entry.provider_id,
+                            age_s, view.status)
+            delay = poll_delay_s(entry.polls, settings.poll_initial_s, settings.poll_max_s)
+            self._put(bucket, entry.polled(_now_ms() + int(delay * 1000)))
+            return
+        if view.phase == "ended":
+            count = len(entry.handles)
+            self._busy.add(entry.key)
+            yield from self._submit(bucket, ("results", entry.key),
+                                    lambda: self._provider.results(view, count))
+            return
+        if view.phase == "failed":
+            lines = dict(view.errors)
+            for i, handle in enumerate(entry.handles):
+                said = lines.get(i + 1) or lines.get(None) or next(iter(lines.values()), "the batch failed")
+                err = ProviderBatchError("batch_failed", f"the provider failed batch {entry.provider_id}: {said}")
+                yield from self._settle(bucket, handle, self._dead(handle, err))
+            self._drop(bucket, entry)
+            return
+        # gone: the provider no longer knows the batch
+        if entry.resubmits < 1:
+            log.warning("batch lane: the provider no longer knows batch %s (%s); making it again", entry.key,
+                        entry.provider_id)
+            self._drop(bucket, entry)
+            again = dataclasses.replace(entry, key=uuid.uuid4().hex, provider_id=None, created_ms=None, polls=0,
+                                        next_poll_ms=0, resubmits=entry.resubmits + 1)
+            self._batches.put(again.key, again)
+            for handle in again.handles:
+                self._assigned.put(handle, again.key)
+            self._entries[bucket][again.key] = again
+            return
+        for handle in entry.handles:
+            err = ProviderBatchError("batch_gone", f"the provider lost batch {entry.provider_id} twice")
+            yield from self._settle(bucket, handle, self._dead(handle, err))
+        self._drop(bucket, entry)
+
+    def _answered(self, bucket: Any, entry: Any, results: list[Any]) -> Iterator[Row]:
+        from udfs.provider_batch.providers import Answered, Refused
+
+        settings = self._config.provider_batch
+        for result in results:
+            handle = entry.handles[result.index]
+            if self._records.get(handle) is None:
+                continue
+            held = self._stored(handle)
+            if isinstance(result, Answered):
+                yield from self._settle(bucket, handle, self._result(entry, held, result.body))
+            elif isinstance(result, Refused):
+                tries = held.tries + 1
+                if result.retryable and tries < self._config.retry.max_attempts:
+                    self._again(bucket, handle, held, tries)
+                    continue
+                err = ProviderBatchError("batch_request_failed", f"{result.code}: {result.message}",
+                                         attempts=tries, status=result.status)
+                yield from self._settle(bucket, handle, self._dead(handle, err))
+            else:
+                policy = settings.on_expired if result.why == "expired" else settings.on_cancelled
+                tries = held.tries + 1
+                if policy == "resubmit" and tries < self._config.retry.max_attempts + 1:
+                    self._again(bucket, handle, held, tries)
+                elif policy == "realtime":
+                    self._assigned.remove(handle)  # in no batch while its call is out
+                    yield from self._submit(bucket, ("realtime", handle), self._realtime(held))
+                else:
+                    err = ProviderBatchError(f"batch_{result.why}",
+                                             f"batch {entry.provider_id} {result.why} before answering this request",
+                                             attempts=tries)
+                    yield from self._settle(bucket, handle, self._dead(handle, err))
+        self._drop(bucket, entry)
+
+    def _provider_failed(self, bucket: Any, entry: Any, kind: str, err: Any) -> Iterator[Row]:
+        if kind == "create" and not err.retryable:
+            for handle in entry.handles:
+                failure = ProviderBatchError("batch_failed", f"the provider refused the batch: {err}",
+                                             status=err.status)
+                yield from self._settle(bucket, handle, self._dead(handle, failure))
+            self._drop(bucket, entry)
+            return
+        if kind == "create" and err.status is None:
+            self._maybe_created.add(entry.key)  # no answer: it may have been made all the same
+        log.warning("batch lane: %s of batch %s failed (%s); trying again later", kind, entry.key, err)
+        self._retry_later(bucket, entry)
+
+    def _retry_later(self, bucket: Any, entry: Any) -> None:
+        from udfs.provider_batch.entries import poll_delay_s
+
+        settings = self._config.provider_batch
+        delay = poll_delay_s(entry.polls, settings.poll_initial_s, settings.poll_max_s)
+        self._put(bucket, entry.polled(_now_ms() + int(delay * 1000)))
+
+    # ------------------------------------------------------------------ records out
+    def _result(self, entry: Any, held: Any, body: dict[str, Any]) -> Outcome:
+        from udfs.cost.pricing import cost_or_none
+        from udfs.inference import responses
+        from udfs.inference.prompts import build_payload
+
+        request = self._path.prepare(held.record)
+        if not isinstance(request, Request):
+            return request if request is not None else (None, None)
+        try:
+            payload = build_payload(request, self._config.model)
+            api = self._config.model.api
+            answer = responses.answer(api, body)
+            usage = responses.usage(api, body, payload, answer.output)
+        except RecordError as err:
+            err.attempts = held.tries + 1
+            return self._path.dead_letter(err, held.record, request.id), err.reason
+        cost = cost_or_none(self._config.model.prices, usage.prompt_tokens, usage.completion_tokens)
+        now = _now_ms()
+        started = entry.created_ms or entry.sealed_ms
+        completion = Completion(
+            output=answer.output, model=responses.model_name(body, payload), finish_reason=answer.finish_reason,
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            latency_ms=float(now - started), attempts=held.tries + 1, endpoint=self._provider.base,
+            started_ms=started, completed_ms=now,
+            cost=cost * self._config.provider_batch.price_factor if cost is not None else None, lane="batch")
+        self._metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self._metrics.completion_tokens.inc(usage.completion_tokens)
+        self._store(request, payload, completion)
+        return self._path.answered(request, completion, held.record)
+
+    def _store(self, request: Request, payload: dict[str, Any], completion: Completion) -> None:
+        """The answer into the result cache, on the lane's loop, not waited for."""
+        from udfs.cost.cache import cache_key, cacheable
+        from udfs.cost.single_flight import stored_answer
+
+        cache = self._client.cache
+        api = self._config.model.api
+        if cache is None or not cacheable(self._config.cache, api, payload):
+            return
+        key, value = cache_key(api, payload), stored_answer(completion)
+        self._runner.loop.call_soon_threadsafe(lambda: self._runner.loop.create_task(cache.put(key, value)))
+
+    def _realtime(self, held: Any) -> Callable[[], Coroutine[Any, Any, Any]]:
+        record = held.record
+        request = self._path.prepare(record)
+
+        async def call() -> Any:
+            if not isinstance(request, Request):
+                return request if request is not None else (None, None)
+            return await self._path.call(request, record)
+        return call
+
+    def _again(self, bucket: Any, handle: str, held: Any, tries: int) -> None:
+        """`handle` into a later batch, one more try counted."""
+        self._records.put(handle, dataclasses.replace(held, tries=tries))
+        self._assigned.remove(handle)
+        self._collect(bucket, handle)
+
+    def _dead(self, handle: str, err: RecordError) -> Outcome:
+        held = self._stored(handle)
+        return self._path.dead_letter(err, held.record), err.reason
+
+    def _internal(self, handle: str) -> Outcome:
+        return self._dead(handle, InternalError("the realtime call of an unanswered batch request raised"))
+
+    def _settle(self, bucket: Any, handle: str, outcome: Outcome) -> Iterator[Row]:
+        """`handle`'s outcome out, and the record out of state in the same call."""
+        if self._records.get(handle) is not None:
+            self._records.remove(handle)
+            self._held[bucket] -= 1
+        if self._assigned.get(handle) is not None:
+            self._assigned.remove(handle)
+        yield from self._emit(outcome)
+
+    def _emit(self, outcome: Outcome) -> Iterator[Row]:
+        row, reason = outcome
+        if reason is not None:
+            self._metrics.dead_letter(reason)
+        if row is not None:
+            yield _row(row)
+
+    def _flush(self, bucket: Any, ctx: Any) -> Iterator[Row]:
+        """End of input: every record into a batch, and every batch of the bucket waited for."""
+        while self._held.get(bucket):
+            yield from self._events(bucket)
+            self._seal(bucket, force=True)
+            yield from self._drive(bucket)
+            self._gauges()
+            self._runner.wait(0.2, bucket)
+
+    # ------------------------------------------------------------------ state
+    def _stored(self, handle: str) -> Any:
+        from udfs.provider_batch.entries import Held
+
+        value = self._records.get(handle)
+        if isinstance(value, Held):
+            return value
+        return Held(_salvage(None))
+
+    def _put(self, bucket: Any, entry: Any) -> None:
+        self._batches.put(entry.key, entry)
+        self._entries[bucket][entry.key] = entry
+
+    def _drop(self, bucket: Any, entry: Any) -> None:
+        self._batches.remove(entry.key)
+        self._entries[bucket].pop(entry.key, None)
+        self._busy.discard(entry.key)
+
+    def _gauges(self) -> None:
+        metrics = self._metrics
+        metrics.batch_records_waiting = sum(len(c.handles) for c in self._collections.values())
+        entries = [e for bucket in self._entries.values() for e in bucket.values()]
+        metrics.batches_open = len(entries)
+        oldest = min((e.created_ms or e.sealed_ms for e in entries), default=None)
+        metrics.batch_oldest_age_s = int((_now_ms() - oldest) / 1000) if oldest is not None else 0
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
