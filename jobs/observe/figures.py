@@ -190,6 +190,15 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
     out["endpoints"] = _endpoints(metrics)
     out["checkpoint"] = _checkpoint(raw, now)
     out["cost"] = _cost(config, llm("prompt_tokens"), llm("completion_tokens"), raw, previous, now)
+    if config.model.mode == "batch":
+        out["batch_lane"] = {
+            "provider": config.model.provider, "records_waiting": _int(llm("batch_records_waiting")),
+            "batches_open": _int(llm("batches_open")), "oldest_age_s": _int(max_of("batch_oldest_age_s")),
+            "requests_submitted": _int(llm("batch_requests")),
+            "stale_after_s": config.provider_batch.stale_after_s,
+            # What the batch price saves of the list price (model.prices x price_factor).
+            "saving": round(1.0 - config.provider_batch.price_factor, 4),
+        }
     return out
 
 

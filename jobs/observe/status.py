@@ -142,7 +142,27 @@ def render(fig: dict[str, Any]) -> Any:
     parts: list[Any] = [header, "", grid]
     if fig.get("endpoints"):
         parts += ["", _endpoint_table(fig["endpoints"])]
+    if fig.get("batch_lane"):
+        parts += ["", _batch_table(fig["batch_lane"])]
     return Panel(Group(*parts), title=title, title_align="left")
+
+
+def _batch_table(lane: dict[str, Any]) -> Any:
+    """The provider-batch lane (`model.mode: batch`): what waits to be batched, the batches out."""
+    from rich.table import Table
+
+    t = Table(title=f"Batch lane ({lane['provider']})", title_justify="left", box=None, padding=(0, 1),
+              show_header=False)
+    oldest = lane.get("oldest_age_s")
+    stale = oldest is not None and oldest > lane["stale_after_s"]
+    for name, value in (
+            ("records waiting to be batched", _fmt(lane.get("records_waiting"))),
+            ("batches at the provider", _fmt(lane.get("batches_open"))),
+            ("oldest batch", (_duration(oldest) if oldest else "–") + ("  [red]STALE[/red]" if stale else "")),
+            ("requests submitted", _fmt(lane.get("requests_submitted"))),
+            ("saving on list price", f"{lane['saving']:.0%}")):
+        t.add_row(name, value)
+    return t
 
 
 def _endpoint_table(endpoints: dict[str, dict[str, Any]]) -> Any:
