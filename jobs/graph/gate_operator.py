@@ -147,10 +147,13 @@ def gate_setting(config: JobConfig) -> str | None:
     binding requests- or tokens-per-minute limit queues calls for as long as the stage has slots
     (a slot a second at 60 a minute), and a 429's Retry-After holds every call; under the same
     conditions as a fleet, the gate stops the input while either wait is over a second
-    (`udfs.inference.client.PAUSE_AFTER_S`). A job with neither a budget, a fleet nor a rate limit has no
+    (`udfs.inference.client.PAUSE_AFTER_S`). `model.mode`: the provider-batch lane makes a batch only
+    once a completed checkpoint holds it, which the gate tells it. A job with none of these has no
     gate: a Retry-After then holds a checkpoint for up to `retry.max_retry_after_s`."""
     if config.budget.enabled:
         return "budget"
+    if config.model.mode == "batch":
+        return "model.mode"  # never closes: it tells the batch lane which checkpoint completed (AdmissionGate.java)
     gateable = config.python.unaligned_checkpoints and _buildable()
     if config.model.routed and gateable:
         return "model.endpoints"

@@ -541,7 +541,8 @@ def keyed_stage(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, 
     gate_dir = gate.job_directory() if gate.gated(config) else None
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=config.kafka.forward_headers != "none",
                            ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids)
-    stage: KeyedProcessFunction = (BatchStage(config, cache_file=cache_file) if config.model.mode == "batch"
+    stage: KeyedProcessFunction = (BatchStage(config, cache_file=cache_file, gate_dir=gate_dir)
+                                   if config.model.mode == "batch"
                                    else InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file))
     outgoing = (
         inference(env, keyed, stage, config.python.bundle_target_ms)

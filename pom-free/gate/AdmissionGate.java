@@ -1,11 +1,15 @@
 package llmstream;
 
+import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.Path;
 import java.nio.file.Paths;
+import java.nio.file.StandardCopyOption;
+import java.util.TreeMap;
 
 import org.apache.flink.api.common.operators.MailboxExecutor;
 import org.apache.flink.metrics.Gauge;
+import org.apache.flink.runtime.state.StateSnapshotContext;
 import org.apache.flink.streaming.api.operators.AbstractStreamOperator;
 import org.apache.flink.streaming.api.operators.OneInputStreamOperator;
 import org.apache.flink.streaming.runtime.streamrecord.StreamRecord;
@@ -32,6 +36,13 @@ import org.slf4j.LoggerFactory;
  * <p>The gate holds no record: the one in hand has already gone to the stage, which keeps what
  * it cannot start yet in its own keyed state. So the gate has no state, and a checkpoint taken
  * while it waits is whole.
+ *
+ * <p>It also tells the stage which of its state is durable, something a Python function cannot
+ * learn from PyFlink: when a checkpoint completes, the gate writes {@code <directory>/<subtask>.durable}
+ * holding the wall-clock time (epoch ms) at which that checkpoint's barrier reached this subtask.
+ * Whatever the stage did to its state before that moment is in a completed checkpoint. The
+ * provider-batch lane (`udfs/stage/batch_lane.py`) creates a batch only once its entry is durable,
+ * so a restore always knows every batch it made and never pays for one twice.
  */
 public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements OneInputStreamOperator<T, T> {
 
@@ -43,6 +54,8 @@ public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements
     private final long idleSleepMillis;
 
     private transient Path signal;
+    private transient Path durable;
+    private transient TreeMap<Long, Long> barrierMillis;
     private transient MailboxExecutor anyMail;
     private transient long nextCheckNanos;
     private transient boolean closed;
@@ -60,6 +73,8 @@ public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements
         super.open();
         int subtask = getRuntimeContext().getTaskInfo().getIndexOfThisSubtask();
         signal = Paths.get(directory, subtask + ".closed");
+        durable = Paths.get(directory, subtask + ".durable");
+        barrierMillis = new TreeMap<>();
         anyMail = getContainingTask().getMailboxExecutorFactory().createExecutor(TaskMailbox.MIN_PRIORITY);
         getMetricGroup().gauge("admissionGateClosed", (Gauge<Integer>) () -> closed ? 1 : 0);
         getMetricGroup().gauge("admissionGateClosedMs", (Gauge<Long>) () -> (closedNanosTotal
@@ -72,6 +87,30 @@ public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements
         output.collect(element);
         if (look(false)) {
             holdWhileClosed();
+        }
+    }
+
+    @Override
+    public void snapshotState(StateSnapshotContext context) throws Exception {
+        super.snapshotState(context);
+        barrierMillis.put(context.getCheckpointId(), System.currentTimeMillis());
+    }
+
+    @Override
+    public void notifyCheckpointComplete(long checkpointId) throws Exception {
+        super.notifyCheckpointComplete(checkpointId);
+        Long at = barrierMillis.get(checkpointId);
+        barrierMillis.headMap(checkpointId, true).clear();
+        if (at == null) {
+            return;
+        }
+        try {
+            Files.createDirectories(durable.getParent());
+            Path partial = Paths.get(directory, durable.getFileName() + ".partial");
+            Files.write(partial, Long.toString(at).getBytes(StandardCharsets.US_ASCII));
+            Files.move(partial, durable, StandardCopyOption.REPLACE_EXISTING, StandardCopyOption.ATOMIC_MOVE);
+        } catch (java.io.IOException e) {
+            LOG.warn("admission gate: writing {} failed: {}", durable, e.toString());
         }
     }
 

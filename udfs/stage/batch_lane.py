@@ -24,12 +24,14 @@ batch price instead of one at a time.
    `on_cancelled` say; a batch that failed validation dead-letters its records with the provider's
    words; a batch the provider no longer knows is made again once, then dead-lettered.
 
-Never paid twice: a record leaves state in the call that emits its outcome, and a batch's id is in
-state from the first checkpoint after its creation was answered. A restore views the batches it knows
-and, before creating one whose creation it had not seen answered, asks the provider for a batch made
-for its key (`Provider.find`: OpenAI's metadata). What is left is the window of a batch created after
-the last checkpoint whose entry that checkpoint did not hold at all: its records are read again and
-batched again (docs/cost.md measures it).
+Never paid twice: a record leaves state in the call that emits its outcome, and a batch is made at
+the provider only once a completed checkpoint holds its entry: the admission gate chained in front
+(`pom-free/gate/AdmissionGate.java`) writes when the last completed checkpoint's barrier passed, and a
+batch sealed before that is durable. So a restore knows every batch this lane made: it views those
+with an id, and for one whose creation it had not seen answered (the worker died while it was
+under way) it asks the provider for a batch made for its key before making it (`Provider.find`:
+OpenAI's metadata; Anthropic keeps none, so there that one batch may be paid twice). Making a
+batch waits about a checkpoint interval for this; a batch waits hours.
 
 End of input (the final watermark): everything collected becomes a batch and the function waits for
 every batch of the bucket, as the keyed stage waits for its calls.
@@ -44,6 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 from pyflink.common import Row, Types
@@ -68,6 +71,8 @@ OPERATIONS = 8
 """Provider calls and cache lookups at once per subtask (a batch is one call, not one per record)."""
 WAKE_MS = 1000
 """How often a bucket with records looks at its batches when no element or tick comes."""
+DURABLE_READ_S = 0.2
+"""How often the gate's `.durable` file is read while a sealed batch waits for a checkpoint."""
 LINE_OVERHEAD_BYTES = 96
 """What a request line adds to its body (custom_id, method, url): the collection's byte count."""
 
@@ -82,9 +87,13 @@ class _Collection:
 class BatchStage(KeyedProcessFunction):
     """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick). Output: `SINK_ROW_TYPE` rows."""
 
-    def __init__(self, config: JobConfig, cache_file: str | None = None) -> None:
+    def __init__(self, config: JobConfig, cache_file: str | None = None, gate_dir: str | None = None) -> None:
+        """`gate_dir`: where the admission gate in front says which checkpoint completed (a job always
+        has it in this lane; without it, as on the fake runtime of the unit tests, a batch is made
+        as soon as it is sealed)."""
         self._config = config
         self._cache_file = cache_file
+        self._gate_dir = gate_dir
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -112,6 +121,12 @@ class BatchStage(KeyedProcessFunction):
         self._busy: set[str] = set()
         self._maybe_created: set[str] = set()
         self._timer_at: dict[Any, int] = {}
+        self._durable: set[str] = set()
+        self._flushing = False
+        self._durable_file = (Path(self._gate_dir) / f"{runtime_context.get_index_of_this_subtask()}.durable"
+                              if self._gate_dir is not None else None)
+        self._durable_ms = 0
+        self._durable_read_at = 0.0
         settings = self._config.provider_batch
         log.info("batch lane: %s batches at %s of at most %d requests, %d bytes, %g s of waiting",
                  self._provider.name, self._provider.base, settings.max_requests, settings.max_bytes,
@@ -176,6 +191,7 @@ class BatchStage(KeyedProcessFunction):
         self._held[bucket] = held
         self._entries[bucket] = entries
         for key, entry in entries.items():
+            self._durable.add(key)  # restored: a completed checkpoint holds it
             if entry.provider_id is None:
                 self._maybe_created.add(key)  # its creation may have been answered after the checkpoint
         if held:
@@ -269,9 +285,29 @@ class BatchStage(KeyedProcessFunction):
             if key in self._busy or entry.next_poll_ms > now:
                 continue
             if entry.provider_id is None:
+                if not self._may_create(entry):
+                    continue
                 yield from self._submit(bucket, ("create", key), self._creator(entry))
             else:
                 yield from self._submit(bucket, ("view", key), functools.partial(self._view, entry.provider_id))
+
+    def _may_create(self, entry: Any) -> bool:
+        """Whether `entry` may be made at the provider: once a completed checkpoint holds it (the
+        gate's `.durable` time is past its seal), so that a restore knows every batch this lane made.
+        At the end of input there is no checkpoint to wait for (the drain's savepoint comes after)."""
+        if self._durable_file is None or self._flushing or entry.key in self._durable:
+            return True
+        now = time.monotonic()
+        if now - self._durable_read_at >= DURABLE_READ_S:
+            self._durable_read_at = now
+            try:
+                self._durable_ms = int(self._durable_file.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pass  # no checkpoint has completed yet (or the gate is writing it): not yet
+        if self._durable_ms > entry.sealed_ms:
+            self._durable.add(entry.key)
+            return True
+        return False
 
     def _submit(self, bucket: Any, op: tuple[str, str], call: Callable[[], Coroutine[Any, Any, Any]]) -> Iterator[Row]:
         """`call` on the lane's loop, its value to come back as an event of `bucket`; waits for a free
@@ -557,6 +593,7 @@ class BatchStage(KeyedProcessFunction):
 
     def _flush(self, bucket: Any, ctx: Any) -> Iterator[Row]:
         """End of input: every record into a batch, and every batch of the bucket waited for."""
+        self._flushing = True
         while self._held.get(bucket):
             yield from self._events(bucket)
             self._seal(bucket, force=True)

@@ -1,0 +1,77 @@
+"""The provider-batch lane (`model.mode: batch`) on real parts: a real broker, the simulator's batch
+APIs over HTTP, `llmstream run` in a mini cluster and a job on the standalone cluster whose
+TaskManager is killed while batches are live at the provider.
+
+What a user sees is asserted (every id once in output ∪ dead letters, read_committed) and what they
+pay: the requests submitted to the provider, counted at the simulator, against the records.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from jobs.clients import kafka_admin
+from jobs.dev import local_kafka
+from jobs.dev.local_cluster import LocalCluster
+from jobs.dev.simulator import SpawnedSimulator
+from tests.conftest import SHELL_ENV
+from tests.support.committed import check_exactly_once
+from tests.support.job_setup import LLMSTREAM, SpawnSimulator, make_job, unique_records
+from tests.support.runs import start_records
+
+pytestmark = pytest.mark.integration
+
+LANE = {"mode": "batch"}
+
+
+def _batches(sim: SpawnedSimulator) -> dict[str, object]:
+    return sim.stats()["batches"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def batch_simulator(spawn_simulator: SpawnSimulator) -> SpawnedSimulator:
+    """Batches that take 2-4 s to answer, so some are live when a test acts on the job."""
+    return spawn_simulator(["--latency", "fixed:5", "--batch-validating-s", "0.2", "--batch-delay-s", "2:4",
+                            "--batch-finalizing-s", "0.2"])
+
+
+def test_run_until_end_answers_every_record_once_through_batches(
+        tmp_path: Path, kafka_broker: local_kafka.LocalBroker, batch_simulator: SpawnedSimulator) -> None:
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, batch_simulator.url, name="batch-run", model=LANE,
+                     provider_batch={"max_requests": 100, "max_wait_s": 1, "poll_initial_s": 0.5, "poll_max_s": 2})
+    records = unique_records(400, "bl")
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+    done = subprocess.run([str(LLMSTREAM), "run", "--config", str(setup.path), "--until-end"], cwd=tmp_path,
+                          env=SHELL_ENV, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, expected=400, timeout_s=60)
+    bodies = [json.loads(r.value) for r in out]
+    assert Counter(b["id"] for b in bodies) == Counter(k.decode() for k, _ in records)
+    assert {b["lane"] for b in bodies} == {"batch"}
+    assert _batches(batch_simulator)["requests_submitted"] == 400  # paid once each
+
+
+def test_a_taskmanager_killed_while_batches_are_live_pays_for_nothing_twice(
+        cluster: LocalCluster, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+        batch_simulator: SpawnedSimulator) -> None:
+    """Batches are made only once a completed checkpoint holds them (the gate's `.durable`), so the
+    restored job views the batches it made instead of making them again: requests submitted ÷
+    records = 1.000 through a TaskManager SIGKILL."""
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, batch_simulator.url, name="batch-tm-kill", model=LANE,
+                     provider_batch={"max_requests": 150, "max_wait_s": 2, "poll_initial_s": 0.5, "poll_max_s": 2})
+    records = unique_records(1500, "bk")
+    run = start_records(cluster, setup, records)
+    run.wait_mid_stream(0.2)
+    cluster.kill_taskmanager()
+    cluster.add_taskmanager(timeout=120)
+    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+    result = run.finish(timeout=400)
+    check_exactly_once(result)
+    assert run.restarts() >= 1
+    submitted = int(_batches(batch_simulator)["requests_submitted"])  # type: ignore[call-overload]
+    assert submitted == len(records), f"{submitted} requests submitted for {len(records)} records"
