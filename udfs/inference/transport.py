@@ -252,7 +252,8 @@ async def _error_text(response: aiohttp.ClientResponse) -> str:
         response.close()
     charset = response.charset or "utf-8"
     try:
-        codecs.lookup(charset)
+        if not codecs.lookup(charset)._is_text_encoding:  # e.g. base64 or rot13: a codec, but not of text
+            charset = "utf-8"
     except LookupError:
         charset = "utf-8"
     return body.decode(charset, errors="replace")
@@ -298,18 +299,24 @@ def status_error(status: int, message: str, *, location: str | None = None) -> I
 
 
 def server_message(body: str) -> str:
-    """The `error.message` of an OpenAI-style error body, else the body's start."""
+    """The `error.message` of an OpenAI-style error body, else the body's start. Redact `body`
+    first (`Transport.redact`): what is cut here cannot be redacted after."""
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested deeper than the parser goes is not an error object
         return body.strip()[:MAX_DETAIL_CHARS]
+    return (_error_message(parsed) or body.strip())[:MAX_DETAIL_CHARS]
+
+
+def _error_message(parsed: Any) -> str | None:
+    """`error.message` (or `error` itself, a string) of a parsed OpenAI-style error body."""
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"][:MAX_DETAIL_CHARS]
+            return str(error["message"])
         if isinstance(error, str):
-            return error[:MAX_DETAIL_CHARS]
-    return body.strip()[:MAX_DETAIL_CHARS]
+            return error
+    return None
 
 
 # ------------------------------------------------------------------ TLS
