@@ -143,6 +143,11 @@ class Transport:
                 text = text.replace(secret, "***")
         return text
 
+    def _quote(self, text: str) -> str:
+        """What a server sent (or an error quoting it), fit for an error detail: redacted, then cut
+        to `MAX_DETAIL_CHARS`, in that order, so a cut never leaves part of a secret behind."""
+        return self.redact(text)[:MAX_DETAIL_CHARS]
+
     async def post(self, payload: dict[str, Any], label: str, attempt: int) -> Reply:
         """One HTTP call: the server's answer as a `Reply` (a 2xx's parsed body, or a non-2xx's error
         and `Retry-After`); raises `RetryableError`/`PermanentError` when no usable answer came
@@ -161,8 +166,10 @@ class Transport:
                     body = _json_object(status, await self._answer(response))
                     log.debug("request %s attempt %d: HTTP %d", label, attempt, status)
                     return Reply(body=body)
-                text = await _error_text(response)
+                text = self.redact(await _error_text(response))
                 location = response.headers.get("Location")
+                if location is not None:
+                    location = self._quote(location)
                 retry_after = parse_retry_after(response.headers, max_s=self._config.retry.max_retry_after_s)
         except InferenceError:
             raise
@@ -174,7 +181,7 @@ class Transport:
             tls = tls_failure(err, self._host)
             if tls is not None:
                 raise tls from None
-            raise RetryableError(f"{type(err).__name__}: {err}"[:MAX_DETAIL_CHARS]) from None
+            raise RetryableError(self._quote(f"{type(err).__name__}: {err}")) from None
         finally:
             self._metrics.in_flight -= 1
         log.debug("request %s attempt %d: HTTP %d, retry-after %s", label, attempt, status, retry_after)
@@ -289,7 +296,7 @@ def status_error(status: int, message: str, *, location: str | None = None) -> I
     `PermanentError`."""
     detail = f"HTTP {status}: {message}"
     if 300 <= status < 400:
-        detail += f" (redirect to {location!r}: set model.endpoint to the final URL)"
+        detail += f" (redirect to {location!r}, not followed: set model.endpoint to the final URL)"
     outcome = of_status(status)
     if outcome.overload:
         return RateLimited(detail, status=status)
