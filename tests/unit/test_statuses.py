@@ -57,6 +57,7 @@ def test_the_retry_layer_and_the_transport_follow_the_table(status: int | None) 
     (RateLimited("HTTP 503", status=503), Outcome.UNAVAILABLE),
     (TlsError("certificate not trusted"), Outcome.NEUTRAL),
     (PermanentError("HTTP 200 with a body that is not JSON", status=200), Outcome.NEUTRAL),
+    (RetryableError("HTTP 200 with an error instead of an answer", status=200), Outcome.FAILURE),
     (PermanentError("HTTP 400", status=400), Outcome.NEUTRAL),
 ])
 def test_an_error_has_its_status_outcome_when_retryable_else_neutral(

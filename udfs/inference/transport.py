@@ -165,6 +165,10 @@ class Transport:
                 if 200 <= status < 300:
                     body = _json_object(status, await self._answer(response))
                     log.debug("request %s attempt %d: HTTP %d", label, attempt, status)
+                    failed = error_in_answer(body)
+                    if failed is not None:  # a 2xx that failed anyway: retried like a 5xx
+                        return Reply(refusal=RetryableError(f"HTTP {status} with an error instead of an answer: "
+                                                            f"{self._quote(failed)}", status=status))
                     return Reply(body=body)
                 text = self.redact(await _error_text(response))
                 location = response.headers.get("Location")
@@ -275,6 +279,14 @@ def _json_object(status: int, raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise PermanentError(f"HTTP {status} with a JSON {type(body).__name__}, expected an object", status=status)
     return body
+
+
+def error_in_answer(body: dict[str, Any]) -> str | None:
+    """The message of an OpenAI error object a 2xx body holds instead of an answer (no `choices`,
+    no `data`), else None."""
+    if "error" not in body or "choices" in body or "data" in body:
+        return None
+    return _error_message(body) or "(no message)"
 
 
 @dataclass(frozen=True)
