@@ -351,8 +351,8 @@ def test_a_server_that_echoes_the_key_in_its_error_is_redacted(monkeypatch: pyte
     assert SECRET not in str(err) and SECRET not in repr(err)
 
 
-@pytest.mark.parametrize(("body", "problem"), [("not json", "not JSON"), ('{"choices": []}', "response shape")])
-def test_a_malformed_answer_is_a_permanent_error(body: str, problem: str) -> None:
+@pytest.mark.parametrize(("body", "problem"), [("not json", "not JSON"), ('{"choices": []}', "choices are an empty list")])
+def test_a_malformed_answer_is_unsupported_at_once(body: str, problem: str) -> None:
     async def bad(req: web.Request) -> web.Response:
         return web.Response(text=body, content_type="application/json")
 
@@ -364,7 +364,8 @@ def test_a_malformed_answer_is_a_permanent_error(body: str, problem: str) -> Non
             await runner.cleanup()
 
     err = run(scenario)
-    assert type(err) is PermanentError and problem in err.detail
+    assert type(err) is UnsupportedResponse and err.reason == "unsupported_response" and err.attempts == 1
+    assert problem in err.detail
 
 
 def test_per_token_embeddings_are_refused_once_with_a_clear_reason() -> None:

@@ -341,7 +341,7 @@ class InferenceClient:
         attempt = await self._attempts(payload, request.id, estimated, budgeted)
         api = self._config.model.api
         with _counted(attempt.attempts):
-            answer = responses.answer(api, attempt.body)
+            answer = responses.answer(api, attempt.body, self._config.model.embedding_dim)
         usage = responses.usage(api, attempt.body, payload, answer.output)
         self._settle(estimated, usage, budgeted)
         self.metrics.latency_ms.update(int(attempt.latency_ms))
@@ -363,7 +363,7 @@ class InferenceClient:
         label = f"{entries[0][0].id} (+{len(entries) - 1} in batch)"
         attempt = await self._attempts(body, label, estimated, (estimated, 0))
         with _counted(attempt.attempts):
-            vectors = responses.batch_vectors(attempt.body, len(entries))
+            vectors = responses.batch_vectors(attempt.body, len(entries), self._config.model.embedding_dim)
         total = responses.batch_prompt_tokens(attempt.body, estimated)
         self._settle(estimated, responses.Usage(total, 0), (estimated, 0))
         model = responses.model_name(attempt.body, attempt.payload)

@@ -57,6 +57,7 @@ from udfs.errors import (
     ResponseTooLarge,
     RetryableError,
     TlsError,
+    UnsupportedResponse,
 )
 from udfs.inference.retry import parse_retry_after
 from udfs.inference.statuses import of_status
@@ -271,13 +272,16 @@ async def _error_text(response: aiohttp.ClientResponse) -> str:
 
 
 def _json_object(status: int, raw: bytes) -> dict[str, Any]:
+    """A 2xx body as a JSON object, or `UnsupportedResponse` (not UTF-8 JSON, or not an object;
+    the parser's message says where, and quotes none of it)."""
     try:
         body = fastjson.loads(raw)
-    except ValueError as err:
-        raise PermanentError(f"HTTP {status} with a body that is not JSON: {err}"[:MAX_DETAIL_CHARS],
-                             status=status) from None
+    except (ValueError, RecursionError) as err:
+        raise UnsupportedResponse(f"HTTP {status} with a body that is not JSON: {err}"[:MAX_DETAIL_CHARS],
+                                  status=status) from None
     if not isinstance(body, dict):
-        raise PermanentError(f"HTTP {status} with a JSON {type(body).__name__}, expected an object", status=status)
+        raise UnsupportedResponse(f"HTTP {status} with a JSON {type(body).__name__}, expected an object",
+                                  status=status)
     return body
 
 
