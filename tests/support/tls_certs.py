@@ -1,7 +1,8 @@
 """Throwaway certificates for tests of TLS towards the model server, made with the `openssl` CLI.
 
 `make_certs(directory)` writes a test CA, a server certificate for `IP:127.0.0.1` and a client
-certificate signed by it, and a second CA with its own client certificate that nothing trusts.
+certificate signed by it, and a second CA that nothing trusts, with its own client certificate
+and a server certificate for `IP:127.0.0.1` (the simulator's `tls-cert-change` presents it).
 EC P-256 keys, valid two days: the whole set takes a few tens of milliseconds. Private keys are
 written mode 600, as a job's would be.
 """
@@ -27,6 +28,8 @@ class Certs:
     other_ca: str
     other_client_cert: str
     other_client_key: str
+    other_server_cert: str
+    other_server_key: str
 
 
 def _openssl(*args: str) -> None:
@@ -58,6 +61,9 @@ def make_certs(directory: Path) -> Certs:
     client = _signed(directory, "client", "llmstream-job", ca, "extendedKeyUsage=clientAuth")
     other = _self_signed(directory, "other-ca", "unknown test CA")
     other_client = _signed(directory, "other-client", "llmstream-job", other, "extendedKeyUsage=clientAuth")
+    other_server = _signed(directory, "other-server", "127.0.0.1", other, "subjectAltName=IP:127.0.0.1",
+                           "extendedKeyUsage=serverAuth")
     return Certs(ca=ca[0], server_cert=server[0], server_key=server[1], client_cert=client[0],
                  client_key=client[1], other_ca=other[0], other_client_cert=other_client[0],
-                 other_client_key=other_client[1])
+                 other_client_key=other_client[1], other_server_cert=other_server[0],
+                 other_server_key=other_server[1])

@@ -8,7 +8,12 @@ import itertools
 import pytest
 
 from udfs.config import RateLimitConfig
-from udfs.inference.ratelimit import AdaptiveConcurrency, RateLimiter, TokenBucket
+from udfs.inference.ratelimit import (
+    MAX_DEBT_S,
+    AdaptiveConcurrency,
+    RateLimiter,
+    TokenBucket,
+)
 
 
 class FakeClock:
@@ -69,6 +74,23 @@ def test_adjust_refunds_and_charges_but_never_overfills() -> None:
     assert tokens.tokens == -10
     tokens.adjust(1000)
     assert tokens.tokens == 100
+
+
+def test_one_correction_owes_at_most_a_minute_of_the_rate_and_keeps_an_earlier_debt() -> None:
+    """A server's `usage` may be absurd (2^63 tokens): believed whole, every later call would wait
+    for ever. A debt that `acquire` left (a call larger than the burst) is the rate's own: kept,
+    and no correction deepens it."""
+    clock = FakeClock()
+    tokens = bucket(rate=10, burst=10, clock=clock)
+    tokens.adjust(-(2**63))
+    assert tokens.tokens == -MAX_DEBT_S * 10
+    clock.now += MAX_DEBT_S
+    assert tokens.tokens == 0
+    asyncio.run(tokens.acquire(10_000))  # waits for a full bucket, then owes 9,990
+    tokens.adjust(-(2**63))
+    assert tokens.tokens == -9_990
+    tokens.adjust(90)
+    assert tokens.tokens == -9_900
 
 
 def test_waiters_are_served_first_come_first_served() -> None:

@@ -11,6 +11,7 @@ from udfs.errors import (
     RateLimited,
     RetryableError,
     TlsError,
+    UnsupportedResponse,
 )
 from udfs.inference.retry import classify
 from udfs.inference.statuses import Outcome, of_error, of_status
@@ -56,7 +57,8 @@ def test_the_retry_layer_and_the_transport_follow_the_table(status: int | None) 
     (RateLimited("HTTP 429", status=429), Outcome.OVERLOAD),
     (RateLimited("HTTP 503", status=503), Outcome.UNAVAILABLE),
     (TlsError("certificate not trusted"), Outcome.NEUTRAL),
-    (PermanentError("HTTP 200 with a body that is not JSON", status=200), Outcome.NEUTRAL),
+    (UnsupportedResponse("HTTP 200 with a body that is not JSON", status=200), Outcome.NEUTRAL),
+    (RetryableError("HTTP 200 with an error instead of an answer", status=200), Outcome.FAILURE),
     (PermanentError("HTTP 400", status=400), Outcome.NEUTRAL),
 ])
 def test_an_error_has_its_status_outcome_when_retryable_else_neutral(

@@ -297,6 +297,9 @@ class ModelConfig:
     # The most bytes of one answer read from the server (`udfs/inference/transport.py`); past it the
     # attempt fails as `response_too_large` and the connection is closed (docs/operations.md).
     max_response_bytes: PositiveInt = 8_388_608
+    # `api: embeddings`: the length every vector must have; an answer with another is
+    # `unsupported_response` (udfs/inference/responses.py). None: any, as long as a batch's agree.
+    embedding_dim: PositiveInt | None = None
     # Structured output (udfs/inference/structured.py): a JSON Schema, inline or a file path read at load
     # (the config then carries the schema itself); how the server is asked for it; how many
     # more answers an invalid one may be replaced by before the record is dead-lettered.
@@ -327,6 +330,8 @@ class ModelConfig:
                          f"another endpoint is labelled {label!r} already; give each a distinct name")
         require(self.batch.max_size == 1 or self.api == "embeddings", join_key(path, "batch.max_size"),
                  f"batching needs model.api: embeddings (got {self.api!r}); set it to 1")
+        require(self.embedding_dim is None or self.api == "embeddings", join_key(path, "embedding_dim"),
+                 f"checks the vectors of model.api: embeddings (got {self.api!r}); remove it")
         if self.response_format is not None:
             require(self.api != "embeddings", join_key(path, "response_format"),
                      "needs model.api: chat or completions (embeddings answer with vectors)")

@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import logging
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ log = logging.getLogger(__name__)
 
 Entry = tuple[Request, dict[str, Any]]
 """A record and the request body made of it: what a micro-batch collects."""
+
+MAX_INTERNAL_DETAIL_CHARS = 500
+"""As `InternalError.from_exception` cuts, but after the secrets are redacted."""
 
 PAUSE_AFTER_S = 1.0
 """A wait at the rate limit longer than this is a pause (`pause_reason`): the stage parks new
@@ -261,9 +265,11 @@ class InferenceClient:
             raise self._redacted(err) from None
         except RecordError:  # bad input, or already a known kind
             raise
-        except Exception as err:
-            log.debug("request %s: unexpected %s", request.id, type(err).__name__, exc_info=True)
-            raise InternalError(self._redact(InternalError.from_exception(err).detail)) from None
+        except Exception as err:  # noqa: BLE001 - a bug becomes an InternalError; its traceback is logged below
+            # Redacted before it is cut or logged: the text of an unexpected error may quote a server.
+            log.debug("request %s: unexpected %s", request.id,
+                      self._redact("".join(traceback.format_exception(err))))
+            raise InternalError(self._redact(f"{type(err).__name__}: {err}")[:MAX_INTERNAL_DETAIL_CHARS]) from None
 
     def _redact(self, text: str) -> str:
         for route in self.routes:
@@ -337,7 +343,7 @@ class InferenceClient:
         attempt = await self._attempts(payload, request.id, estimated, budgeted)
         api = self._config.model.api
         with _counted(attempt.attempts):
-            answer = responses.answer(api, attempt.body)
+            answer = responses.answer(api, attempt.body, self._config.model.embedding_dim)
         usage = responses.usage(api, attempt.body, payload, answer.output)
         self._settle(estimated, usage, budgeted)
         self.metrics.latency_ms.update(int(attempt.latency_ms))
@@ -359,7 +365,7 @@ class InferenceClient:
         label = f"{entries[0][0].id} (+{len(entries) - 1} in batch)"
         attempt = await self._attempts(body, label, estimated, (estimated, 0))
         with _counted(attempt.attempts):
-            vectors = responses.batch_vectors(attempt.body, len(entries))
+            vectors = responses.batch_vectors(attempt.body, len(entries), self._config.model.embedding_dim)
         total = responses.batch_prompt_tokens(attempt.body, estimated)
         self._settle(estimated, responses.Usage(total, 0), (estimated, 0))
         model = responses.model_name(attempt.body, attempt.payload)

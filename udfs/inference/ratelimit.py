@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 _EPSILON = 1e-9
+MAX_DEBT_S = 60.0
+"""The longest wait one correction (`TokenBucket.adjust`) can cause."""
 Sleep = Callable[[float], Awaitable[object]]
 
 
@@ -86,9 +88,12 @@ class TokenBucket:
         return self._clock() - started
 
     def adjust(self, delta: float) -> None:
-        """Adds `delta` tokens (may be negative), never above `burst`."""
+        """Adds `delta` tokens (may be negative), never above `burst`, and never into a debt of more
+        than `MAX_DEBT_S` of the rate (a debt `acquire` left is kept): one call's usage, as a server
+        reports it, can hold later calls back for at most that long, whatever it says."""
         self._refill()
-        self._tokens = min(self.burst, self._tokens + delta)
+        floor = min(self._tokens, -MAX_DEBT_S * self.rate_per_s)
+        self._tokens = min(self.burst, max(floor, self._tokens + delta))
 
 
 class RateLimiter:

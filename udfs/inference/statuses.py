@@ -14,7 +14,7 @@ The table, one `Outcome` per kind of answer:
 | `SUCCESS` | 2xx | - | no (grows it) | no (closes it) |
 | `OVERLOAD` | 429 | yes | yes | no: the server is alive, only full |
 | `UNAVAILABLE` | 503 | yes | yes | yes |
-| `FAILURE` | no answer (connection error, timeout, an answer over `model.max_response_bytes`), 408, 409, other 5xx | yes | no | yes |
+| `FAILURE` | no answer (connection error, timeout, an answer over `model.max_response_bytes`, a 2xx holding an error object), 408, 409, other 5xx | yes | no | yes |
 | `NEUTRAL` | any other status (4xx, 3xx); TLS failures, an unreadable 2xx body | no | no | no |
 
 Why a 503 is both: a server that says "unavailable" is as often a replica that is starting,
@@ -73,7 +73,10 @@ def of_error(err: InferenceError) -> Outcome:
     """The outcome of an attempt that ended in `err`: a retryable error's by its status; any other
     (a permanent refusal, a TLS failure, an unreadable answer) says nothing of the endpoint's
     health or load, so `NEUTRAL`. An answer cut off for its size counts as no answer at all,
-    whatever status it came with."""
+    whatever status it came with, and so does a 2xx that failed anyway (an error object where the
+    answer belongs): its status says success, the server says it failed."""
     if isinstance(err, ResponseTooLarge):
+        return Outcome.FAILURE
+    if isinstance(err, RetryableError) and err.status is not None and 200 <= err.status < 300:
         return Outcome.FAILURE
     return of_status(err.status) if isinstance(err, RetryableError) else Outcome.NEUTRAL

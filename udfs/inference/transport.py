@@ -57,6 +57,7 @@ from udfs.errors import (
     ResponseTooLarge,
     RetryableError,
     TlsError,
+    UnsupportedResponse,
 )
 from udfs.inference.retry import parse_retry_after
 from udfs.inference.statuses import of_status
@@ -143,6 +144,11 @@ class Transport:
                 text = text.replace(secret, "***")
         return text
 
+    def _quote(self, text: str) -> str:
+        """What a server sent (or an error quoting it), fit for an error detail: redacted, then cut
+        to `MAX_DETAIL_CHARS`, in that order, so a cut never leaves part of a secret behind."""
+        return self.redact(text)[:MAX_DETAIL_CHARS]
+
     async def post(self, payload: dict[str, Any], label: str, attempt: int) -> Reply:
         """One HTTP call: the server's answer as a `Reply` (a 2xx's parsed body, or a non-2xx's error
         and `Retry-After`); raises `RetryableError`/`PermanentError` when no usable answer came
@@ -160,9 +166,15 @@ class Transport:
                 if 200 <= status < 300:
                     body = _json_object(status, await self._answer(response))
                     log.debug("request %s attempt %d: HTTP %d", label, attempt, status)
+                    failed = error_in_answer(body)
+                    if failed is not None:  # a 2xx that failed anyway: retried like a 5xx
+                        return Reply(refusal=RetryableError(f"HTTP {status} with an error instead of an answer: "
+                                                            f"{self._quote(failed)}", status=status))
                     return Reply(body=body)
-                text = await _error_text(response)
+                text = self.redact(await _error_text(response))
                 location = response.headers.get("Location")
+                if location is not None:
+                    location = self._quote(location)
                 retry_after = parse_retry_after(response.headers, max_s=self._config.retry.max_retry_after_s)
         except InferenceError:
             raise
@@ -174,7 +186,7 @@ class Transport:
             tls = tls_failure(err, self._host)
             if tls is not None:
                 raise tls from None
-            raise RetryableError(f"{type(err).__name__}: {err}"[:MAX_DETAIL_CHARS]) from None
+            raise RetryableError(self._quote(f"{type(err).__name__}: {err}")) from None
         finally:
             self._metrics.in_flight -= 1
         log.debug("request %s attempt %d: HTTP %d, retry-after %s", label, attempt, status, retry_after)
@@ -252,21 +264,33 @@ async def _error_text(response: aiohttp.ClientResponse) -> str:
         response.close()
     charset = response.charset or "utf-8"
     try:
-        codecs.lookup(charset)
+        if not codecs.lookup(charset)._is_text_encoding:  # e.g. base64 or rot13: a codec, but not of text
+            charset = "utf-8"
     except LookupError:
         charset = "utf-8"
     return body.decode(charset, errors="replace")
 
 
 def _json_object(status: int, raw: bytes) -> dict[str, Any]:
+    """A 2xx body as a JSON object, or `UnsupportedResponse` (not UTF-8 JSON, or not an object;
+    the parser's message says where, and quotes none of it)."""
     try:
         body = fastjson.loads(raw)
-    except ValueError as err:
-        raise PermanentError(f"HTTP {status} with a body that is not JSON: {err}"[:MAX_DETAIL_CHARS],
-                             status=status) from None
+    except (ValueError, RecursionError) as err:
+        raise UnsupportedResponse(f"HTTP {status} with a body that is not JSON: {err}"[:MAX_DETAIL_CHARS],
+                                  status=status) from None
     if not isinstance(body, dict):
-        raise PermanentError(f"HTTP {status} with a JSON {type(body).__name__}, expected an object", status=status)
+        raise UnsupportedResponse(f"HTTP {status} with a JSON {type(body).__name__}, expected an object",
+                                  status=status)
     return body
+
+
+def error_in_answer(body: dict[str, Any]) -> str | None:
+    """The message of an OpenAI error object a 2xx body holds instead of an answer (no `choices`,
+    no `data`), else None."""
+    if "error" not in body or "choices" in body or "data" in body:
+        return None
+    return _error_message(body) or "(no message)"
 
 
 @dataclass(frozen=True)
@@ -288,7 +312,7 @@ def status_error(status: int, message: str, *, location: str | None = None) -> I
     `PermanentError`."""
     detail = f"HTTP {status}: {message}"
     if 300 <= status < 400:
-        detail += f" (redirect to {location!r}: set model.endpoint to the final URL)"
+        detail += f" (redirect to {location!r}, not followed: set model.endpoint to the final URL)"
     outcome = of_status(status)
     if outcome.overload:
         return RateLimited(detail, status=status)
@@ -298,18 +322,24 @@ def status_error(status: int, message: str, *, location: str | None = None) -> I
 
 
 def server_message(body: str) -> str:
-    """The `error.message` of an OpenAI-style error body, else the body's start."""
+    """The `error.message` of an OpenAI-style error body, else the body's start. Redact `body`
+    first (`Transport.redact`): what is cut here cannot be redacted after."""
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested deeper than the parser goes is not an error object
         return body.strip()[:MAX_DETAIL_CHARS]
+    return (_error_message(parsed) or body.strip())[:MAX_DETAIL_CHARS]
+
+
+def _error_message(parsed: Any) -> str | None:
+    """`error.message` (or `error` itself, a string) of a parsed OpenAI-style error body."""
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"][:MAX_DETAIL_CHARS]
+            return str(error["message"])
         if isinstance(error, str):
-            return error[:MAX_DETAIL_CHARS]
-    return body.strip()[:MAX_DETAIL_CHARS]
+            return error
+    return None
 
 
 # ------------------------------------------------------------------ TLS

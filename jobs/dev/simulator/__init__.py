@@ -55,6 +55,13 @@ go back to their defaults, so ``{}`` clears every fault)::
                      admin request itself is answered first. A body with only
                      this key keeps the current scenario                         (0)
     until_s          the rates above revert to zero after that many seconds     (none)
+    hostile          hostile answers instead of the usual ones, each kind in turn: a
+                     kind, "a,b" or a list; "all" is every kind of an answer
+                     (``hostile.py``; what llmstream makes of each: docs/operations.md,
+                     "Bad input from every side")                               (none)
+    hostile_rate     the share of requests that pass the faults above (a draw of
+                     their own) answered with a hostile kind; tls-cert-change: of
+                     the TLS handshakes                                          (1)
 
 For example "429 to 30% of calls for 60 s" is ``{"rate_limit_rate": 0.3, "until_s": 60}``.
 The rates are drawn from one uniform sample per request, so their sum must be <= 1.
@@ -105,6 +112,7 @@ Modules
 ``config``     ``SimulatorConfig``, ``FaultSettings``, ``parse_latency``: every setting, checked at construction
 ``endpoints``  the request shapes accepted and the synthetic bodies returned (no HTTP)
 ``server``     ``SimulatorServer`` and ``serve``: HTTP, routing, faults, rate limits, concurrency, ``/stats``
+``hostile``    the hostile answers (``--hostile KIND``): a broken or malicious server, kind by kind
 ``launch``     ``start_in_thread`` / ``ThreadedSimulator``, ``spawn`` / ``SpawnedSimulator`` and
                ``spawn_fleet`` / ``SpawnedFleet``
 ``fleet``      ``SimulatorFleet`` and ``serve_fleet``: several endpoints in one process (``--fleet 16,8,4``)

@@ -13,7 +13,12 @@ from jobs.dev.simulator.batch_config import (
     add_batch_arguments,
     batch_settings_from_args,
 )
-from jobs.dev.simulator.config import DEFAULT_MODEL, FaultSettings, SimulatorConfig
+from jobs.dev.simulator.config import (
+    DEFAULT_MODEL,
+    KINDS,
+    FaultSettings,
+    SimulatorConfig,
+)
 from jobs.dev.simulator.fleet import (
     FLEET_PREFIX,
     SimulatorFleet,
@@ -96,7 +101,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--reset-rate", type=float, default=f.reset_rate,
                         help="fraction whose connection is reset without an answer")
     faults.add_argument("--fault-until-s", type=float, default=None,
-                        help="the fault rates revert to zero after this many seconds")
+                        help="the fault rates (and --hostile) revert to zero after this many seconds")
+
+    hostile = parser.add_argument_group(
+        "hostile answers: the simulator as a broken or malicious server (jobs/dev/simulator/hostile.py; what "
+        "llmstream makes of each: docs/operations.md, 'Bad input from every side')")
+    hostile.add_argument("--hostile", default=None, metavar="KIND[,KIND...]",
+                         help="answer with these kinds in turn instead of the usual answer; 'all' is every kind "
+                              "but tls-cert-change. Kinds: " + ", ".join(KINDS))
+    hostile.add_argument("--hostile-rate", type=float, default=f.hostile_rate,
+                         help="share of the requests (tls-cert-change: of the handshakes) answered with a hostile "
+                              "kind (default %(default)s)")
+    hostile.add_argument("--hostile-size-bytes", type=int, default=d.hostile_size_bytes,
+                         help="the Content-Length of huge-body (default %(default)s)")
+    hostile.add_argument("--hostile-tls-cert", default=None, metavar="PEM",
+                         help="the other certificate tls-cert-change presents (with --tls-cert)")
+    hostile.add_argument("--hostile-tls-key", default=None, metavar="PEM", help="the private key of --hostile-tls-cert")
+    hostile.add_argument("--hostile-endpoints", default=None, metavar="I[,I...]",
+                         help="with --fleet: the endpoints (0-based) --hostile applies to (default: all)")
     add_batch_arguments(parser)
 
 
@@ -131,6 +153,9 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        hostile_size_bytes=args.hostile_size_bytes,
+        hostile_tls_cert=args.hostile_tls_cert,
+        hostile_tls_key=args.hostile_tls_key,
         faults=FaultSettings(
             error_rate=args.error_rate,
             error_status=args.error_status,
@@ -139,16 +164,29 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
             hang_rate=args.hang_rate,
             reset_rate=args.reset_rate,
             until_s=args.fault_until_s,
+            hostile=args.hostile or (),
+            hostile_rate=args.hostile_rate,
         ),
         batch=batch_settings_from_args(args),
     )
 
 
-async def _serve_until_signal(config: SimulatorConfig, fleet_limits: list[int] | None = None) -> int:
+def parse_endpoints(spec: str | None) -> list[int] | None:
+    """``--hostile-endpoints 0,2`` -> [0, 2]; none: every endpoint."""
+    if spec is None:
+        return None
+    try:
+        return [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--hostile-endpoints {spec!r}: give endpoint indices separated by commas, e.g. 0,2") from None
+
+
+async def _serve_until_signal(config: SimulatorConfig, fleet_limits: list[int] | None = None,
+                              hostile_on: list[int] | None = None) -> int:
     server: SimulatorServer | SimulatorFleet
     try:
         if fleet_limits is not None:
-            server = await serve_fleet(config, fleet_limits)
+            server = await serve_fleet(config, fleet_limits, hostile_on)
         else:
             server = await serve(config)
     except OSError as exc:
@@ -178,11 +216,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.ssl_context()
+        config.hostile_ssl_context()
         fleet = parse_fleet(args.fleet) if getattr(args, "fleet", None) else None
+        hostile_on = parse_endpoints(getattr(args, "hostile_endpoints", None))
+        if hostile_on is not None and (fleet is None or not all(0 <= i < len(fleet) for i in hostile_on)):
+            raise ValueError(f"--hostile-endpoints {args.hostile_endpoints}: needs --fleet, and indices "
+                             f"from 0 to {len(fleet or [0]) - 1}")
     except (ValueError, TypeError) as exc:
         log.error("invalid configuration: %s", exc)
         return 2
-    return asyncio.run(_serve_until_signal(config, fleet))
+    return asyncio.run(_serve_until_signal(config, fleet, hostile_on))
 
 
 DESCRIPTION = (

@@ -24,6 +24,66 @@ MAX_CHOICES = 128
 
 _Z99 = 2.3263478740408408
 
+# The hostile kinds (`hostile.py` gives the answers; docs/operations.md, "Bad input from every side",
+# says what llmstream's client makes of each).
+ANSWER_KINDS: dict[str, str] = {
+    # size and time
+    "huge-body": "a 200 whose Content-Length says hostile_size_bytes (1 GiB), sent as fast as the client reads",
+    "endless-body": "a 200, chunked, whose answer text never ends (until hang_max_s, then a reset)",
+    "trickle-headers": "the status line, then one byte of a header every 50 ms, the headers never finished",
+    "trickle-body": "a whole header, then one byte of the body every 50 ms",
+    "header-flood": "header lines without end, as fast as the client reads, each quoting the request's headers",
+    "reset-mid-body": "the headers and half the body of a usual answer, then a TCP reset",
+    "redirect": "307 to another URL (the request's headers in its query)",
+    # bytes and encodings
+    "invalid-utf8": "a 200 whose answer text holds bytes that are not UTF-8",
+    "not-json": "a 200 HTML page",
+    "bad-charset": "a 500 whose text declares charset=base64, which is not a text encoding",
+    "deep-json-error": "a 500 whose JSON body nests arrays 100,000 deep",
+    # valid JSON, wrong answer
+    "no-choices": "a 200 without choices (embeddings: without data)",
+    "empty-choices": "a 200 with choices: [] (embeddings: data: [])",
+    "null-content": "message.content null, with a refusal (completions: text; embeddings: embedding)",
+    "number-content": "a number where the answer's text (embeddings: vector) belongs",
+    "wrong-dimension": "embeddings: the last vector one number longer than the others (others: the usual answer)",
+    "missing-index": "embeddings: the last item without its index",
+    "repeated-index": "embeddings: the last item with the first one's index (one input: an extra item)",
+    "index-out-of-range": "embeddings: the last item's index equal to the number of inputs",
+    "absurd-usage": "usage of 2^63 - 1 prompt tokens and -1 completion tokens",
+    "error-in-200": "a 200 whose body is an OpenAI error object, not an answer",
+    # what to wait for
+    "retry-after-zero": "429 with Retry-After: 0",
+    "retry-after-negative": "429 with Retry-After: -30",
+    "retry-after-huge": "429 with Retry-After: 1000000000 (31 years)",
+    "retry-after-past-date": "429 with Retry-After: an HTTP date in 1970",
+}
+HANDSHAKE_KINDS: dict[str, str] = {
+    "tls-cert-change": "the TLS handshake presents --hostile-tls-cert instead of --tls-cert (and every answer "
+                       "closes its connection, so each request shakes hands anew)",
+}
+KINDS: dict[str, str] = {**ANSWER_KINDS, **HANDSHAKE_KINDS}
+
+
+def parse_kinds(value: Any) -> tuple[str, ...]:
+    """``"huge-body,redirect"``, ``["huge-body"]`` or ``"all"`` (every kind of an answer, not the
+    handshake's, which needs a second certificate) -> the kinds; ValueError names an unknown one."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        names = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(part, str) for part in value):
+        names = [part.strip() for part in value]
+    else:
+        raise TypeError(f"hostile must be a kind, a comma-separated list of kinds or a list, got {value!r}")
+    kinds: list[str] = []
+    for name in names:
+        for kind in (ANSWER_KINDS if name == "all" else [name]):
+            if kind not in KINDS:
+                raise ValueError(f"unknown hostile kind {kind!r}; the kinds: all, {', '.join(KINDS)}")
+            if kind not in kinds:
+                kinds.append(kind)
+    return tuple(kinds)
+
 
 @dataclass(frozen=True)
 class LatencyModel:
@@ -109,10 +169,16 @@ class FaultSettings:
     hang_rate: float = 0.0
     reset_rate: float = 0.0
     until_s: float | None = None
+    # Hostile answers (`hostile.py`): the kinds, given in turn, to `hostile_rate` of the requests
+    # that pass the faults above (a separate draw), or of the handshakes for tls-cert-change.
+    hostile: tuple[str, ...] = ()
+    hostile_rate: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("error_rate", "rate_limit_rate", "hang_rate", "reset_rate"):
+        for name in ("error_rate", "rate_limit_rate", "hang_rate", "reset_rate", "hostile_rate"):
             check_number(name, getattr(self, name), maximum=1.0)
+        object.__setattr__(self, "hostile", parse_kinds(self.hostile))
+        object.__setattr__(self, "hostile_rate", float(self.hostile_rate))
         check_number("error_status", self.error_status, minimum=400, maximum=599, integer=True)
         check_number("retry_after_s", self.retry_after_s, integer=True)
         if self.until_s is not None:
@@ -128,8 +194,15 @@ class FaultSettings:
     def total_rate(self) -> float:
         return self.error_rate + self.rate_limit_rate + self.hang_rate + self.reset_rate
 
+    @property
+    def hostile_answers(self) -> tuple[str, ...]:
+        """The hostile kinds that replace an answer (not a handshake's)."""
+        return tuple(kind for kind in self.hostile if kind in ANSWER_KINDS)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["hostile"] = list(self.hostile)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FaultSettings:
@@ -197,6 +270,11 @@ class SimulatorConfig:
     required_headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     # The provider batch APIs (``batches.BatchApis``); changed at runtime by POST /admin/batches.
     batch: BatchSettings = field(default_factory=BatchSettings)
+    # Hostile answers (`hostile.py`; the kinds are in `faults`): the size huge-body announces,
+    # and the other certificate tls-cert-change presents.
+    hostile_size_bytes: int = 1 << 30
+    hostile_tls_cert: str | None = None
+    hostile_tls_key: str | None = None
 
     def __post_init__(self) -> None:
         parse_latency(self.latency)
@@ -215,6 +293,7 @@ class SimulatorConfig:
         check_number("hang_max_s", self.hang_max_s)
         check_number("stats_log_interval_s", self.stats_log_interval_s)
         check_number("invalid_json_rate", self.invalid_json_rate, maximum=1.0)
+        check_number("hostile_size_bytes", self.hostile_size_bytes, minimum=1024, integer=True)
         if self.seed is not None:
             check_number("seed", self.seed, minimum=-(2**63), integer=True)
         if not isinstance(self.reject_over_limit, bool):
@@ -229,7 +308,13 @@ class SimulatorConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (it requires client certificates over HTTPS)")
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        if (self.hostile_tls_cert is None) != (self.hostile_tls_key is None):
+            raise ValueError("hostile_tls_cert and hostile_tls_key go together")
+        if self.hostile_tls_cert is not None and self.tls_cert is None:
+            raise ValueError("hostile_tls_cert needs tls_cert and tls_key (it replaces that certificate)")
+        if "tls-cert-change" in self.faults.hostile and self.hostile_tls_cert is None:
+            raise ValueError("hostile kind tls-cert-change needs hostile_tls_cert and hostile_tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "hostile_tls_cert", "hostile_tls_key"):
             value = getattr(self, name)
             if value is not None and not Path(value).is_file():
                 raise ValueError(f"{name}: file {value} does not exist")
@@ -265,6 +350,18 @@ class SimulatorConfig:
             except (ssl.SSLError, OSError) as exc:
                 raise ValueError(f"tls_client_ca: {self.tls_client_ca} holds no usable CA certificate ({exc})") from None
             context.verify_mode = ssl.CERT_OPTIONAL
+        return context
+
+    def hostile_ssl_context(self) -> ssl.SSLContext | None:
+        """The context of the other certificate that ``tls-cert-change`` presents, or None."""
+        if self.hostile_tls_cert is None or self.hostile_tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.hostile_tls_cert, self.hostile_tls_key)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"hostile_tls_cert/hostile_tls_key: {self.hostile_tls_cert} and {self.hostile_tls_key} "
+                             f"are not a usable certificate and key ({exc})") from None
         return context
 
     def public_dict(self) -> dict[str, Any]:

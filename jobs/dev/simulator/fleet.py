@@ -12,7 +12,9 @@ port, ``--port``). The control routes::
     POST /fleet/{i}          one of: {"state": "down"} (kill: stop listening, drop connections),
                              {"state": "up"} (revive on the same port), {"faults": {...}} (as
                              POST /admin/faults: e.g. {"error_rate": 1} answers 500 to everything,
-                             {"rate_limit_rate": 1} 429), {"config": {...}} (as POST /admin/config)
+                             {"rate_limit_rate": 1} 429, {"hostile": "all", "hostile_rate": 0.2}
+                             a hostile answer to a fifth of the requests, each kind in turn:
+                             hostile.py), {"config": {...}} (as POST /admin/config)
 
 The stdout line ``FLEET_PREFIX`` + JSON ``{"control", "endpoints"}`` comes before the usual
 listening line (which names the control port), so ``launch.spawn_fleet`` finds both.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Collection
 from typing import Any
 
 from aiohttp import web
@@ -130,13 +133,22 @@ def _json(status: int, data: Any) -> web.Response:
     return web.Response(status=status, body=dumps(data).encode(), content_type="application/json")
 
 
-async def serve_fleet(base: SimulatorConfig, limits: list[int]) -> SimulatorFleet:
+async def serve_fleet(base: SimulatorConfig, limits: list[int],
+                      hostile_on: Collection[int] | None = None) -> SimulatorFleet:
     """Endpoints with ``base``'s settings and each its concurrency limit, on free ports; the control
-    server on ``base.port`` (0: a free one). Each endpoint gets its own seed (``base.seed`` + i)."""
+    server on ``base.port`` (0: a free one). Each endpoint gets its own seed (``base.seed`` + i).
+    ``hostile_on``: the indices of the endpoints ``base.faults.hostile`` applies to (None: all);
+    the others answer as usual (``POST /fleet/{i}`` with ``{"faults": {"hostile": ...}}`` changes
+    that at runtime)."""
+    if hostile_on is not None and not all(0 <= i < len(limits) for i in hostile_on):
+        raise ValueError(f"hostile endpoints {sorted(hostile_on)}: the fleet has endpoints 0 to {len(limits) - 1}")
     servers = []
     for i, limit in enumerate(limits):
         seed = None if base.seed is None else base.seed + i
-        servers.append(await serve(dataclasses.replace(base, port=0, concurrency=limit, seed=seed)))
+        faults = base.faults
+        if hostile_on is not None and i not in hostile_on:
+            faults = dataclasses.replace(faults, hostile=())
+        servers.append(await serve(dataclasses.replace(base, port=0, concurrency=limit, seed=seed, faults=faults)))
     fleet = SimulatorFleet(servers, base.host)
     await fleet._listen(base.port)
     return fleet

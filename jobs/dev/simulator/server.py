@@ -3,10 +3,10 @@
 ``SimulatorServer`` runs on one asyncio event loop, on aiohttp's low-level ``web.Server`` (HTTP/1.1
 keep-alive, pipelining, chunked bodies, ``Expect: 100-continue``). An inference request is
 authorised, parsed into an ``endpoints.Call`` (400 if invalid), passed through the fault scenario
-and the rate-limit buckets, then admitted: answered at once when instant, or held in a
-concurrency slot for its sampled latency (queued while every slot is taken). Each request runs
-in its own handler task, cancelled when its client leaves, so a hung, queued or in-flight
-request frees what it holds at once.
+and the rate-limit buckets, given a hostile answer when the scenario says so (``hostile.py``),
+then admitted: answered at once when instant, or held in a concurrency slot for its sampled
+latency (queued while every slot is taken). Each request runs in its own handler task, cancelled
+when its client leaves, so a hung, queued or in-flight request frees what it holds at once.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import math
 import random
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,7 @@ from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
+from jobs.dev.simulator import hostile
 from jobs.dev.simulator.batches import BatchApis
 from jobs.dev.simulator.config import (
     SIMULATOR_FINGERPRINT,
@@ -137,6 +139,10 @@ class SimulatorServer:
         self.started = time.monotonic()
         self.config = config
         self._ssl = config.ssl_context()
+        self._hostile_ssl = config.hostile_ssl_context()
+        if self._ssl is not None and self._hostile_ssl is not None:
+            self._ssl.sni_callback = self._choose_certificate  # called on every handshake, SNI or not
+        self._hostile_turn = 0
         self._rng = random.Random(config.seed)
         self._apply_config(config, initial=True)
         self._set_faults(config.faults)
@@ -299,7 +305,10 @@ class SimulatorServer:
         down = body.pop("down_for_s", 0) or 0
         check_number("down_for_s", down)
         if body or not down:
-            self._set_faults(FaultSettings.from_dict(body))
+            faults = FaultSettings.from_dict(body)
+            if "tls-cert-change" in faults.hostile and self._hostile_ssl is None:
+                raise ValueError("hostile kind tls-cert-change needs --hostile-tls-cert and --hostile-tls-key at start")
+            self._set_faults(faults)
             log.info("fault scenario set: %s", dumps(self._faults.to_dict()))
         if down > 0:
             self._go_down(float(down), keep)
@@ -350,6 +359,8 @@ class SimulatorServer:
         self.prompt_tokens = 0
         self.structured_answers = 0
         self.invalid_answers = 0
+        self.hostile = 0
+        self.hostile_kinds: dict[str, int] = {}
         self._since = now
         self._area = 0.0
         self._area_stamp = now
@@ -369,7 +380,8 @@ class SimulatorServer:
         requests holding a concurrency slot, ``queued`` those waiting for one, and
         ``mean_in_flight`` is the time-weighted mean of ``in_flight``. ``structured_answers``
         counts answers sent to requests with a ``response_format`` schema, ``invalid_answers``
-        those of them that do not validate against it (``invalid_json_rate``).
+        those of them that do not validate against it (``invalid_json_rate``). ``hostile`` counts
+        hostile answers and handshakes (``hostile.py``), ``hostile_kinds`` each kind's.
         """
         now = time.monotonic()
         self._account(now)
@@ -395,6 +407,8 @@ class SimulatorServer:
             "completion_tokens": self.completion_tokens,
             "structured_answers": self.structured_answers,
             "invalid_answers": self.invalid_answers,
+            "hostile": self.hostile,
+            "hostile_kinds": dict(self.hostile_kinds),
             "open_connections": len(self._web.connections),
             "uptime_s": round(now - self.started, 3),
             "since_reset_s": round(window, 3),
@@ -471,6 +485,8 @@ class SimulatorServer:
                 response = await handler(request)
         if _KEEP_ALIVE_10 in request and response.keep_alive is not False:
             response.headers["Connection"] = "keep-alive"
+        if "tls-cert-change" in self._faults.hostile and not response.prepared:
+            response.force_close()  # so the next request shakes hands, and may meet the other certificate
         return response
 
     def _authorized(self, request: web.BaseRequest) -> bool:
@@ -532,6 +548,9 @@ class SimulatorServer:
                 return await self._take_over(request, early)
             if early is not None:
                 return early
+            kind = self._hostile_kind()
+            if kind is not None:
+                return await self._hostile(request, kind, call)
             shaped = call if isinstance(call, (Chat, Completions)) and call.schema is not None else None
             if shaped is not None:
                 shaped.spoil = self._rng.random() < self.config.invalid_json_rate
@@ -605,6 +624,47 @@ class SimulatorServer:
                 self._tpm.take(token_cost)
             self._limit_headers(limit_headers)
         return None
+
+    def _hostile_kind(self) -> str | None:
+        """The hostile kind this request's answer is (the next in turn), or None for the usual answer."""
+        if not self._faults.hostile:
+            return None
+        faults = self._current_faults()
+        kinds = faults.hostile_answers
+        if not kinds or self._rng.random() >= faults.hostile_rate:
+            return None
+        kind = kinds[self._hostile_turn % len(kinds)]
+        self._hostile_turn += 1
+        self._count_hostile(kind)
+        return kind
+
+    def _count_hostile(self, kind: str) -> None:
+        self.hostile += 1
+        self.hostile_kinds[kind] = self.hostile_kinds.get(kind, 0) + 1
+
+    async def _hostile(self, request: web.BaseRequest, kind: str, call: Call) -> web.StreamResponse:
+        """The hostile answer of ``kind``; one left unfinished ends with the connection reset."""
+        try:
+            response = await hostile.answer(kind, request, call, call.respond(self._next_id),
+                                            size_bytes=self.config.hostile_size_bytes,
+                                            hang_max_s=self.config.hang_max_s)
+        except ConnectionError:  # the client left while it was written
+            response = None
+        if response is None:
+            _reset(request.transport)
+            await _until_cancelled(1.0)
+        return response
+
+    def _choose_certificate(self, sslobj: ssl.SSLObject, server_name: str | None,
+                            context: ssl.SSLContext) -> None:
+        """The TLS handshake's certificate: ``--hostile-tls-cert`` for ``hostile_rate`` of the
+        handshakes while ``tls-cert-change`` is set, else the usual one."""
+        if "tls-cert-change" not in self._faults.hostile or self._hostile_ssl is None:
+            return
+        faults = self._current_faults()
+        if "tls-cert-change" in faults.hostile and self._rng.random() < faults.hostile_rate:
+            self._count_hostile("tls-cert-change")
+            sslobj.context = self._hostile_ssl
 
     def _limit_headers(self, into: Headers) -> None:
         if self._rpm is not None:
