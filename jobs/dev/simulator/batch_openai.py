@@ -292,7 +292,7 @@ class OpenAIBatches(Flavor):
                             param="input_file_id")
         items, errors, lines = await parse_input(stored.content, endpoint)
         model = next((item.request.get("model") for item in items if isinstance(item.request.get("model"), str)),
-                     None)
+                     self.engine.config().models[0])
         extra = {"input_file_id": file_id, "endpoint": endpoint, "metadata": metadata, "line_errors": errors,
                  "lines": lines, "model": model}
         batch = self.engine.create(self, items, "batch_sim", extra, submitted=lines)
