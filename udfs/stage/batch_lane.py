@@ -71,6 +71,8 @@ OPERATIONS = 8
 """Provider calls and cache lookups at once per subtask (a batch is one call, not one per record)."""
 WAKE_MS = 1000
 """How often a bucket with records looks at its batches when no element or tick comes."""
+RESULTS_PER_WAKE = 500
+"""Results taken up per element, tick or timer of a bucket (each is a few state operations)."""
 DURABLE_READ_S = 0.2
 """How often the gate's `.durable` file is read while a sealed batch waits for a checkpoint."""
 LINE_OVERHEAD_BYTES = 96
@@ -122,6 +124,7 @@ class BatchStage(KeyedProcessFunction):
         self._maybe_created: set[str] = set()
         self._timer_at: dict[Any, int] = {}
         self._durable: set[str] = set()
+        self._unread: dict[Any, dict[str, tuple[Any, list[Any], int]]] = {}
         self._flushing = False
         self._durable_file = (Path(self._gate_dir) / f"{runtime_context.get_index_of_this_subtask()}.durable"
                               if self._gate_dir is not None else None)
@@ -245,6 +248,7 @@ class BatchStage(KeyedProcessFunction):
     # ------------------------------------------------------------------ the bucket's work
     def _wake(self, bucket: Any, ctx: Any) -> Iterator[Row]:
         yield from self._events(bucket)
+        yield from self._take_up(bucket)
         self._seal(bucket)
         yield from self._drive(bucket)
         self._gauges()
@@ -378,7 +382,26 @@ class BatchStage(KeyedProcessFunction):
                 assert isinstance(value, BatchView)
                 yield from self._viewed(bucket, entry, value)
             elif kind == "results":
-                yield from self._answered(bucket, entry, value)
+                self._busy.add(name)  # viewed no more while its results are taken up
+                self._unread.setdefault(bucket, {})[name] = (entry, list(value), 0)
+
+    def _take_up(self, bucket: Any) -> Iterator[Row]:
+        """Up to `RESULTS_PER_WAKE` results of the bucket's ended batches, the rest at its next wake
+        (not from `_events`, which `_submit` calls while it waits, inside a take-up):
+        a batch of 10,000 answers taken up at once would hold a checkpoint barrier for seconds. What
+        is not taken up yet is still in state; a restore reads the batch's results again."""
+        unread = self._unread.get(bucket)
+        budget = RESULTS_PER_WAKE
+        while unread and budget > 0:
+            key, (entry, results, at) = next(iter(unread.items()))
+            end = min(len(results), at + budget)
+            yield from self._answered(bucket, entry, results[at:end])
+            budget -= end - at
+            if end < len(results):
+                unread[key] = (entry, results, end)
+                continue
+            del unread[key]
+            self._drop(bucket, entry)
 
     def _looked_up(self, bucket: Any, handle: str, value: Any) -> Iterator[Row]:
         from udfs.cost.single_flight import cached_completion
@@ -487,7 +510,6 @@ class BatchStage(KeyedProcessFunction):
                                              f"batch {entry.provider_id} {result.why} before answering this request",
                                              attempts=tries)
                     yield from self._settle(bucket, handle, self._dead(handle, err))
-        self._drop(bucket, entry)
 
     def _provider_failed(self, bucket: Any, entry: Any, kind: str, err: Any) -> Iterator[Row]:
         if kind == "create" and not err.retryable:
@@ -596,6 +618,7 @@ class BatchStage(KeyedProcessFunction):
         self._flushing = True
         while self._held.get(bucket):
             yield from self._events(bucket)
+            yield from self._take_up(bucket)
             self._seal(bucket, force=True)
             yield from self._drive(bucket)
             self._gauges()
