@@ -92,6 +92,17 @@ def test_every_record_is_answered_once_through_batches_at_the_batch_price(
     assert all(not state.snapshot() for state in h.runtime.states())  # nothing left in state
 
 
+def test_many_batches_made_at_once_are_each_made_once(batch_sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
+    """More batches of one bucket than the lane's provider calls at once (`OPERATIONS`): creations
+    wait for slots while the answers of others are taken up, and each batch is made once."""
+    h = lane(lane_config(batch_sim.url, max_requests=5, max_wait_s=60), harnesses)
+    feed(h, range(160), buckets=1)
+    h.end_of_input()
+    out, dead = outcomes(h)
+    assert out == Counter({f"id-{i}": 1 for i in range(160)}) and dead == {}
+    assert submitted(batch_sim) == 160
+
+
 def test_a_refused_request_goes_to_a_later_batch_then_to_a_dead_letter_with_the_providers_code(
         make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
     sim = make_sim(batch=BatchSettings(validating_s=0.05, delay_s=(0.1, 0.3), finalizing_s=0.05, error_rate=0.3,

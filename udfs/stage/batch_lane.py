@@ -285,8 +285,12 @@ class BatchStage(KeyedProcessFunction):
     def _drive(self, bucket: Any) -> Iterator[Row]:
         """Each batch's next step with the provider, when it is due and none is under way."""
         now = _now_ms()
-        for key, entry in list(self._entries[bucket].items()):
-            if key in self._busy or entry.next_poll_ms > now:
+        for key in list(self._entries[bucket]):
+            # Read again for each: `_submit` takes up events while it waits for a slot, which may
+            # have answered, changed or dropped this entry since the loop began (a stale entry once
+            # had a second batch made for it).
+            entry = self._entries[bucket].get(key)
+            if entry is None or key in self._busy or entry.next_poll_ms > now:
                 continue
             if entry.provider_id is None:
                 if not self._may_create(entry):
@@ -427,6 +431,13 @@ class BatchStage(KeyedProcessFunction):
 
     def _created(self, bucket: Any, entry: Any, value: tuple[str, str]) -> None:
         how, provider_id = value
+        if entry.provider_id is not None and entry.provider_id != provider_id:
+            # A second batch for one entry would be paid twice: never expected, cancelled if it happens.
+            log.error("batch lane: batch %s was made twice (%s, %s); cancelling the second", entry.key,
+                      entry.provider_id, provider_id)
+            loop = self._runner.loop
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._provider.cancel(provider_id)))
+            return
         now = _now_ms()
         settings = self._config.provider_batch
         entry = entry.created(provider_id, now, now + int(settings.poll_initial_s * 1000))
