@@ -13,6 +13,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from udfs.errors import ConfigError
@@ -115,7 +116,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise ConfigError(path, "expected a number, got an integer too large for one") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")
@@ -147,6 +151,15 @@ def build(cls: type, data: Any, path: str) -> Any:
 def require(ok: bool, path: str, problem: str) -> None:
     if not ok:
         raise ConfigError(path, problem)
+
+
+def is_file(name: str) -> bool:
+    """Whether `name` (`~` expanded) is a file; False for a name no path can have (a NUL, a `~user`
+    with no home), which `Path` answers with an exception instead."""
+    try:
+        return Path(name).expanduser().is_file()
+    except (RuntimeError, ValueError, OSError):
+        return False
 
 
 
