@@ -18,7 +18,7 @@ export LLMSTREAM_COST_CONTROL ?= 0
 # install compiles llama.cpp, ~10 min) or sim (the simulator).
 MODEL ?= embeddings
 
-.PHONY: all venv jars redis docker docker-image demo models test unit integration lint typecheck fault bench bench-smoke cluster-start cluster-stop clean
+.PHONY: all venv jars redis docker docker-image demo models test unit integration lint typecheck fault fuzz bench bench-smoke cluster-start cluster-stop clean
 
 all: test
 
@@ -89,6 +89,13 @@ test: venv jars redis docker lint typecheck
 fault: venv jars redis docker
 	LLMSTREAM_MEMORY_TEST_SECONDS=300 LLMSTREAM_INTERRUPTED_RUNS=15 LLMSTREAM_COST_CONTROL=1 \
 		$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
+
+# The generated-input tests (Hypothesis) with the `fuzz` profile: 5,000 examples a test instead of
+# `make test`'s 150 (LLMSTREAM_FUZZ_EXAMPLES=N for another count); what fails is kept in
+# var/hypothesis and tried first next time. Counts and times: docs/testing.md.
+fuzz: venv
+	LLMSTREAM_HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest tests/unit/test_generated_records.py \
+		tests/unit/test_generated_config.py -q -n 0 --durations=10 $(PYTEST_ARGS)
 
 # `python -m jobs.cli` from here: the bench and its children run this checkout's code.
 bench: venv jars

@@ -33,7 +33,7 @@ setup(
         # confluent-kafka: the Avro integration test's producer and consumer (AvroSerializer /
         # AvroDeserializer), a second implementation of the wire format; the job itself uses fastavro,
         # which apache-flink already brings.
-        "dev": ["pytest>=8", "pytest-xdist>=3.6", "py-spy>=0.3", "ruff>=0.6", "mypy>=1.10", "matplotlib>=3.8", "types-requests", "types-PyYAML", "openai>=3,<4", "anthropic>=2,<3",
+        "dev": ["pytest>=8", "pytest-xdist>=3.6", "py-spy>=0.3", "ruff>=0.6", "mypy>=1.10", "matplotlib>=3.8", "types-requests", "types-PyYAML", "openai>=3,<4", "anthropic>=2,<3", "hypothesis>=6.100,<7",
                 "confluent-kafka[avro,schemaregistry]>=2.16,<3"],
     },
     entry_points={"console_scripts": ["llmstream=jobs.cli:main"]},

@@ -12,11 +12,24 @@ import os
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 # The environment as the user's shell gave it, before any test ran PyFlink in this process:
 # PyFlink's in-process (loopback) workers merge their own settings into os.environ, and a
 # command a test starts should see what a user's command would see.
 SHELL_ENV = dict(os.environ)
+
+# Generated inputs (Hypothesis, tests/unit/test_generated_*.py): `ci`, what `make test` runs, is
+# bounded and reproducible (a fixed seed per test, no example database, no deadline: a loaded
+# machine must not fail a test by its speed); `fuzz`, what `make fuzz` runs, draws many more and
+# keeps the failures it finds in var/hypothesis to try first next time (docs/testing.md).
+settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("fuzz", max_examples=int(os.environ.get("LLMSTREAM_FUZZ_EXAMPLES", "5000")), deadline=None,
+                          database=DirectoryBasedExampleDatabase("var/hypothesis"),
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("LLMSTREAM_HYPOTHESIS_PROFILE", "ci"))
 
 pytest.register_assert_rewrite("tests.support")  # before any import of it: its asserts explain themselves
 

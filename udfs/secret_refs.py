@@ -66,8 +66,8 @@ def _read_env(name: str, path: str) -> str:
 def read_secret_file(file: str, path: str) -> str:
     """The content of a secret file without one trailing newline; a missing or unreadable file is a
     `ConfigError` naming `path`, and a file other users may read is worth a warning (never its content)."""
-    target = Path(file).expanduser()
     try:
+        target = Path(file).expanduser()
         mode = target.stat().st_mode
         text = target.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -80,6 +80,8 @@ def read_secret_file(file: str, path: str) -> str:
         raise ConfigError(path, f"secret file {file} is not UTF-8 text") from None
     except OSError as err:
         raise ConfigError(path, f"secret file {file} cannot be read ({err.strerror})") from None
+    except (RuntimeError, ValueError):  # a `~user` with no home, a NUL in the name
+        raise ConfigError(path, f"secret file {file!r} is not a path that can be read") from None
     if stat.S_ISREG(mode) and mode & (stat.S_IRGRP | stat.S_IROTH) and str(target) not in _WARNED:
         _WARNED.add(str(target))
         log.warning("%s: secret file %s is readable by other users (mode %o); chmod 600 it",

@@ -9,6 +9,7 @@
 - ``fake_flink``: PyFlink's keyed state, timers and runtime context, and a `Harness` that drives
   one inference stage (no JVM);
 - ``stages``: the ``harnesses`` fixture (inference stages on ``fake_flink``);
+- ``schema_store``: the Schema Registry as the Avro format sees it (``SchemaStore``), no server;
 - ``tls_certs``: throwaway certificates made with the ``openssl`` CLI;
 - ``redis_server``: a real ``redis-server`` on a free loopback port, for the cache tests;
 - ``prometheus``: reading what a Prometheus endpoint serves;

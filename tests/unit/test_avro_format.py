@@ -11,6 +11,7 @@ from typing import Any
 import fastavro
 import pytest
 
+from tests.support.schema_store import SchemaStore
 from udfs.config import JobConfig, config_from_dict
 from udfs.errors import BadInput, ConfigError
 from udfs.inference.prompts import fill_template
@@ -18,44 +19,12 @@ from udfs.records import Completion, SourceRef
 from udfs.records.avro import AvroFormat, carried, result_schema, wire, wire_schema_id
 from udfs.records.decode import decode
 from udfs.records.encode import result_row, result_value
-from udfs.records.registry import RegistryUnavailable, SchemaNotFound
 
 SOURCE = SourceRef("docs", 0, 7, 1_700_000_000_000)
 DOC_V1 = {"type": "record", "name": "Doc", "namespace": "cdc", "fields": [
     {"name": "doc_id", "type": "long"}, {"name": "title", "type": "string"}, {"name": "body", "type": "string"}]}
 DOC_V2 = {**DOC_V1, "fields": [*DOC_V1["fields"], {"name": "lang", "type": ["null", "string"], "default": None},
                                 {"name": "tags", "type": {"type": "array", "items": "string"}, "default": []}]}
-
-
-class SchemaStore:
-    """The registry as the format sees it: schemas by id, registrations by subject."""
-
-    def __init__(self, schemas: dict[int, Any]) -> None:
-        self.schemas = schemas
-        self.subjects: dict[str, list[int]] = {}
-        self.down = False
-
-    def schema(self, schema_id: int) -> tuple[str, Any]:
-        if self.down:
-            raise RegistryUnavailable("schema_registry.url did not answer (schema id 1) after 3 attempt(s)")
-        if schema_id not in self.schemas:
-            raise SchemaNotFound(f"no schema id {schema_id}")
-        return "AVRO", self.schemas[schema_id]
-
-    def subject_exists(self, subject: str) -> bool:
-        return subject in self.subjects
-
-    def register(self, subject: str, schema: Any) -> int:
-        schema_id = 100 + len(self.schemas)
-        self.schemas[schema_id] = schema
-        self.subjects.setdefault(subject, []).append(schema_id)
-        return schema_id
-
-    def set_compatibility(self, subject: str, level: str) -> None:
-        assert level == "BACKWARD"
-
-    def close(self) -> None:
-        pass
 
 
 def config(**sections: dict[str, Any]) -> JobConfig:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from udfs.config.loader import build, to_dict
+from udfs.config.loader import build, one_line, to_dict
 from udfs.config.rules import validate_job
 from udfs.config.sections import (  # the sections are the package's face: `from udfs.config import JobConfig`
     ADAPTIVE_MIN_BUNDLE,
@@ -121,22 +121,51 @@ __all__ = [
 """The package's face: the sections (`udfs/config/sections.py`) and the loader's entry points."""
 
 
+KEY_CHARS = 200
+PROBLEM_CHARS = 600
+"""How much of a key path and of a problem a config error shows: it is read on a terminal, and a
+value or an unknown key may be a huge string."""
+
+
 def config_from_dict(data: Any) -> JobConfig:
-    """Builds a `JobConfig` from already-parsed YAML, validating every key."""
-    config = typing.cast(JobConfig, build(JobConfig, data, ""))
-    validate_job(config)
+    """Builds a `JobConfig` from already-parsed YAML, validating every key. A problem is one line
+    (`one_line`), whatever the key or value it quotes holds."""
+    try:
+        config = typing.cast(JobConfig, build(JobConfig, data, ""))
+        validate_job(config)
+    except ConfigError as err:
+        key, problem = one_line(err.key, KEY_CHARS), one_line(err.problem, PROBLEM_CHARS)
+        if (key, problem) == (err.key, err.problem):
+            raise
+        raise ConfigError(key, problem) from None
     return config
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML parser's error in one line: what it was doing, what it found, and where (its own text
+    spreads that over several lines, with the line quoted and a caret under it)."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return ": ".join(part for part in (err.context, err.problem) if part) + where
+    return str(err)
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> JobConfig:
-    """Loads and validates the YAML job config; errors name the file and the key path."""
+    """Loads and validates the YAML job config; errors name the file and the key path, in one line."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise ConfigError("", f"cannot read config {path}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError("", f"{path} is not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:
-        raise ConfigError("", f"{path} is not valid YAML: {err}") from err
+        raise ConfigError("", one_line(f"{path} is not valid YAML: {_yaml_problem(err)}", PROBLEM_CHARS)) from None
+    except RecursionError:
+        raise ConfigError("", f"{path} is not valid YAML here: nested too deeply") from None
+    except ValueError as err:  # a value the YAML reader's constructors refuse: an integer of thousands of digits, month 13
+        raise ConfigError("", one_line(f"{path} is not valid YAML: {err}", PROBLEM_CHARS)) from None
     try:
         return config_from_dict(data)
     except ConfigError as err:

@@ -23,11 +23,13 @@ from udfs.errors import ConfigError
 def _mapping(value: Any, key: str, what: str) -> dict[str, Any]:
     """The mapping `value` is, or the one in the JSON or YAML file it names."""
     if isinstance(value, str):
-        path = Path(value).expanduser()
         try:
+            path = Path(value).expanduser()
             text = path.read_text()
         except OSError as err:
-            raise ConfigError(key, f"cannot read schema file {str(path)!r}: {err.strerror}") from None
+            raise ConfigError(key, f"cannot read schema file {value!r}: {err.strerror}") from None
+        except (RuntimeError, ValueError) as err:  # a `~user` with no home, a NUL, bytes that are not UTF-8
+            raise ConfigError(key, f"cannot read schema file {value!r}: {err}"[:500]) from None
         try:
             value = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (ValueError, yaml.YAMLError) as err:
@@ -47,6 +49,8 @@ def load_schema(value: Any, key: str) -> dict[str, Any]:
     except SchemaError as err:
         where = "/".join(str(p) for p in err.absolute_path) or "(root)"
         raise ConfigError(key, f"not a valid JSON Schema at {where}: {err.message}"[:500]) from None
+    except Exception as err:  # noqa: BLE001 - e.g. a `$schema` that is a list (unhashable) or nesting too deep
+        raise ConfigError(key, f"not a valid JSON Schema: {type(err).__name__}: {err}"[:500]) from None
     return value
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from udfs import secret_refs
+from udfs.config.loader import is_file
 from udfs.errors import ConfigError
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -95,7 +96,7 @@ def _pem_file(properties: dict[str, str], store: str, path: str) -> str | None:
         raise ConfigError(_key(path, f"ssl.{store}.type"),
                           f"{kind} stores cannot be read by llmstream's Python Kafka clients (preflight, status); "
                           f"use a PEM file and set ssl.{store}.type: PEM (the Flink job reads PEM too)")
-    if not Path(location).expanduser().is_file():
+    if not is_file(location):
         raise ConfigError(_key(path, f"ssl.{store}.location"), f"file {location} does not exist")
     return str(Path(location).expanduser())
 

@@ -13,6 +13,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from udfs.errors import ConfigError
@@ -115,7 +116,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise ConfigError(path, "expected a number, got an integer too large for one") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")
@@ -130,7 +134,8 @@ def build(cls: type, data: Any, path: str) -> Any:
     fields = {_key_of(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
-        raise ConfigError(join_key(path, unknown[0]), f"unknown key (known: {', '.join(sorted(fields))})")
+        name = unknown[0] if unknown[0].strip() and unknown[0].isprintable() else repr(unknown[0])  # '' is named too
+        raise ConfigError(join_key(path, name), f"unknown key (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for key, f in fields.items():
         if key in data:
@@ -147,6 +152,26 @@ def build(cls: type, data: Any, path: str) -> Any:
 def require(ok: bool, path: str, problem: str) -> None:
     if not ok:
         raise ConfigError(path, problem)
+
+
+LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+"""What `str.splitlines` breaks a line at, each as its escape."""
+
+
+def one_line(text: str, limit: int) -> str:
+    """`text` as one line of about `limit` characters at most: a line break written as its escape (a
+    key or a value in a message may hold one), the rest of a longer text left out, its length said."""
+    text = text.translate(LINE_BREAKS)
+    return f"{text[:limit]}… ({len(text)} characters)" if len(text) > limit else text
+
+
+def is_file(name: str) -> bool:
+    """Whether `name` (`~` expanded) is a file; False for a name no path can have (a NUL, a `~user`
+    with no home), which `Path` answers with an exception instead."""
+    try:
+        return Path(name).expanduser().is_file()
+    except (RuntimeError, ValueError, OSError):
+        return False
 
 
 

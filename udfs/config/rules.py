@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from udfs.config.loader import require
+from udfs.errors import ConfigError
 
 if TYPE_CHECKING:
     from udfs.config.sections import JobConfig
@@ -99,7 +100,11 @@ def validate_job(config: JobConfig) -> None:
     _formats(config)
     _stage(config)
     _batch_lane(config)
-    request_limit = int(config.kafka.properties.get("max.request.size", PRODUCER_MAX_REQUEST_BYTES))
+    size = config.kafka.properties.get("max.request.size", str(PRODUCER_MAX_REQUEST_BYTES))
+    try:
+        request_limit = int(size)
+    except ValueError:
+        raise ConfigError("kafka.properties.max.request.size", f"expected a number of bytes, got {size!r}") from None
     require(config.limits.max_result_bytes + RECORD_OVERHEAD_BYTES <= request_limit, "limits.max_result_bytes",
              f"must leave {RECORD_OVERHEAD_BYTES} bytes of headroom below the producer's max.request.size "
              f"({request_limit}), or an oversized result fails the sink instead of being dead-lettered")

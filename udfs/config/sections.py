@@ -11,24 +11,37 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from udfs import secret_refs
 from udfs.config import kafka_security
 from udfs.config.json_schema import load_avro_schema, load_schema
-from udfs.config.loader import Loaded, Rule, join_key, require
+from udfs.config.loader import Loaded, Rule, is_file, join_key, require
 from udfs.errors import ConfigError
 from udfs.records.format_names import FORMATS
 from udfs.records.result import RESULT_FIELDS
 
 
-class _FieldProbe(dict[str, str]):
+class _AnyField:
+    """A field's value as the template check sees it: any attribute, index and format spec, since
+    what a field holds is the record's business (`fill_template` dead-letters what does not fit)."""
+
+    def __getattr__(self, name: str) -> _AnyField:
+        return self
+
+    def __getitem__(self, key: object) -> _AnyField:
+        return self
+
+    def __format__(self, spec: str) -> str:
+        return ""
+
+
+class _FieldProbe(dict[str, _AnyField]):
     """Accepts any field name so a template can be checked for syntax alone."""
 
-    def __missing__(self, key: str) -> str:
-        return ""
+    def __missing__(self, key: str) -> _AnyField:
+        return _AnyField()
 
 
 def _template_error(text: str) -> str | None:
@@ -40,11 +53,20 @@ def _template_error(text: str) -> str | None:
     return None
 
 
+def _http_url(text: str) -> bool:
+    """An http(s) URL whose host and port can be read (`urlsplit` raises for `[::1` or port 99999)."""
+    try:
+        urlsplit(text).port  # noqa: B018 - read for the ValueError it raises
+    except ValueError:
+        return False
+    return text.startswith(("http://", "https://"))
+
+
 POSITIVE = Rule(lambda v: v > 0, "must be > 0, got {value}")
 NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0, got {value}")
 NOT_EMPTY = Rule(lambda v: v.strip() != "", "must not be empty")
 TCP_PORT = Rule(lambda v: v < 65536, "must be a TCP port (1-65535), got {value}")
-HTTP_URL = Rule(lambda v: v.startswith(("http://", "https://")), "must be an http(s) URL, got {value!r}")
+HTTP_URL = Rule(_http_url, "must be an http(s) URL, got {value!r}")
 REDIS_URL = Rule(lambda v: v.startswith(("redis://", "rediss://", "unix://", "${")),
                  "must be a redis://, rediss:// or unix:// URL (or a ${{env:...}}/${{file:...}} placeholder), got {value!r}")
 TEMPLATE = Rule(lambda v: _template_error(v) is None, lambda v: f"not a valid template: {_template_error(v)}")
@@ -102,7 +124,7 @@ class KafkaConfig:
         if self.input_topic_pattern is not None:
             try:
                 pattern = re.compile(self.input_topic_pattern)
-            except re.error as err:
+            except (re.error, OverflowError, RecursionError) as err:  # a repeat count or nesting too large
                 raise ConfigError(join_key(path, "input_topic_pattern"), f"not a regular expression: {err}") from None
             for key in ("output_topic", "dead_letter_topic"):
                 require(not pattern.fullmatch(getattr(self, key)), join_key(path, key),
@@ -169,8 +191,7 @@ class ModelTlsConfig:
                  "client_cert_file and client_key_file go together (mutual TLS)")
         for key in ("ca_file", "client_cert_file", "client_key_file"):
             value = getattr(self, key)
-            require(value is None or Path(value).expanduser().is_file(), join_key(path, key),
-                     f"file {value} does not exist")
+            require(value is None or is_file(value), join_key(path, key), f"file {value} does not exist")
 
 
 SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})

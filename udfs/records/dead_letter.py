@@ -69,7 +69,10 @@ def dead_letter_value(
     if last_output is not None:
         cut = isinstance(last_output, str) and len(last_output) > ORIGINAL_LIMIT_BYTES
         body["last_output"] = last_output[:ORIGINAL_LIMIT_BYTES] if cut else last_output
-    return json.dumps(body, ensure_ascii=False).encode("utf-8")
+    try:
+        return json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (an id read from a "\ud800" escape): written escaped, as it came
+        return json.dumps(body).encode("ascii")
 
 
 def for_error(

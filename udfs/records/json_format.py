@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 from udfs.errors import BadInput
@@ -37,6 +38,28 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+"""A `\\ud800`-`\\udfff` escape: half of a pair, or alone (then no Unicode text)."""
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a string in `value` (a key too) holds a lone surrogate, which no UTF-8 writer takes."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 def _parse(value: bytes) -> Any:
     try:
         text = value.decode("utf-8")
@@ -45,11 +68,16 @@ def _parse(value: bytes) -> Any:
     if "\x00" in text:
         raise BadInput("invalid_json", "value contains a NUL character")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        parsed = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise BadInput("invalid_json", "JSON nested too deeply") from None
     except ValueError as err:
         raise BadInput("invalid_json", str(err)[:200]) from None
+    # `json` reads "\ud800" into a str that cannot be written as UTF-8 again (the output record, the
+    # dead letter, the model's request): not text, so not a record, whatever field it is in.
+    if SURROGATE_ESCAPE.search(text) and _lone_surrogate(parsed):
+        raise BadInput("invalid_json", "a string holds a lone surrogate escape (\\ud800-\\udfff), not Unicode text")
+    return parsed
 
 
 def checked_text(record: dict[str, Any], name: str, *, max_chars: int, reason_empty: str) -> str:
@@ -77,8 +105,8 @@ def checked_messages(value: Any, limits: LimitsConfig) -> tuple[dict[str, Any], 
         if not isinstance(content, str):
             raise BadInput("invalid_messages", f"messages[{i}].content must be a string")
         total += len(content)
-    if total == 0:
-        raise BadInput("empty_prompt", "all message contents are empty")
+    if not any(m["content"].strip() for m in value):  # blank, as a prompt is (docs/record-contract.md)
+        raise BadInput("empty_prompt", "all message contents are blank")
     if total > limits.max_prompt_chars:
         raise BadInput("prompt_too_large", f"messages have {total} characters, limit {limits.max_prompt_chars}")
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
