@@ -34,6 +34,7 @@ from udfs.inference import statuses
 from udfs.inference.transport import (
     API_PATHS,
     READ_CHUNK_BYTES,
+    read_bounded,
     server_message,
     tls_context,
 )
@@ -165,13 +166,13 @@ class Provider:
             async with self._session_now().request(method, url, headers=headers, allow_redirects=False,
                                                    **kwargs) as response:
                 if 200 <= response.status < 300:
-                    body, complete = await _read(response, limit)
+                    body, complete = await read_bounded(response, limit)
                     if not complete:
                         response.close()
                         raise ProviderError(f"{method} {url}: answer over {limit} bytes", status=response.status,
                                             retryable=False)
                     return response.status, body
-                text, _ = await _read(response, MAX_ERROR_BYTES)
+                text, _ = await read_bounded(response, MAX_ERROR_BYTES)
                 status = response.status
         except ProviderError:
             raise
@@ -190,7 +191,7 @@ class Provider:
         try:
             async with self._session_now().get(url, headers=headers, allow_redirects=False) as response:
                 if not 200 <= response.status < 300:
-                    text, _ = await _read(response, MAX_ERROR_BYTES)
+                    text, _ = await read_bounded(response, MAX_ERROR_BYTES)
                     raise ProviderError(f"GET {url}: HTTP {response.status}: "
                                         f"{self._clean(server_message(text.decode('utf-8', errors='replace')))}",
                                         status=response.status, retryable=statuses.of_status(response.status).retryable)
@@ -232,17 +233,6 @@ class Provider:
 
     async def cancel(self, batch_id: str) -> None:
         raise NotImplementedError
-
-
-async def _read(response: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
-    chunks: list[bytes] = []
-    total = 0
-    async for chunk in response.content.iter_chunked(READ_CHUNK_BYTES):
-        total += len(chunk)
-        chunks.append(chunk)
-        if total > limit:
-            return b"".join(chunks)[:limit], False
-    return b"".join(chunks), True
 
 
 def _parsed(line: bytes) -> dict[str, Any]:
