@@ -11,7 +11,7 @@ setup(
     packages=find_packages(include=["jobs", "jobs.*", "udfs", "udfs.*"], exclude=["jobs.dev", "jobs.dev.*"]),
     package_data={"jobs": ["*.yaml", "examples/*.yaml", "data/*.jsonl"]},
     install_requires=[
-        "apache-flink==2.2.1",
+        "apache-flink==2.3.0",
         "kafka-python==3.0.12",
         "requests>=2.32,<3",
         "pyyaml>=6,<7",

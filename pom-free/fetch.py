@@ -36,9 +36,11 @@ DEFAULT_CACHE = HERE / "cache"
 # slf4j-api is pinned because kafka_2.13 pulls 1.7.36 transitively, which does not
 # bind to log4j-slf4j2-impl; a direct dependency wins Maven's nearest-first mediation.
 ROOTS: dict[str, tuple[str, ...]] = {
+    # The newest Kafka connector on Maven Central, built for Flink 2.2; none is built for 2.3, and
+    # this one runs on apache-flink 2.3.0 (the integration and fault tests, the 2.2 -> 2.3 savepoint test).
     "connector": ("org.apache.flink:flink-sql-connector-kafka:5.0.0-2.2",),
     # Flink's Prometheus reporter, same version as apache-flink (its client is shaded inside).
-    "metrics": ("org.apache.flink:flink-metrics-prometheus:2.2.1",),
+    "metrics": ("org.apache.flink:flink-metrics-prometheus:2.3.0",),
     "broker": (
         "org.apache.kafka:kafka_2.13:4.1.1",
         "org.apache.logging.log4j:log4j-slf4j2-impl:2.24.3",
@@ -51,7 +53,7 @@ ROOTS: dict[str, tuple[str, ...]] = {
     "operator-crd": ("org.apache.flink:flink-kubernetes-operator-api:1.10.0",),
     # Flink's own SQL ML_PREDICT with the openai model provider, the peer `llmstream bench`
     # compares with (approach ml-predict). Self-contained: openai-java and OkHttp are shaded inside.
-    "ml-predict": ("org.apache.flink:flink-model-openai:2.2.0",),
+    "ml-predict": ("org.apache.flink:flink-model-openai:2.3.0",),
     # A Confluent-compatible Schema Registry for the Avro tests and developers (jobs/dev/schema_registry.py):
     # Apicurio's Quarkus distribution, one tar.gz with its own lib/. 3.0.9 because its runner jar
     # runs on Java 17, which is what a fresh machine has (3.x from 3.1 on needs Java 21).
@@ -63,8 +65,8 @@ INTRANSITIVE: frozenset[str] = frozenset({"operator-crd", "registry"})
 # Sets whose artifacts are archives of that type rather than jars; fetch_set unpacks each
 # beside itself (``cache/<set>/<archive name without the extension>/``).
 ARCHIVES: dict[str, str] = {"registry": "tar.gz"}
-# Sets whose root's parent pom Maven Central does not serve (flink-model-openai:2.2.0 names
-# org.apache.flink:flink-models:2.2.0, which is not published): copy-dependencies cannot read
+# Sets whose root's parent pom Maven Central does not serve (flink-model-openai:2.3.0 names
+# org.apache.flink:flink-models:2.3.0, which is not published): copy-dependencies cannot read
 # their descriptor, so they are the root jars alone, fetched with `dependency:get -U
 # -Dtransitive=false` (`run_mvn_get`).
 POMLESS: frozenset[str] = frozenset({"ml-predict", "registry"})

@@ -38,7 +38,9 @@ def test_manifest_rows_are_well_formed(fetch: ModuleType) -> None:
     assert [e.coord for e in by_set["ml-predict"]] == list(fetch.ROOTS["ml-predict"])
     # The CRD jar alone: it is only unzipped for its YAML, never run.
     assert [e.coord for e in by_set["operator-crd"]] == list(fetch.ROOTS["operator-crd"])
-    assert [e.coord for e in by_set["metrics"]] == ["org.apache.flink:flink-metrics-prometheus:2.2.1"]
+    # The reporter is Flink's own module: the same version as the installed apache-flink.
+    from pyflink.version import __version__ as flink_version
+    assert [e.coord for e in by_set["metrics"]] == [f"org.apache.flink:flink-metrics-prometheus:{flink_version}"]
     assert all(by_set.values())
     assert [e.coord for e in by_set["connector"]] == ["org.apache.flink:flink-sql-connector-kafka:5.0.0-2.2"]
     broker = {e.coord for e in by_set["broker"]}
