@@ -1,4 +1,4 @@
-# llmstream in one image: Java 17, Python 3.11, PyFlink 2.2.1 (its wheel is FLINK_HOME), the
+# llmstream in one image: Java 17, Python 3.11, PyFlink 2.3.0 (its wheel is FLINK_HOME), the
 # project, and the pom-free jars. The same image runs as Kafka broker, JobManager, TaskManager,
 # model-server simulator and submitter (docker-compose.yml), and as the Flink image of the
 # Kubernetes FlinkDeployment (flink-conf/kubernetes/).

@@ -9,7 +9,8 @@ The schema is the ``flinkdeployments.flink.apache.org`` CRD YAML inside the oper
   object without ``x-kubernetes-preserve-unknown-fields`` gets ``additionalProperties: false``.
 - Maven Central serves this machine operator-api 1.10.0 at the newest, whose ``flinkVersion`` enum
   stops at ``v1_20``; ``v2_0``..``v2_2`` were added by operator 1.11-1.13 (upstream
-  ``FlinkVersion.java``), and the image runs Flink 2.2. Only those three values are added.
+  ``FlinkVersion.java``), and the image runs Flink 2.3, so ``v2_3`` too (which operator release adds
+  it cannot be checked from here). Only those four values are added.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from udfs.config import config_from_dict
 ROOT = jars.repo_root()
 K8S = ROOT / "flink-conf" / "kubernetes"
 CRD_ENTRY = "META-INF/fabric8/flinkdeployments.flink.apache.org-v1.yml"
-NEWER_FLINK_VERSIONS = ("v2_0", "v2_1", "v2_2")
+NEWER_FLINK_VERSIONS = ("v2_0", "v2_1", "v2_2", "v2_3")
 
 
 def _strict(schema: Any) -> Any:
@@ -135,4 +136,8 @@ def test_deployment_runs_the_configmaps_job_in_application_mode() -> None:
     # The same image and interpreter the Dockerfile builds.
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert flink["python.executable"].startswith("/opt/llmstream/venv/") and "VIRTUAL_ENV=/opt/llmstream/venv" in dockerfile
-    assert spec["flinkVersion"] == "v2_2"
+    # The operator's Flink version and the flink-python jar PythonDriver runs are the image's Flink.
+    from pyflink.version import __version__ as flink_version
+    major, minor = flink_version.split(".")[:2]
+    assert spec["flinkVersion"] == f"v{major}_{minor}"
+    assert job["jarURI"].endswith(f"/pyflink/opt/flink-python-{flink_version}.jar"), job["jarURI"]
