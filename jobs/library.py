@@ -40,6 +40,7 @@ from jobs.graph.pipeline import (
     create_environment,
     create_sink_table,
     create_source_table,
+    keep_source_identity,
     keyed_stage,
     planned,
     write_rows,
@@ -95,6 +96,7 @@ def read_kafka(env: StreamExecutionEnvironment, config: JobConfig) -> DataStream
             f"SELECT k, v, `topic`, `partition`, `offset`, ts, {headers} AS `headers` FROM {SOURCE_TABLE}")
         stream = t_env.to_data_stream(table)
         private.set_output_type(stream, INPUT_ROW_TYPE.get_java_type_info())
+        keep_source_identity([private.transformation_of(stream)])
         return stream
 
     return _planned(env, build)

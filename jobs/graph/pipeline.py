@@ -43,6 +43,10 @@ from udfs.stage.ordering import HASH_HEX_DIGITS
 
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
+SOURCE_UID = f"{SOURCE_TABLE}_source"
+"""The Kafka source's uid, which the job's snapshots hold its offsets under (Flink 2.2's planner named it so)."""
+SOURCE_UID_FROM_CONNECTOR = f"{SOURCE_TABLE}_kafka"
+"""The uid Flink 2.3's planner leaves the Kafka source: the connector's `DataStreamScanProvider` names it `kafka`."""
 log = logging.getLogger("llmstream.pipeline")
 UDFS_DIR = Path(__file__).resolve().parents[2] / "udfs"
 
@@ -490,9 +494,11 @@ def _build_pipeline(env: StreamExecutionEnvironment, t_env: StreamTableEnvironme
     create_sink_table(t_env, config)
     if config.stage == "vectorized":
         vectorized_lane(t_env, config, with_headers, cache_file)
+        keep_source_identity(private.transformations_of(env))
         return None
     outgoing, gate_dir = keyed_stage(t_env, env, config, SOURCE_TABLE, cache_file=cache_file)
     write_rows(t_env, outgoing)
+    keep_source_identity(private.transformations_of(env))
     return gate_dir
 
 
@@ -559,6 +565,24 @@ def write_rows(t_env: StreamTableEnvironment, rows: DataStream, *, uid_prefix: s
     statements = t_env.create_statement_set()
     statements.add_insert(SINK_TABLE, t_env.from_data_stream(rows))
     statements.attach_as_datastream()
+
+
+KAFKA_SOURCE_CLASS = "org.apache.flink.connector.kafka.source.KafkaSource"
+
+
+def keep_source_identity(transformations: list[Any]) -> None:
+    """The Kafka source keeps the uid and name Flink up to 2.2 gave it. Flink 2.3's planner keeps
+    the Kafka connector's own instead (uid `kafka_requests_kafka`, name `KafkaSource-default_catalog.
+    default_database.kafka_requests`), so it would refuse to restore a savepoint of 2.2 ("Cannot map
+    checkpoint/savepoint state for operator ... to the new program": the source's offsets are under
+    `kafka_requests_source`), and `llmstream status` and the Grafana dashboard, which find the
+    source's figures by its name, would find none. A source without a uid (the vectorized lane's,
+    whose operators carry Flink's graph hashes) keeps none. `transformations`: the Java
+    transformations the source is upstream of (`pyflink_private.transformations_of`)."""
+    for source in private.sources_of(transformations, KAFKA_SOURCE_CLASS):
+        source.setName(SOURCE_TABLE)
+        if source.getUid() == SOURCE_UID_FROM_CONNECTOR:
+            source.setUid(SOURCE_UID)
 
 
 VECTORIZED_FUNCTION = "llmstream_infer"

@@ -16,7 +16,7 @@ from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironme
 from pyflink.java_gateway import get_gateway
 
 __all__ = ["adaptive_process", "datagen_source", "gated_keyed", "key_by_first_field", "keyed_stream",
-           "name_transformation", "pipeline_jars", "python_files", "set_output_type", "settings_kept"]
+           "name_transformation", "pipeline_jars", "python_files", "set_output_type", "settings_kept", "sources_of", "transformation_of", "transformations_of"]
 
 
 def set_output_type(stream: DataStream, java_type_info: Any) -> None:
@@ -30,6 +30,39 @@ def name_transformation(stream: DataStream, name: str) -> None:
     """Names the transformation that produced `stream`: the planner's table-to-stream conversion
     has no public name setter (`DataStream.name` names an operator the Python API made)."""
     stream._j_data_stream.getTransformation().setName(name)
+
+
+def transformations_of(env: StreamExecutionEnvironment) -> list[Any]:
+    """The Java transformations `env` holds (the job's sinks, once attached). PyFlink does not expose
+    the list."""
+    return list(env._j_stream_execution_environment.getTransformations())
+
+
+def transformation_of(stream: DataStream) -> Any:
+    """The Java transformation that makes `stream`."""
+    return stream._j_data_stream.getTransformation()
+
+
+def sources_of(transformations: list[Any], source_class: str) -> list[Any]:
+    """The Java `SourceTransformation`s upstream of `transformations` (themselves included) whose
+    FLIP-27 source is a `source_class`. For the table planner's sources, whose name and uid no
+    public API sets: since Flink 2.3 a `DataStreamScanProvider` source keeps the name and uid its
+    connector gives it, where up to 2.2 the planner overwrote both with its own."""
+    jvm = get_gateway().jvm
+    wanted = jvm.java.lang.Class.forName(source_class, False, jvm.Thread.currentThread().getContextClassLoader())
+    kind = jvm.java.lang.Class.forName("org.apache.flink.streaming.api.transformations.SourceTransformation")
+    pending = list(transformations)
+    seen: set[int] = set()
+    found = []
+    while pending:
+        transformation = pending.pop()
+        if transformation.getId() in seen:
+            continue
+        seen.add(transformation.getId())
+        if kind.isInstance(transformation) and wanted.isInstance(transformation.getSource()):
+            found.append(transformation)
+        pending.extend(transformation.getInputs())
+    return found
 
 
 def key_by_first_field(rows: DataStream, java_key_type: Any) -> Any:

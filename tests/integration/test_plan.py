@@ -171,7 +171,9 @@ def _uids(config: JobConfig) -> dict[str, str]:
 
 def test_stateful_operators_keep_their_uids_across_builds_and_parallelism() -> None:
     """Savepoints map state to operators by uid: the Kafka source, the inference stage and the
-    sink must keep theirs when the job is built again (a new run, an upgrade) or rescaled."""
+    sink must keep theirs when the job is built again (a new run, an upgrade) or rescaled, and
+    across Flink versions: the source's is the uid Flink 2.2's planner gave it, which 2.3's would
+    not (`pipeline.SOURCE_UID`; the real 2.2 savepoint: tests/integration/test_flink_upgrade.py)."""
     config = load_config()
     first, second = _uids(config), _uids(config)
     wider = _uids(with_overrides(config, parallelism={"inference": 2, "sink": 2}))
