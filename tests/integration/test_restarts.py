@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,12 +23,11 @@ from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.local_kafka import LocalBroker
 from jobs.launch import submit as submit_mod
 from jobs.launch.plan import RunOptions
-from tests.conftest import SHELL_ENV
 from tests.support.cluster import heal
 from tests.support.committed import Tally, check_exactly_once, final_tally
 from tests.support.fault_report import FaultReport, FaultResult
 from tests.support.job_setup import JobSetup, SpawnSimulator, make_job, unique_records
-from tests.support.runs import total_restarts
+from tests.support.runs import LocalRun, total_restarts
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
@@ -48,31 +45,6 @@ def _record(fault_report: FaultReport, name: str, result: Tally, *, started: flo
 
 
 # ---------------------------------------------------------------------- llmstream run (mini cluster)
-
-
-class LocalRun:
-    """``llmstream run`` as a user starts it, in its own process group (the JVM included)."""
-
-    def __init__(self, config_path: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "jobs.cli", "run", "--config", str(config_path), "--progress-every", "2", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**SHELL_ENV, **(env or {})},
-            start_new_session=True, text=True)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def signal_group(self, sig: int) -> None:
-        """What Ctrl-C in a terminal does (SIGINT to the foreground group) or kill -9 of the group."""
-        os.killpg(self.process.pid, sig)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout=timeout)
-        finally:
-            self._log.close()
 
 
 INTERRUPTED_RUNS = int(os.environ.get("LLMSTREAM_INTERRUPTED_RUNS", "15"))

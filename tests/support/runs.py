@@ -1,14 +1,20 @@
 """Scenarios on the standalone cluster, as the fault and cost tests run them: records with unique
 ids into the input topic, a committed reader on the output and dead-letter topics, the job
-submitted; then the test injects its fault and `Run.finish` counts what a consumer saw."""
+submitted; then the test injects its fault and `Run.finish` counts what a consumer saw. And
+`LocalRun`: ``llmstream run`` started as a user starts it, for the tests that stop and rerun it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
+from tests.conftest import SHELL_ENV
 from tests.support.cluster import wait_for_checkpoints
 from tests.support.committed import CommittedReader, Tally, final_tally
 from tests.support.job_setup import JobSetup, unique_records
@@ -80,3 +86,33 @@ def start_records(cluster: LocalCluster, setup: JobSetup, records: list[tuple[by
 def start_run(cluster: LocalCluster, setup: JobSetup, prefix: str, n: int = RECORDS) -> Run:
     """`start_records` with ``n`` valid requests whose ids are ``<prefix>-<i>``."""
     return start_records(cluster, setup, unique_records(n, prefix))
+
+
+class LocalRun:
+    """``llmstream run`` as a user starts it, in its own process group (the JVM included).
+
+    ``command`` is the ``llmstream`` to run (default: this checkout's, ``python -m jobs.cli``), e.g.
+    an earlier release's (`tests.support.release_build`), with its ``env`` and ``cwd``."""
+
+    def __init__(self, config_path: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None,
+                 command: list[str] | None = None, cwd: Path | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
+        llmstream = command or [sys.executable, "-m", "jobs.cli"]
+        self.process = subprocess.Popen(
+            [*llmstream, "run", "--config", str(config_path), "--progress-every", "2", *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env if command else {**SHELL_ENV, **(env or {})}, cwd=cwd, start_new_session=True, text=True)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal_group(self, sig: int) -> None:
+        """What Ctrl-C in a terminal does (SIGINT to the foreground group) or kill -9 of the group."""
+        os.killpg(self.process.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self._log.close()
