@@ -35,6 +35,7 @@ from jobs.dev.simulator import SpawnedSimulator
 from tests.support.cluster import heal
 from tests.support.fault_report import FaultReport
 from tests.support.job_setup import SIM_ARGS, JobConfigFactory, SpawnSimulator
+from tests.support.release_build import FLINK_2_2, ReleaseBuild
 from udfs.config import JobConfig, load_config, with_overrides
 
 log = logging.getLogger("llmstream.tests")
@@ -126,6 +127,16 @@ def cluster(flink_cluster: LocalCluster) -> Iterator[LocalCluster]:
         if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
             with contextlib.suppress(Exception):
                 flink_cluster.cancel(job["jid"], timeout=60)
+
+
+@pytest.fixture(scope="session")
+def flink22_build() -> ReleaseBuild:
+    """llmstream as it was on Flink 2.2.1, in a venv of its own, built on first use (minutes, once per
+    machine, in ``~/.cache/llmstream/builds/``; `tests/support/release_build.py`)."""
+    started = time.monotonic()
+    build = FLINK_2_2.ensure()
+    log.info("the Flink 2.2.1 build is ready in %.1f s at %s", time.monotonic() - started, build.root)
+    return build
 
 
 @pytest.fixture(scope="session")

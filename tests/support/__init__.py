@@ -17,7 +17,10 @@
 - ``cluster``: the shared standalone cluster healed between tests, checkpoints awaited;
 - ``committed``: what a read_committed consumer sees (``CommittedReader``) and the exactly-once tally;
 - ``fault_report``: the fault tests' numbers in ``var/fault-report.md`` / ``.json``;
-- ``runs``: scenarios on the standalone cluster (records in, a job submitted, a committed reader).
+- ``runs``: scenarios on the standalone cluster (records in, a job submitted, a committed reader),
+  and ``LocalRun``, ``llmstream run`` as a user starts and stops it;
+- ``release_build``: an earlier release of llmstream (the Flink 2.2.1 build) in a venv of its own,
+  for the tests of upgrades across Flink versions.
 
 Modules with fixtures are plugins, listed in ``pytest_plugins`` in ``tests/conftest.py``; the others
 are imported. Support lives nowhere else under ``tests/`` (``tests/unit/test_test_layout.py``).
