@@ -1,7 +1,8 @@
 # llmstream in one image: Java 17, Python 3.11, PyFlink 2.3.0 (its wheel is FLINK_HOME), the
 # project, and the pom-free jars. The same image runs as Kafka broker, JobManager, TaskManager,
 # model-server simulator and submitter (docker-compose.yml), and as the Flink image of the
-# Kubernetes FlinkDeployment (flink-conf/kubernetes/).
+# Kubernetes FlinkDeployment (flink-conf/kubernetes/). A job running on an image of another Flink
+# (2.2.1) moves to this one through a savepoint: docs/operations.md, "Upgrading Flink under a running job".
 #
 #   docker build -t llmstream:local .                                    # from a public base
 #   docker build --build-arg BASE_IMAGE=llmstream-base:bookworm ...      # the tests' local base
