@@ -14,7 +14,8 @@ from __future__ import annotations
 DEFAULT_LOWER_BOUND_MAX_PARALLELISM = 128
 UPPER_BOUND_MAX_PARALLELISM = 32768
 ROW_HASH_BASE = 62
-"""`Row.hashCode()` of an INSERT row holding one Integer `i` is `62 + i` (32-bit), measured on Flink 2.2."""
+"""`Row.hashCode()` of an INSERT row holding one Integer `i` is `62 + i` (32-bit), on Flink 2.2 and 2.3 alike
+(`tests/integration/test_plan.py` checks it against the running JVM's): a bucket keeps its key group across the upgrade."""
 
 _MASK = 0xFFFFFFFF
 

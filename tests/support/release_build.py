@@ -9,7 +9,7 @@ build runs once, under a lock (two pytest workers, or two checkouts, may ask at 
 ready only when complete; later runs reuse it. ``run`` starts one of its ``llmstream`` commands
 from outside either checkout.
 
-`FLINK_2_2` is the last commit of main on apache-flink 2.2.1, before the move to 2.3.
+`FLINK_2_2` is a commit of main on apache-flink 2.2.1 (7b3e867), from before the move to 2.3.
 """
 
 from __future__ import annotations
