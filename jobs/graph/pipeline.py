@@ -360,7 +360,8 @@ def bucket_sql(ordering: str, keys: list[int]) -> str:
 
 def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
                    with_headers: bool = True, ordering: str = "none", gate_dir: str | None = None,
-                   source: str = SOURCE_TABLE, ids: StageIds | None = None) -> KeyedStream:
+                   source: str = SOURCE_TABLE, ids: StageIds | None = None,
+                   publish_durable: bool = False) -> KeyedStream:
     """The input rows of the table `source` (columns k, v, topic, partition, offset, ts and, with
     `with_headers`, headers: the Kafka source table, or a user's stream as a view, `jobs.library.infer`)
     keyed by bucket, with the bucket computed in SQL (`bucket_sql`) and the key
@@ -417,7 +418,8 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     key_type = Types.ROW([Types.INT()]).get_java_type_info()
     j_keyed = private.key_by_first_field(rows, key_type)
     if gate_dir is not None:
-        j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type, uid=ids.gate_uid)
+        j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type, uid=ids.gate_uid,
+                                 publish_durable=publish_durable)
     return private.keyed_stream(j_keyed, INPUT_ROW_TYPE, rows)
 
 
@@ -434,12 +436,15 @@ def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any
     return private.datagen_source(env, gate.TICKS_CLASS, slots, java_row_type=row_type, name="ticks", uid=uid)
 
 
-def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any, uid: str = GATE_UID) -> Any:
+def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any, uid: str = GATE_UID, *,
+                   publish_durable: bool = False) -> Any:
     """`j_keyed` through the admission gate (`pom-free/gate/AdmissionGate.java`, `udfs/stage/admission.py`),
     keyed again as it was: the gate only forwards, so its output keeps the keyBy's partitioning
     (`reinterpretAsKeyedStream`) and the gate is chained into the stage's task. The gate's jar is
-    in the job already (`gated_ticks`)."""
-    return private.gated_keyed(j_keyed, gate.GATE_CLASS, (gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS),
+    in the job already (`gated_ticks`). `publish_durable`: the gate writes which checkpoint completed
+    (the provider-batch lane's stage reads it; other stages leave the directory empty at their end)."""
+    return private.gated_keyed(j_keyed, gate.GATE_CLASS,
+                               (gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS, publish_durable),
                                name="inference admission gate", uid=uid, parallelism=parallelism,
                                java_key_type=key_type)
 
@@ -540,7 +545,8 @@ def keyed_stage(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, 
     # cooldown: the gate keeps checkpoints going meanwhile (`jobs/graph/gate_operator.py`).
     gate_dir = gate.job_directory() if gate.gated(config) else None
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=config.kafka.forward_headers != "none",
-                           ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids)
+                           ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids,
+                           publish_durable=config.model.mode == "batch")
     stage: KeyedProcessFunction = (BatchStage(config, cache_file=cache_file, gate_dir=gate_dir)
                                    if config.model.mode == "batch"
                                    else InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file))
