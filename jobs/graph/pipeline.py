@@ -465,17 +465,25 @@ T = TypeVar("T")
 
 
 def planned(env: StreamExecutionEnvironment, build: Callable[[StreamTableEnvironment], T]) -> T:
-    """`build(t_env)` on a new table environment of `env`; built again once, on another new one,
-    when the planner fails on a JVM thread it did not start on before anything was added to `env`
-    (`pyflink_private.planner_thread_error`)."""
+    """`build(t_env)` on a new table environment of `env`; when the planner fails on a JVM thread it
+    did not start on (`pyflink_private.planner_thread_error`), what the failed attempt added to `env`
+    is taken out again and the job is built anew on another new one, up to `PLANNER_ATTEMPTS` times.
+    The failure can strike at any `sql_query`/`to_data_stream`, after the first transformations were
+    added, so a retry that only ran when nothing was added did not cover it."""
     before = private.transformation_count(env)
-    try:
-        return build(StreamTableEnvironment.create(env))
-    except Exception as err:
-        if not private.planner_thread_error(err) or private.transformation_count(env) != before:
-            raise
-        log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job again")
-        return build(StreamTableEnvironment.create(env))
+    for attempt in range(1, PLANNER_ATTEMPTS + 1):
+        try:
+            return build(StreamTableEnvironment.create(env))
+        except Exception as err:
+            if not private.planner_thread_error(err) or attempt == PLANNER_ATTEMPTS:
+                raise
+            private.drop_transformations_after(env, before)
+            log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job "
+                        "again (attempt %d of %d)", attempt + 1, PLANNER_ATTEMPTS)
+    raise AssertionError("unreachable")
+
+
+PLANNER_ATTEMPTS = 3
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_file: str | None = None) -> str | None:
