@@ -364,7 +364,8 @@ def bucket_sql(ordering: str, keys: list[int]) -> str:
 
 def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, parallelism: int, *,
                    with_headers: bool = True, ordering: str = "none", gate_dir: str | None = None,
-                   source: str = SOURCE_TABLE, ids: StageIds | None = None) -> KeyedStream:
+                   source: str = SOURCE_TABLE, ids: StageIds | None = None,
+                   publish_durable: bool = False) -> KeyedStream:
     """The input rows of the table `source` (columns k, v, topic, partition, offset, ts and, with
     `with_headers`, headers: the Kafka source table, or a user's stream as a view, `jobs.library.infer`)
     keyed by bucket, with the bucket computed in SQL (`bucket_sql`) and the key
@@ -421,7 +422,8 @@ def keyed_requests(t_env: StreamTableEnvironment, env: StreamExecutionEnvironmen
     key_type = Types.ROW([Types.INT()]).get_java_type_info()
     j_keyed = private.key_by_first_field(rows, key_type)
     if gate_dir is not None:
-        j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type, uid=ids.gate_uid)
+        j_keyed = admission_gate(j_keyed, gate_dir, parallelism, key_type, uid=ids.gate_uid,
+                                 publish_durable=publish_durable)
     return private.keyed_stream(j_keyed, INPUT_ROW_TYPE, rows)
 
 
@@ -438,12 +440,15 @@ def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any
     return private.datagen_source(env, gate.TICKS_CLASS, slots, java_row_type=row_type, name="ticks", uid=uid)
 
 
-def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any, uid: str = GATE_UID) -> Any:
+def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any, uid: str = GATE_UID, *,
+                   publish_durable: bool = False) -> Any:
     """`j_keyed` through the admission gate (`pom-free/gate/AdmissionGate.java`, `udfs/stage/admission.py`),
     keyed again as it was: the gate only forwards, so its output keeps the keyBy's partitioning
     (`reinterpretAsKeyedStream`) and the gate is chained into the stage's task. The gate's jar is
-    in the job already (`gated_ticks`)."""
-    return private.gated_keyed(j_keyed, gate.GATE_CLASS, (gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS),
+    in the job already (`gated_ticks`). `publish_durable`: the gate writes which checkpoint completed
+    (the provider-batch lane's stage reads it; other stages leave the directory empty at their end)."""
+    return private.gated_keyed(j_keyed, gate.GATE_CLASS,
+                               (gate_dir, gate.CHECK_MS, gate.IDLE_SLEEP_MS, publish_durable),
                                name="inference admission gate", uid=uid, parallelism=parallelism,
                                java_key_type=key_type)
 
@@ -464,17 +469,25 @@ T = TypeVar("T")
 
 
 def planned(env: StreamExecutionEnvironment, build: Callable[[StreamTableEnvironment], T]) -> T:
-    """`build(t_env)` on a new table environment of `env`; built again once, on another new one,
-    when the planner fails on a JVM thread it did not start on before anything was added to `env`
-    (`pyflink_private.planner_thread_error`)."""
+    """`build(t_env)` on a new table environment of `env`; when the planner fails on a JVM thread it
+    did not start on (`pyflink_private.planner_thread_error`), what the failed attempt added to `env`
+    is taken out again and the job is built anew on another new one, up to `PLANNER_ATTEMPTS` times.
+    The failure can strike at any `sql_query`/`to_data_stream`, after the first transformations were
+    added, so a retry that only ran when nothing was added did not cover it."""
     before = private.transformation_count(env)
-    try:
-        return build(StreamTableEnvironment.create(env))
-    except Exception as err:
-        if not private.planner_thread_error(err) or private.transformation_count(env) != before:
-            raise
-        log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job again")
-        return build(StreamTableEnvironment.create(env))
+    for attempt in range(1, PLANNER_ATTEMPTS + 1):
+        try:
+            return build(StreamTableEnvironment.create(env))
+        except Exception as err:
+            if not private.planner_thread_error(err) or attempt == PLANNER_ATTEMPTS:
+                raise
+            private.drop_transformations_after(env, before)
+            log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job "
+                        "again (attempt %d of %d)", attempt + 1, PLANNER_ATTEMPTS)
+    raise AssertionError("unreachable")
+
+
+PLANNER_ATTEMPTS = 3
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_file: str | None = None) -> str | None:
@@ -546,7 +559,8 @@ def keyed_stage(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, 
     # cooldown: the gate keeps checkpoints going meanwhile (`jobs/graph/gate_operator.py`).
     gate_dir = gate.job_directory() if gate.gated(config) else None
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=config.kafka.forward_headers != "none",
-                           ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids)
+                           ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids,
+                           publish_durable=config.model.mode == "batch")
     stage: KeyedProcessFunction = (BatchStage(config, cache_file=cache_file, gate_dir=gate_dir)
                                    if config.model.mode == "batch"
                                    else InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file))

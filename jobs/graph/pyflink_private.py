@@ -183,6 +183,14 @@ def transformation_count(env: StreamExecutionEnvironment) -> int:
     return int(env._j_stream_execution_environment.getTransformations().size())
 
 
+def drop_transformations_after(env: StreamExecutionEnvironment, count: int) -> None:
+    """Takes out of `env` every transformation after its first `count`: what a build that failed
+    half-way added. `getTransformations()` is the environment's own list, not a copy."""
+    transformations = env._j_stream_execution_environment.getTransformations()
+    while transformations.size() > count:
+        transformations.pop()
+
+
 def planner_thread_error(err: BaseException) -> bool:
     """Whether `err` is the table planner failing on a JVM thread where it never made its cluster
     (FLINK-23020, open): Calcite keeps its metadata provider in a ThreadLocal, and Py4J hands a

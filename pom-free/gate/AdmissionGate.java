@@ -37,7 +37,7 @@ import org.slf4j.LoggerFactory;
  * it cannot start yet in its own keyed state. So the gate has no state, and a checkpoint taken
  * while it waits is whole.
  *
- * <p>It also tells the stage which of its state is durable, something a Python function cannot
+ * <p>With {@code publishDurable} it also tells the stage which of its state is durable, something a Python function cannot
  * learn from PyFlink: when a checkpoint completes, the gate writes {@code <directory>/<subtask>.durable}
  * holding the wall-clock time (epoch ms) at which that checkpoint's barrier reached this subtask.
  * Whatever the stage did to its state before that moment is in a completed checkpoint. The
@@ -52,6 +52,7 @@ public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements
     private final String directory;
     private final long checkMillis;
     private final long idleSleepMillis;
+    private final boolean publishDurable;
 
     private transient Path signal;
     private transient Path durable;
@@ -63,9 +64,15 @@ public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements
     private transient long closedNanosTotal;
 
     public AdmissionGate(String directory, long checkMillis, long idleSleepMillis) {
+        this(directory, checkMillis, idleSleepMillis, false);
+    }
+
+    /** {@code publishDurable}: write {@code <subtask>.durable} (the provider-batch lane reads it). */
+    public AdmissionGate(String directory, long checkMillis, long idleSleepMillis, boolean publishDurable) {
         this.directory = directory;
         this.checkMillis = checkMillis;
         this.idleSleepMillis = idleSleepMillis;
+        this.publishDurable = publishDurable;
     }
 
     @Override
@@ -101,7 +108,7 @@ public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements
         super.notifyCheckpointComplete(checkpointId);
         Long at = barrierMillis.get(checkpointId);
         barrierMillis.headMap(checkpointId, true).clear();
-        if (at == null) {
+        if (at == null || !publishDurable) {
             return;
         }
         try {

@@ -8,7 +8,6 @@ and both runs' records arrive exactly once. A torn archive is refused before any
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,12 @@ import pytest
 
 from jobs.clients import kafka_admin
 from jobs.dev.local_kafka import LocalBroker
-from jobs.runtime.jvm_archive import DIR_ENV, GatewayArchive
+from jobs.runtime.jvm_archive import (
+    DIR_ENV,
+    GatewayArchive,
+    gateway_java_and_classpath,
+    java_major,
+)
 from tests.conftest import SHELL_ENV
 from tests.support.committed import check_exactly_once, final_tally
 from tests.support.job_setup import SpawnSimulator, make_job, unique_records
@@ -76,11 +80,16 @@ def test_the_first_run_saves_a_class_archive_and_the_next_run_maps_it(
 
 
 def test_no_archive_when_turned_off_or_when_jvm_args_name_one(tmp_path: Path) -> None:
-    base = {**os.environ, DIR_ENV: str(tmp_path)}
+    # The environment the tests started with, as the run above uses: this process's own may carry
+    # what earlier tests on this worker left in it.
+    base = {**SHELL_ENV, DIR_ENV: str(tmp_path)}
     base.pop("JVM_ARGS", None)
+    base.pop("LLMSTREAM_JVM_ARCHIVE", None)
     assert GatewayArchive.find({**base, "LLMSTREAM_JVM_ARCHIVE": "off"}) is None
     assert GatewayArchive.find({**base, "JVM_ARGS": "-Xshare:off"}) is None
     assert GatewayArchive.find({**base, "JVM_ARGS": "-XX:SharedArchiveFile=/x.jsa"}) is None
     archive = GatewayArchive.find(base)
-    assert archive is not None and archive.path.parent == tmp_path
+    found = gateway_java_and_classpath(base)
+    assert archive is not None and archive.path.parent == tmp_path, \
+        f"java={found and found[0]!r} major={found and java_major(found[0])}"
     assert archive.jvm_options()[0].startswith("-XX:ArchiveClassesAtExit=")  # none yet: dump one

@@ -13,11 +13,14 @@ import pytest
 from pyflink.java_gateway import get_gateway
 
 from jobs.graph import key_groups
+from jobs.graph import pyflink_private as private
 from jobs.graph.pipeline import (
     BUCKETS_PER_SUBTASK,
+    PLANNER_ATTEMPTS,
     bucket_keys,
     build_pipeline,
     create_environment,
+    planned,
     sink_options,
     source_options,
     tick_keys,
@@ -181,3 +184,36 @@ def test_stateful_operators_keep_their_uids_across_builds_and_parallelism() -> N
     assert {"kafka_requests_source", "kafka_results_sink", "inference"} <= stateful
     assert sorted(first.values()) == sorted(second.values()) == sorted(wider.values())
     assert len(set(first.values())) == len(first), f"duplicate uids: {first}"
+
+
+def test_a_build_the_planner_fails_half_way_is_built_again_with_nothing_left_over() -> None:
+    """FLINK-23020 can strike at any planner call, after the build already added transformations:
+    the retry takes them out, so the job is built once, not once and a half."""
+    config = load_config()
+    env = create_environment(config, jars.connector_jar_urls())
+    attempts: list[int] = []
+
+    def build(t_env: Any) -> str:
+        attempts.append(private.transformation_count(env))
+        result = build_pipeline(env, config) or "built"
+        if len(attempts) < PLANNER_ATTEMPTS:  # the JVM's message, as the planner raises it
+            raise RuntimeError("java.lang.NullPointerException: metadataHandlerProvider")
+        return result
+
+    once = _plan()
+    assert planned(env, build)
+    assert attempts == [0] * PLANNER_ATTEMPTS, "each attempt must start from the same empty environment"
+    assert len(json.loads(env.get_execution_plan())["nodes"]) == len(once)
+
+
+def test_other_build_errors_are_not_retried() -> None:
+    env = create_environment(load_config(), jars.connector_jar_urls())
+    calls: list[int] = []
+
+    def build(t_env: Any) -> None:
+        calls.append(1)
+        raise ValueError("a real mistake")
+
+    with pytest.raises(ValueError, match="a real mistake"):
+        planned(env, build)
+    assert calls == [1]

@@ -39,6 +39,7 @@ every batch of the bucket, as the keyed stage waits for its calls.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -146,6 +147,12 @@ class BatchStage(KeyedProcessFunction):
             held = getattr(self, name, None)
             if held is not None:
                 held.close()
+        durable = getattr(self, "_durable_file", None)
+        if durable is not None:  # the gate's note to this subtask, and the job's directory once empty
+            for path in (durable, durable.with_name(durable.name + ".partial")):
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                durable.parent.rmdir()
 
     # ------------------------------------------------------------------ Flink callbacks
     def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
