@@ -18,6 +18,8 @@
 - ``committed``: what a read_committed consumer sees (``CommittedReader``) and the exactly-once tally;
 - ``fault_report``: the fault tests' numbers in ``var/fault-report.md`` / ``.json``;
 - ``runs``: scenarios on the standalone cluster (records in, a job submitted, a committed reader).
+- ``secured``: the names of a job on the secured broker (the ``secured`` fixture makes them) and the
+  hunt for canary secrets in what a run left behind.
 
 Modules with fixtures are plugins, listed in ``pytest_plugins`` in ``tests/conftest.py``; the others
 are imported. Support lives nowhere else under ``tests/`` (``tests/unit/test_test_layout.py``).
