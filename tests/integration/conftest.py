@@ -25,17 +25,19 @@ from typing import Any
 
 import pytest
 
+from jobs.clients import kafka_admin
 from jobs.clients.kafka_admin import create_topics, delete_topics
 from jobs.dev import simulator
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.local_kafka import BrokerConfig, LocalBroker
 from jobs.dev.schema_registry import LocalRegistry
-from jobs.dev.secure_kafka import SecureBroker, SecureBrokerConfig
+from jobs.dev.secure_kafka import JOB, SecureBroker, SecureBrokerConfig
 from jobs.dev.simulator import SpawnedSimulator
 from tests.support.cluster import heal
 from tests.support.fault_report import FaultReport
 from tests.support.job_setup import SIM_ARGS, JobConfigFactory, SpawnSimulator
 from tests.support.release_build import FLINK_2_2, ReleaseBuild
+from tests.support.secured import Names, Secured
 from udfs.config import JobConfig, load_config, with_overrides
 
 log = logging.getLogger("llmstream.tests")
@@ -66,6 +68,37 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
         yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture
+def secured(secure_broker: SecureBroker, fast_simulator: SpawnedSimulator,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    """Factory ``secured(user=JOB, via="scram", omit=None, **sections)``: a job config on fresh topics
+    of the secured broker (created as admin), ``user`` granted what the job needs but ``omit``."""
+    made: list[str] = []
+
+    def make(user: str = JOB, via: str = "scram", omit: str | None = None, **sections: Any) -> tuple[JobConfig, Names]:
+        names = Names(uuid.uuid4().hex[:10])
+        topics = [*names.inputs, names.output, names.dead_letter]
+        kafka_admin.create_topics(secure_broker.kafka_python_config("admin"), topics, partitions=2)
+        made.extend(topics)
+        secure_broker.grant(user, input_topics=names.inputs, output_topic=names.output,
+                            dead_letter_topic=names.dead_letter, group_id=names.kafka()["group_id"],
+                            transactional_id_prefix=names.kafka()["transactional_id_prefix"],
+                            omit=omit)  # type: ignore[arg-type]
+        bootstrap = secure_broker.bootstrap_servers if via == "scram" else secure_broker.ssl_bootstrap_servers
+        kafka = {"bootstrap_servers": bootstrap, "input_topic": None, "input_topics": names.inputs, **names.kafka(),
+                 "properties": secure_broker.client_properties(user, via),  # type: ignore[arg-type]
+                 **sections.pop("kafka", {})}
+        config = with_overrides(
+            load_config(), kafka=kafka, model={"endpoint": fast_simulator.url, **sections.pop("model", {})},
+            checkpointing={"interval_ms": 1000, "directory": str(tmp_path_factory.mktemp(f"state-{names.tag}"))},
+            retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.5}, **sections)
+        return config, names
+
+    yield make
+    with kafka_admin.admin(secure_broker.kafka_python_config("admin")) as admin:
+        admin.delete_topics(made)
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,75 +28,18 @@ from jobs import cli
 from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.secure_kafka import JOB, LACKING_USERS, WRONG_HOST, SecureBroker, job_acls
-from jobs.dev.simulator import SpawnedSimulator
 from jobs.launch import submit as submit_mod
 from jobs.launch.plan import RunOptions
 from jobs.runtime.jvm_archive import DIR_ENV
 from tests.conftest import SHELL_ENV
 from tests.support.job_setup import unique_records, write_config
-from udfs.config import JobConfig, load_config, with_overrides
+from tests.support.secured import Names, Secured, files_under, grep_secret
+from udfs.config import JobConfig, with_overrides
 
 pytestmark = pytest.mark.integration
 
 REPORT = Path(__file__).resolve().parents[2] / "var" / "security-report.md"
 PREFLIGHT_BOUND_S = 30.0
-
-
-@dataclass(frozen=True)
-class Names:
-    """One test's topics, group and transactional prefix, all under one uuid tag."""
-
-    tag: str
-
-    @property
-    def inputs(self) -> list[str]:
-        return [f"sec-{self.tag}-in-a", f"sec-{self.tag}-in-b"]
-
-    @property
-    def output(self) -> str:
-        return f"sec-{self.tag}-out"
-
-    @property
-    def dead_letter(self) -> str:
-        return f"sec-{self.tag}-dlq"
-
-    def kafka(self) -> dict[str, Any]:
-        return {"output_topic": self.output, "dead_letter_topic": self.dead_letter,
-                "group_id": f"sec-{self.tag}-group", "transactional_id_prefix": f"sec-{self.tag}-tx"}
-
-
-Secured = Callable[..., tuple[JobConfig, Names]]
-
-
-@pytest.fixture
-def secured(secure_broker: SecureBroker, fast_simulator: SpawnedSimulator,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
-    """Factory ``secured(user=JOB, via="scram", omit=None, **sections)``: a job config on fresh topics
-    of the secured broker (created as admin), ``user`` granted what the job needs but ``omit``."""
-    made: list[str] = []
-
-    def make(user: str = JOB, via: str = "scram", omit: str | None = None, **sections: Any) -> tuple[JobConfig, Names]:
-        names = Names(uuid.uuid4().hex[:10])
-        topics = [*names.inputs, names.output, names.dead_letter]
-        kafka_admin.create_topics(secure_broker.kafka_python_config("admin"), topics, partitions=2)
-        made.extend(topics)
-        secure_broker.grant(user, input_topics=names.inputs, output_topic=names.output,
-                            dead_letter_topic=names.dead_letter, group_id=names.kafka()["group_id"],
-                            transactional_id_prefix=names.kafka()["transactional_id_prefix"],
-                            omit=omit)  # type: ignore[arg-type]
-        bootstrap = secure_broker.bootstrap_servers if via == "scram" else secure_broker.ssl_bootstrap_servers
-        kafka = {"bootstrap_servers": bootstrap, "input_topic": None, "input_topics": names.inputs, **names.kafka(),
-                 "properties": secure_broker.client_properties(user, via),  # type: ignore[arg-type]
-                 **sections.pop("kafka", {})}
-        config = with_overrides(
-            load_config(), kafka=kafka, model={"endpoint": fast_simulator.url, **sections.pop("model", {})},
-            checkpointing={"interval_ms": 1000, "directory": str(tmp_path_factory.mktemp(f"state-{names.tag}"))},
-            retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.5}, **sections)
-        return config, names
-
-    yield make
-    with kafka_admin.admin(secure_broker.kafka_python_config("admin")) as admin:
-        admin.delete_topics(made)
 
 
 def _traced(records: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
@@ -130,15 +72,6 @@ def _exactly_once(broker: SecureBroker, names: Names, ids: list[str]) -> list[An
     assert set(topics) == set(names.inputs)
     assert all(dict(m.headers).get("traceparent", b"").startswith(b"00-") for m in out)
     return [*out, *dead]
-
-
-def _grep(secret: str, places: dict[str, bytes]) -> list[str]:
-    needle = secret.encode()
-    return [where for where, blob in places.items() if needle in blob]
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 class RestWatcher(threading.Thread):
@@ -224,10 +157,10 @@ def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
               "status --json": status.stdout + status.stderr, "config file": path.read_bytes(),
               "records and headers": b"\n".join(m.value + repr(m.headers).encode() for m in records),
               **{f"REST {p}": page for p, page in watcher.pages.items()},
-              **_files(state_dir), **_files(archives)}
-    assert any(name.endswith(".jsa") for name in _files(archives)), "the run saved no class archive"
+              **files_under(state_dir), **files_under(archives)}
+    assert any(name.endswith(".jsa") for name in files_under(archives)), "the run saved no class archive"
     for secret in (password, api_key, header_secret):
-        assert not _grep(secret, places), f"a secret leaked into: {_grep(secret, places)}"
+        assert not grep_secret(secret, places), f"a secret leaked into: {grep_secret(secret, places)}"
 
 
 def test_submit_over_mutual_tls_with_a_pattern_every_id_once(
@@ -247,8 +180,8 @@ def test_submit_over_mutual_tls_with_a_pattern_every_id_once(
     for job in requests.get(rest + "/jobs", timeout=10).json()["jobs"]:
         for suffix in ("/config", "/exceptions", "/plan"):
             pages[f"/jobs/{job['id']}{suffix}"] = requests.get(f"{rest}/jobs/{job['id']}{suffix}", timeout=10).content
-    places = {**pages, **_files(cluster.log_dir), "records": b"\n".join(m.value for m in records)}
-    assert not _grep(key_password, places), f"the key password leaked into: {_grep(key_password, places)}"
+    places = {**pages, **files_under(cluster.log_dir), "records": b"\n".join(m.value for m in records)}
+    assert not grep_secret(key_password, places), f"the key password leaked into: {grep_secret(key_password, places)}"
 
 
 LACKING_KEYS = {"read_input": "kafka.input_topics", "read_group": "kafka.group_id",

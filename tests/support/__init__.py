@@ -20,7 +20,9 @@
 - ``runs``: scenarios on the standalone cluster (records in, a job submitted, a committed reader),
   and ``LocalRun``, ``llmstream run`` as a user starts and stops it;
 - ``release_build``: an earlier release of llmstream (the Flink 2.2.1 build) in a venv of its own,
-  for the tests of upgrades across Flink versions.
+  for the tests of upgrades across Flink versions;
+- ``secured``: the names of a job on the secured broker (the ``secured`` fixture makes them) and the
+  hunt for canary secrets in what a run left behind.
 
 Modules with fixtures are plugins, listed in ``pytest_plugins`` in ``tests/conftest.py``; the others
 are imported. Support lives nowhere else under ``tests/`` (``tests/unit/test_test_layout.py``).

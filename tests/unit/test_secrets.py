@@ -219,18 +219,28 @@ def test_a_library_logging_a_resolved_secret_is_masked(tmp_path: Path, monkeypat
     assert SECRET not in stream.getvalue() and "sasl_plain_password': '******'" in stream.getvalue()
 
 
+ENVIRONMENT_PRINTERS = {
+    # Beam's runner of the Python workers: the worker's environment (the TaskManager's variables)
+    # at INFO each time a worker closes and at WARN when a job is cancelled mid-bundle.
+    "org.apache.beam.runners.fnexecution.control.DefaultJobBundleFactory": ("ERROR", "FATAL", "OFF"),
+    # `flink run -py`'s start of the job script (`llmstream submit`, the image's submitter): the
+    # submitting shell's environment at INFO (found by tests/integration/test_hostile_mix.py).
+    "org.apache.flink.client.python.PythonEnvUtils": ("WARN", "ERROR", "FATAL", "OFF"),
+}
+
+
+@pytest.mark.parametrize("logger", sorted(ENVIRONMENT_PRINTERS))
 @pytest.mark.parametrize("name", ["log4j.properties", "log4j-console.properties", "log4j-cli.properties"])
-def test_no_flink_log_config_lets_beam_print_the_python_workers_environment(name: str) -> None:
-    """Beam's DefaultJobBundleFactory logs the Python worker's environment (the TaskManager's
-    variables, a key given by `model.api_key_env` among them) at INFO and WARN. The local run's
-    canary hunt (test_security) covers log4j-cli.properties; the cluster and image configs are
-    only covered here."""
+def test_no_flink_log_config_lets_flink_or_beam_print_an_environment(name: str, logger: str) -> None:
+    """Two loggers print a whole process environment, every variable with its value (a key given by
+    `model.api_key_env` among them). The canary hunts (test_security, test_hostile_mix) cover the
+    local run's and the standalone cluster's configs; the image's is only covered here."""
     from jobs.clients.flink_cli import flink_conf_dir
 
     settings = dict(line.split("=", 1) for line in (flink_conf_dir() / name).read_text().splitlines()
                     if "=" in line and not line.lstrip().startswith("#"))
     settings = {k.strip(): v.strip() for k, v in settings.items()}
     loggers = {v: k.rsplit(".", 1)[0] for k, v in settings.items() if k.endswith(".name")}
-    prefix = loggers.get("org.apache.beam.runners.fnexecution.control.DefaultJobBundleFactory")
-    assert prefix is not None, f"{name} does not configure Beam's DefaultJobBundleFactory logger"
-    assert settings[f"{prefix}.level"] in ("ERROR", "FATAL", "OFF"), f"{name}: {settings[f'{prefix}.level']}"
+    prefix = loggers.get(logger)
+    assert prefix is not None, f"{name} does not configure the logger {logger}"
+    assert settings[f"{prefix}.level"] in ENVIRONMENT_PRINTERS[logger], f"{name}: {settings[f'{prefix}.level']}"

@@ -245,3 +245,52 @@ def test_the_vectorized_lanes_figures_read_as_the_keyed_stages() -> None:
     assert fig["records"]["in"] == 1200 and fig["records"]["processed"] == 1190 and fig["records"]["emitted"] == 1190
     assert fig["calls"]["capacity"] == 32 and fig["calls"]["admitted"] == 64
     assert fig["dead_letters"]["by_reason"] == {"invalid_json": 2}
+
+
+class BatchLaneRest(FakeRest):
+    """A provider-batch job (`model.mode: batch`): the stage's batch gauges beside its usual figures."""
+
+    BATCH: ClassVar[list[dict[str, Any]]] = [
+        {"id": "inference.llmstream.batch_records_waiting", "sum": 37.0},
+        {"id": "inference.llmstream.batches_open", "sum": 3.0},
+        {"id": "inference.llmstream.batch_oldest_age_s", "sum": 9100.0, "max": 7300.0},
+        {"id": "inference.llmstream.batch_requests", "sum": 12000.0},
+    ]
+
+    def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
+        base = f"/jobs/{JOB}/vertices/{INFERENCE_V}/subtasks/metrics"
+        if path == base:
+            return [{"id": m["id"]} for m in METRICS[INFERENCE_V]["values"] + self.BATCH]
+        if path.startswith(base + "?get="):
+            return METRICS[INFERENCE_V]["values"] + self.BATCH
+        return super().rest(path)
+
+
+def test_the_batch_lanes_figures_and_its_table_with_a_stale_batch() -> None:
+    lane = config(model={"endpoint": "http://127.0.0.1:1", "model": "m", "mode": "batch", "provider": "openai"},
+                  provider_batch={"stale_after_s": 3600, "price_factor": 0.5})
+    fig = figures(lane, JobMetrics(BatchLaneRest(), JOB).collect())
+    assert fig["batch_lane"] == {"provider": "openai", "records_waiting": 37, "batches_open": 3,
+                                 "oldest_age_s": 7300, "requests_submitted": 12000, "stale_after_s": 3600,
+                                 "saving": 0.5}
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(fig))
+    text = out.getvalue()
+
+    def row(label: str) -> str:
+        return next(r for r in text.splitlines() if label in r).strip(" │")
+
+    assert "Batch lane (openai)" in text
+    assert row("records waiting to be batched").split()[-1] == "37"
+    assert row("batches at the provider").split()[-1] == "3"
+    assert row("oldest batch").split()[-3:] == ["2.0", "h", "STALE"]
+    assert row("requests submitted").split()[-1] == "12,000"
+    assert row("saving on list price").split()[-1] == "50%"
+
+
+def test_a_job_outside_the_batch_lane_has_no_batch_table() -> None:
+    fig = figures(config(), JobMetrics(FakeRest(), JOB).collect())
+    assert "batch_lane" not in fig
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(fig))
+    assert "Batch lane" not in out.getvalue()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -29,9 +29,7 @@ from jobs.dev.simulator.batch_anthropic import AnthropicBatches
 from jobs.dev.simulator.batch_engine import BatchEngine
 from jobs.dev.simulator.batch_http import MIB_BODY, HttpError, json_response, read_json
 from jobs.dev.simulator.batch_openai import OpenAIBatches
-
-if TYPE_CHECKING:
-    from jobs.dev.simulator.server import SimulatorServer
+from jobs.dev.simulator.config import SimulatorConfig
 
 _ANTHROPIC = "/v1/messages/batches"
 _OPENAI = ("/v1/files", "/v1/batches")
@@ -42,10 +40,19 @@ def _under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + "/")
 
 
+class BatchHost(Protocol):
+    """What the batch APIs need of the simulator that serves them (``SimulatorServer``): its settings,
+    which ``POST /admin/batches`` replaces, and its check of the ``Authorization`` header."""
+
+    config: SimulatorConfig
+
+    def authorized(self, request: web.BaseRequest) -> bool: ...
+
+
 class BatchApis:
     """Both batch APIs and their admin routes, on the server's loop and settings (``config.batch``)."""
 
-    def __init__(self, server: SimulatorServer) -> None:
+    def __init__(self, server: BatchHost) -> None:
         self.server = server
         self.engine = BatchEngine(lambda: server.config.batch, lambda: server.config)
         self.openai = OpenAIBatches(self.engine)
@@ -63,7 +70,7 @@ class BatchApis:
             except HttpError as exc:
                 return self.anthropic.error(exc)
         if any(_under(path, prefix) for prefix in _OPENAI):
-            if not self.server._authorized(request):
+            if not self.server.authorized(request):
                 return self.openai.error(HttpError(401, "Incorrect or missing API key (simulator)",
                                                    code="invalid_api_key"))
             try:
@@ -84,7 +91,7 @@ class BatchApis:
         given = request.headers.get("x-api-key")
         if given is not None:
             return hmac.compare_digest(given.encode("utf-8", "replace"), key.encode())
-        return self.server._authorized(request)
+        return self.server.authorized(request)
 
     async def _admin(self, request: web.BaseRequest, batch_id: str) -> web.Response:
         method = request.method

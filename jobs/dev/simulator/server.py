@@ -489,7 +489,7 @@ class SimulatorServer:
             response.force_close()  # so the next request shakes hands, and may meet the other certificate
         return response
 
-    def _authorized(self, request: web.BaseRequest) -> bool:
+    def authorized(self, request: web.BaseRequest) -> bool:
         if self._auth is None:
             return True
         given = request.headers.get("Authorization", "")
@@ -534,7 +534,7 @@ class SimulatorServer:
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
             self.requests_total += 1
-            if self._auth is not None and not self._authorized(request):
+            if self._auth is not None and not self.authorized(request):
                 return self._unauthorized()
             if self.config.required_headers and (refused := self._missing_header(request)) is not None:
                 return refused
@@ -757,7 +757,7 @@ class SimulatorServer:
     # ----------------------------------------------------------------- other routes
 
     async def _models(self, request: web.BaseRequest) -> web.Response:
-        if not self._authorized(request):
+        if not self.authorized(request):
             return self._unauthorized()
         created = int(time.time() - (time.monotonic() - self.started))
         data = [{"id": name, "object": "model", "created": created, "owned_by": SIMULATOR_FINGERPRINT,
@@ -765,7 +765,7 @@ class SimulatorServer:
         return self._json(200, {"object": "list", "data": data, "simulator": True})
 
     def _model(self, request: web.BaseRequest) -> web.Response:
-        if not self._authorized(request):
+        if not self.authorized(request):
             return self._unauthorized()
         name = request.path[len("/v1/models/"):]
         return self._json(200, {"id": name, "object": "model", "created": int(time.time()),
