@@ -144,9 +144,21 @@ def infer(requests: DataStream, config: JobConfig, *, uid: str = "inference",
         t_env.get_config().set("table.exec.uid.format", f"{ids.requests_view}_<transformation>")
         t_env.create_temporary_view(ids.requests_view, t_env.from_data_stream(requests))
         outgoing, _gate_dir = keyed_stage(t_env, env, config, ids.requests_view, ids=ids, cache_file=cache_file)
+        _scan_uid_of_its_own(outgoing, ids.requests_view)
         return outgoing
 
     return _planned(env, build)
+
+
+def _scan_uid_of_its_own(stream: DataStream, view: str) -> None:
+    """The scan of the user's stream (`DataStreamToTable`) keeps the uid Flink 2.2's planner gave
+    it, `<view>_source`. Flink 2.3's gives it the uid of the conversion back to a stream,
+    `<view>_external-datastream`, and Flink refuses a job with two operators of one uid ("Hash
+    collision on user-specified ID")."""
+    taken = f"{view}_external-datastream"
+    for transformation in private.upstream_of([private.transformation_of(stream)]):
+        if transformation.getUid() == taken and transformation.getName() == "DataStreamToTable":
+            transformation.setUid(f"{view}_source")
 
 
 def write_kafka(rows: DataStream, config: JobConfig, *, uid: str = SINK_TABLE) -> None:

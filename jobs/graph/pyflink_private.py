@@ -16,7 +16,8 @@ from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironme
 from pyflink.java_gateway import get_gateway
 
 __all__ = ["adaptive_process", "datagen_source", "gated_keyed", "key_by_first_field", "keyed_stream",
-           "name_transformation", "pipeline_jars", "python_files", "set_output_type", "settings_kept", "sources_of", "transformation_of", "transformations_of"]
+           "name_transformation", "pipeline_jars", "python_files", "set_output_type", "settings_kept", "sources_of",
+           "transformation_of", "transformations_of", "upstream_of"]
 
 
 def set_output_type(stream: DataStream, java_type_info: Any) -> None:
@@ -43,14 +44,8 @@ def transformation_of(stream: DataStream) -> Any:
     return stream._j_data_stream.getTransformation()
 
 
-def sources_of(transformations: list[Any], source_class: str) -> list[Any]:
-    """The Java `SourceTransformation`s upstream of `transformations` (themselves included) whose
-    FLIP-27 source is a `source_class`. For the table planner's sources, whose name and uid no
-    public API sets: since Flink 2.3 a `DataStreamScanProvider` source keeps the name and uid its
-    connector gives it, where up to 2.2 the planner overwrote both with its own."""
-    jvm = get_gateway().jvm
-    wanted = jvm.java.lang.Class.forName(source_class, False, jvm.Thread.currentThread().getContextClassLoader())
-    kind = jvm.java.lang.Class.forName("org.apache.flink.streaming.api.transformations.SourceTransformation")
+def upstream_of(transformations: list[Any]) -> list[Any]:
+    """The Java transformations upstream of `transformations`, themselves included, each once."""
     pending = list(transformations)
     seen: set[int] = set()
     found = []
@@ -59,10 +54,20 @@ def sources_of(transformations: list[Any], source_class: str) -> list[Any]:
         if transformation.getId() in seen:
             continue
         seen.add(transformation.getId())
-        if kind.isInstance(transformation) and wanted.isInstance(transformation.getSource()):
-            found.append(transformation)
+        found.append(transformation)
         pending.extend(transformation.getInputs())
     return found
+
+
+def sources_of(transformations: list[Any], source_class: str) -> list[Any]:
+    """The Java `SourceTransformation`s upstream of `transformations` (themselves included) whose
+    FLIP-27 source is a `source_class`. For the table planner's sources, whose name and uid no
+    public API sets: since Flink 2.3 a `DataStreamScanProvider` source keeps the name and uid its
+    connector gives it, where up to 2.2 the planner overwrote both with its own."""
+    jvm = get_gateway().jvm
+    wanted = jvm.java.lang.Class.forName(source_class, False, jvm.Thread.currentThread().getContextClassLoader())
+    kind = jvm.java.lang.Class.forName("org.apache.flink.streaming.api.transformations.SourceTransformation")
+    return [t for t in upstream_of(transformations) if kind.isInstance(t) and wanted.isInstance(t.getSource())]
 
 
 def key_by_first_field(rows: DataStream, java_key_type: Any) -> Any:
