@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -37,13 +36,13 @@ from jobs.observe.figures import JobMetrics, figures
 from tests.conftest import SHELL_ENV
 from tests.support.fault_report import FaultReport, FaultResult
 from tests.support.job_setup import unique_records, write_config
+from tests.support.reasons import documented_reasons
 from tests.support.secured import Secured, files_under, grep_secret
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
 from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
-ROOT = Path(__file__).resolve().parents[2]
 GOOD = 4_000
 BAD_SHARE = 0.05
 HOSTILE_KINDS = (
@@ -56,14 +55,6 @@ HOSTILE_KINDS = (
 WORKER_RSS_BOUND_MB = 1_024
 """Far above a worker's usual 200 MB; the unbounded reads this run once took grew one worker to 10.7 GB."""
 KEY_ENV = "LLMSTREAM_MIX_CANARY_KEY"
-
-
-def _documented_reasons() -> frozenset[str]:
-    reasons: set[str] = set()
-    for line in (ROOT / "docs" / "record-contract.md").read_text().splitlines():
-        if line.startswith("| `"):
-            reasons.update(re.findall(r"`([a-z0-9_]+)`", line.split("|")[1]))
-    return frozenset(reasons)
 
 
 def generated_bad_records(n: int, rng: random.Random) -> list[tuple[bytes, bytes]]:
@@ -223,7 +214,7 @@ def test_a_hostile_endpoint_bad_records_and_a_taskmanager_kill_at_once(
     assert {k for k, c in seen.items() if c > 1} == set(), "duplicates"
     assert set(seen) == set(keys), f"lost {sorted(set(keys) - set(seen))[:10]}"
     reasons = Counter(json.loads(r.value)["reason"] for r in dead)
-    assert set(reasons) <= _documented_reasons() and "internal_error" not in reasons, reasons
+    assert set(reasons) <= documented_reasons() and "internal_error" not in reasons, reasons
     bad_keys = {k.decode() for k, _ in bad}
     assert {r.key.decode() for r in out}.isdisjoint(bad_keys), "a generated bad record was answered"
     # No restart but the kill's (however many attempts Flink made until the new TaskManager came).

@@ -38,6 +38,7 @@ from pyflink.common import Row
 
 from jobs.dev.simulator import ThreadedSimulator
 from tests.support.fake_flink import Harness
+from tests.support.reasons import documented_reasons
 from tests.support.schema_store import SchemaStore
 from udfs.config import JobConfig, config_from_dict
 from udfs.records import forwarded_headers
@@ -47,19 +48,7 @@ from udfs.records.encode import headers_size
 from udfs.records.json_format import MESSAGE_ROLES, PARAM_TYPES
 from udfs.stage.operators import FLUSH_AT
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _documented_reasons() -> frozenset[str]:
-    """Every reason code of the table in docs/record-contract.md."""
-    reasons: set[str] = set()
-    for line in (ROOT / "docs" / "record-contract.md").read_text().splitlines():
-        if line.startswith("| `"):
-            reasons.update(re.findall(r"`([a-z0-9_]+)`", line.split("|")[1]))
-    return frozenset(reasons)
-
-
-REASONS = _documented_reasons()
+REASONS = documented_reasons()
 LIMITS = {"max_record_bytes": 16_384, "max_prompt_chars": 600, "max_id_chars": 40, "max_result_bytes": 2_500}
 
 
