@@ -53,7 +53,7 @@ from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
 from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.dev.processes import children, cmdline, pid_alive, terminate, wait_gone
 from jobs.runtime import jars
-from jobs.runtime.ports import free_port, port_in_use
+from jobs.runtime.ports import free_ports, port_in_use
 
 log = logging.getLogger("llmstream.cluster")
 
@@ -155,10 +155,7 @@ class ClusterConfig:
     @classmethod
     def ephemeral(cls, work_dir: Path, **kwargs: Any) -> ClusterConfig:
         """Free REST and RPC ports, for tests that must not collide with anything else."""
-        rest = free_port()
-        rpc = free_port()
-        while rpc == rest:
-            rpc = free_port()
+        rest, rpc = free_ports(2)
         return cls(work_dir=work_dir, rest_port=rest, rpc_port=rpc, **kwargs)
 
     @classmethod

@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any, Self
 
 from jobs.clients.kafka_admin import answers
-from jobs.dev.processes import cmdline, free_port, pid_alive, port_in_use, terminate
+from jobs.dev.processes import (
+    cmdline,
+    free_ports,
+    pid_alive,
+    port_in_use,
+    terminate,
+)
 from jobs.runtime import jars
 from udfs.errors import LLMStreamError
 
@@ -97,10 +103,7 @@ class BrokerConfig:
     @classmethod
     def ephemeral(cls, data_dir: Path, **kwargs: Any) -> BrokerConfig:
         """A config on two fresh free ports, for tests and benchmarks that must not collide."""
-        port = free_port()
-        controller_port = free_port()
-        while controller_port == port:
-            controller_port = free_port()
+        port, controller_port = free_ports(2)
         return cls(port=port, controller_port=controller_port, data_dir=data_dir, **kwargs)
 
     def server_properties(self) -> dict[str, str]:

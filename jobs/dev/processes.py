@@ -11,9 +11,9 @@ from collections.abc import Iterable
 import psutil
 
 from jobs.runtime.pids import pid_alive, wait_gone
-from jobs.runtime.ports import free_port, port_in_use
+from jobs.runtime.ports import free_port, free_ports, port_in_use
 
-__all__ = ["children", "cmdline", "free_port", "pid_alive", "port_in_use", "terminate", "wait_gone"]
+__all__ = ["children", "cmdline", "free_port", "free_ports", "pid_alive", "port_in_use", "terminate", "wait_gone"]
 
 log = logging.getLogger("llmstream.processes")
 

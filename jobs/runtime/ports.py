@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["free_port", "port_in_use"]
+__all__ = ["free_port", "free_ports", "port_in_use"]
 
 
 def free_port() -> int:
@@ -13,6 +13,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback TCP ports, each free a moment ago (a service's listener and its
+    controller or RPC port, which must not be one)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:

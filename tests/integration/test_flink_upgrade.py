@@ -33,7 +33,7 @@ from jobs.dev.local_kafka import LocalBroker
 from jobs.dev.simulator import SpawnedSimulator
 from jobs.launch import submit as submit_mod
 from jobs.launch.plan import RunOptions
-from jobs.runtime.ports import free_port
+from jobs.runtime.ports import free_ports
 from tests.support.committed import (
     CommittedReader,
     Tally,
@@ -76,6 +76,20 @@ def portable_config(setup: JobSetup) -> Path:
     return path
 
 
+def job_with_backlog(tmp_path: Path, broker: LocalBroker, sim: SpawnedSimulator, name: str,
+                     prefix: str) -> tuple[JobSetup, Path, list[str], CommittedReader]:
+    """A job of capacity `CAPACITY` on topics of its own, its config file as both builds read it
+    (`portable_config`), `RECORDS` requests with ids ``<prefix>-<i>`` waiting in its input, and a
+    committed reader started on its output and dead letters."""
+    setup = make_job(tmp_path, broker.bootstrap_servers, sim.url, name=name, async_={"capacity": CAPACITY})
+    path = portable_config(setup)
+    records = unique_records(RECORDS, prefix)
+    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+    reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
+    reader.start()
+    return setup, path, [k.decode() for k, _ in records], reader
+
+
 def wait_for_full_stage(sim: SpawnedSimulator, reader: CommittedReader, alive: Callable[[], None],
                         timeout: float = 300) -> int:
     """Until the server holds `CAPACITY` calls and `CAPACITY` ids are committed (a checkpoint with
@@ -103,14 +117,7 @@ def test_a_savepoint_of_llmstream_run_on_flink_2_2_resumes_in_llmstream_run_on_2
         flink22_build: ReleaseBuild, kafka_broker: LocalBroker, slow_simulator: SpawnedSimulator, tmp_path: Path,
         fault_report: FaultReport) -> None:
     sim = slow_simulator
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="flink22-run",
-                     async_={"capacity": CAPACITY})
-    path = portable_config(setup)
-    records = unique_records(RECORDS, "up22run")
-    ids = [k.decode() for k, _ in records]
-    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
-    reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
-    reader.start()
+    setup, path, ids, reader = job_with_backlog(tmp_path, kafka_broker, sim, "flink22-run", "up22run")
     started = time.monotonic()
     try:
         old = LocalRun(path, tmp_path / "run-2.2.log", command=flink22_build.command(), env=flink22_build.env(),
@@ -165,18 +172,9 @@ def test_a_savepoint_of_a_flink_2_2_cluster_resumes_on_a_2_3_cluster(
         slow_simulator: SpawnedSimulator, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         fault_report: FaultReport) -> None:
     sim = slow_simulator
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="flink22-cluster",
-                     async_={"capacity": CAPACITY})
-    path = portable_config(setup)
-    records = unique_records(RECORDS, "up22cl")
-    ids = [k.decode() for k, _ in records]
-    kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
-    reader = CommittedReader(setup.bootstrap, [setup.output_topic, setup.dead_letter_topic])
-    reader.start()
+    setup, path, ids, reader = job_with_backlog(tmp_path, kafka_broker, sim, "flink22-cluster", "up22cl")
     started = time.monotonic()
-    rest_port, rpc_port = free_port(), free_port()
-    while rpc_port == rest_port:
-        rpc_port = free_port()
+    rest_port, rpc_port = free_ports(2)
     work = tmp_path / "flink-2.2"
     jobmanager = f"localhost:{rest_port}"
     try:
