@@ -25,7 +25,6 @@ from typing import Any
 
 import psutil
 import pytest
-import requests
 
 from jobs.clients import kafka_admin
 from jobs.clients.flink_rest import FlinkRest
@@ -37,7 +36,7 @@ from tests.conftest import SHELL_ENV
 from tests.support.fault_report import FaultReport, FaultResult
 from tests.support.job_setup import unique_records, write_config
 from tests.support.reasons import documented_reasons
-from tests.support.secured import Secured, files_under, grep_secret
+from tests.support.secured import Secured, files_under, grep_secret, rest_pages
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
 from udfs.config import JobConfig
 
@@ -201,10 +200,7 @@ def test_a_hostile_endpoint_bad_records_and_a_taskmanager_kill_at_once(
         status = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "status", "--json", "--config", str(path),
                                  "--jobmanager", cluster.address], capture_output=True, timeout=300,
                                 env=SHELL_ENV, check=False)
-        rest = cluster.rest_url
-        pages = {p: requests.get(rest + p, timeout=10).content for p in ("/jobmanager/config", "/jobs/overview")}
-        for suffix in ("/config", "/exceptions", "/plan"):
-            pages[f"/jobs/{job_id}{suffix}"] = requests.get(f"{rest}/jobs/{job_id}{suffix}", timeout=10).content
+        pages = rest_pages(cluster.rest_url, [job_id])
         cluster.cancel(job_id)
     finally:
         watch.stop()

@@ -33,7 +33,7 @@ from jobs.launch.plan import RunOptions
 from jobs.runtime.jvm_archive import DIR_ENV
 from tests.conftest import SHELL_ENV
 from tests.support.job_setup import unique_records, write_config
-from tests.support.secured import Names, Secured, files_under, grep_secret
+from tests.support.secured import Names, Secured, files_under, grep_secret, rest_pages
 from udfs.config import JobConfig, with_overrides
 
 pytestmark = pytest.mark.integration
@@ -175,12 +175,7 @@ def test_submit_over_mutual_tls_with_a_pattern_every_id_once(
     records = _exactly_once(secure_broker, names, ids)
     key_password_file = Path(secure_broker.client_properties(JOB, "mtls")["ssl.key.password"][len("${file:"):-1])
     key_password = key_password_file.read_text().strip()
-    rest = cluster.rest_url
-    pages = {p: requests.get(rest + p, timeout=10).content for p in ("/jobmanager/config", "/jobs/overview")}
-    for job in requests.get(rest + "/jobs", timeout=10).json()["jobs"]:
-        for suffix in ("/config", "/exceptions", "/plan"):
-            pages[f"/jobs/{job['id']}{suffix}"] = requests.get(f"{rest}/jobs/{job['id']}{suffix}", timeout=10).content
-    places = {**pages, **files_under(cluster.log_dir), "records": b"\n".join(m.value for m in records)}
+    places = {**rest_pages(cluster.rest_url), **files_under(cluster.log_dir), "records": b"\n".join(m.value for m in records)}
     assert not grep_secret(key_password, places), f"the key password leaked into: {grep_secret(key_password, places)}"
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from udfs.config import JobConfig
 
 
@@ -48,3 +50,19 @@ def grep_secret(secret: str, places: dict[str, bytes]) -> list[str]:
 def files_under(root: Path) -> dict[str, bytes]:
     """Every file below ``root``, by path, with its bytes."""
     return {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+REST_PAGES = ("/jobmanager/config", "/jobs/overview")
+JOB_PAGES = ("/config", "/exceptions", "/plan")
+
+
+def rest_pages(rest_url: str, job_ids: list[str] | None = None) -> dict[str, bytes]:
+    """What Flink's REST API serves about the cluster and its jobs (``job_ids``; None: every job it
+    lists), by path: where a secret in a job's configuration or an exception would show."""
+    pages = {path: requests.get(rest_url + path, timeout=10).content for path in REST_PAGES}
+    if job_ids is None:
+        job_ids = [job["id"] for job in requests.get(rest_url + "/jobs", timeout=10).json()["jobs"]]
+    for job_id in job_ids:
+        for suffix in JOB_PAGES:
+            pages[f"/jobs/{job_id}{suffix}"] = requests.get(f"{rest_url}/jobs/{job_id}{suffix}", timeout=10).content
+    return pages
