@@ -468,6 +468,9 @@ def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: KeyedP
 T = TypeVar("T")
 
 
+PLANNER_ATTEMPTS = 3
+
+
 def planned(env: StreamExecutionEnvironment, build: Callable[[StreamTableEnvironment], T]) -> T:
     """`build(t_env)` on a new table environment of `env`; when the planner fails on a JVM thread it
     did not start on (`pyflink_private.planner_thread_error`), what the failed attempt added to `env`
@@ -475,19 +478,16 @@ def planned(env: StreamExecutionEnvironment, build: Callable[[StreamTableEnviron
     The failure can strike at any `sql_query`/`to_data_stream`, after the first transformations were
     added, so a retry that only ran when nothing was added did not cover it."""
     before = private.transformation_count(env)
-    for attempt in range(1, PLANNER_ATTEMPTS + 1):
+    for attempt in range(1, PLANNER_ATTEMPTS):
         try:
             return build(StreamTableEnvironment.create(env))
         except Exception as err:
-            if not private.planner_thread_error(err) or attempt == PLANNER_ATTEMPTS:
+            if not private.planner_thread_error(err):
                 raise
             private.drop_transformations_after(env, before)
             log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job "
                         "again (attempt %d of %d)", attempt + 1, PLANNER_ATTEMPTS)
-    raise AssertionError("unreachable")
-
-
-PLANNER_ATTEMPTS = 3
+    return build(StreamTableEnvironment.create(env))  # the last attempt: whatever it raises goes up
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_file: str | None = None) -> str | None:
@@ -505,12 +505,12 @@ def _build_pipeline(env: StreamExecutionEnvironment, t_env: StreamTableEnvironme
                     cache_file: str | None) -> str | None:
     with_headers = create_source_table(t_env, config)
     create_sink_table(t_env, config)
+    gate_dir = None
     if config.stage == "vectorized":
         vectorized_lane(t_env, config, with_headers, cache_file)
-        keep_source_identity(private.transformations_of(env))
-        return None
-    outgoing, gate_dir = keyed_stage(t_env, env, config, SOURCE_TABLE, cache_file=cache_file)
-    write_rows(t_env, outgoing)
+    else:
+        outgoing, gate_dir = keyed_stage(t_env, env, config, SOURCE_TABLE, cache_file=cache_file)
+        write_rows(t_env, outgoing)
     keep_source_identity(private.transformations_of(env))
     return gate_dir
 

@@ -24,13 +24,13 @@ def set_output_type(stream: DataStream, java_type_info: Any) -> None:
     """Declares `stream`'s output type. `StreamTableEnvironment.to_data_stream` hands rows over
     under an ExternalTypeInfo, and the keyed Python operator accepts only a RowTypeInfo input;
     the public API has no way to restate a stream's type without another (Python) operator."""
-    stream._j_data_stream.getTransformation().setOutputType(java_type_info)
+    transformation_of(stream).setOutputType(java_type_info)
 
 
 def name_transformation(stream: DataStream, name: str) -> None:
     """Names the transformation that produced `stream`: the planner's table-to-stream conversion
     has no public name setter (`DataStream.name` names an operator the Python API made)."""
-    stream._j_data_stream.getTransformation().setName(name)
+    transformation_of(stream).setName(name)
 
 
 def transformations_of(env: StreamExecutionEnvironment) -> list[Any]:
