@@ -468,26 +468,12 @@ def inference(env: StreamExecutionEnvironment, keyed: KeyedStream, stage: KeyedP
 T = TypeVar("T")
 
 
-PLANNER_ATTEMPTS = 3
-
-
 def planned(env: StreamExecutionEnvironment, build: Callable[[StreamTableEnvironment], T]) -> T:
-    """`build(t_env)` on a new table environment of `env`; when the planner fails on a JVM thread it
-    did not start on (`pyflink_private.planner_thread_error`), what the failed attempt added to `env`
-    is taken out again and the job is built anew on another new one, up to `PLANNER_ATTEMPTS` times.
-    The failure can strike at any `sql_query`/`to_data_stream`, after the first transformations were
-    added, so a retry that only ran when nothing was added did not cover it."""
-    before = private.transformation_count(env)
-    for attempt in range(1, PLANNER_ATTEMPTS):
-        try:
-            return build(StreamTableEnvironment.create(env))
-        except Exception as err:
-            if not private.planner_thread_error(err):
-                raise
-            private.drop_transformations_after(env, before)
-            log.warning("the table planner failed on another JVM thread (FLINK-23020); planning the job "
-                        "again (attempt %d of %d)", attempt + 1, PLANNER_ATTEMPTS)
-    return build(StreamTableEnvironment.create(env))  # the last attempt: whatever it raises goes up
+    """`build(t_env)` on a new table environment of `env`, every planner call on one JVM thread
+    (`pyflink_private.one_jvm_thread`: the planner finds connectors, and Calcite its metadata, only
+    on the thread that made the table environment)."""
+    with private.one_jvm_thread(env):
+        return build(StreamTableEnvironment.create(env))
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: JobConfig, *, cache_file: str | None = None) -> str | None:

@@ -9,6 +9,7 @@ the reason the public API does not suffice, so that a PyFlink upgrade has one mo
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironme
 from pyflink.java_gateway import get_gateway
 
 __all__ = ["adaptive_process", "datagen_source", "gated_keyed", "key_by_first_field", "keyed_stream",
-           "name_transformation", "pipeline_jars", "python_files", "set_output_type", "settings_kept", "sources_of",
+           "name_transformation", "one_jvm_thread", "pipeline_jars", "python_files", "set_output_type", "settings_kept", "sources_of",
            "transformation_of", "transformations_of", "upstream_of"]
 
 
@@ -182,25 +183,69 @@ def python_files(env: StreamExecutionEnvironment) -> list[str]:
     return [item for item in value.split(delimiter) if item] if value else []
 
 
-def transformation_count(env: StreamExecutionEnvironment) -> int:
-    """How many transformations `env` holds: whether a failed build added any. PyFlink does not
-    expose the list."""
-    return int(env._j_stream_execution_environment.getTransformations().size())
+class _Pin:
+    """The Py4J connection a Python thread keeps while it is pinned, and whether a call is on it."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.busy = False
 
 
-def drop_transformations_after(env: StreamExecutionEnvironment, count: int) -> None:
-    """Takes out of `env` every transformation after its first `count`: what a build that failed
-    half-way added. `getTransformations()` is the environment's own list, not a copy."""
-    transformations = env._j_stream_execution_environment.getTransformations()
-    while transformations.size() > count:
-        transformations.pop()
+_pins: dict[int, _Pin] = {}
 
 
-def planner_thread_error(err: BaseException) -> bool:
-    """Whether `err` is the table planner failing on a JVM thread where it never made its cluster
-    (FLINK-23020, open): Calcite keeps its metadata provider in a ThreadLocal, and Py4J hands a
-    Python thread whichever pooled connection, with its JVM thread, came back last, so in a
-    process where other threads called the JVM meanwhile (tests; in-process workers) planning
-    can land on a thread without it: `NullPointerException: metadataHandlerProvider`. A table
-    environment made on the thread at hand plans there (the original one does not recover)."""
-    return "metadataHandlerProvider" in str(err)
+def _pinnable(client: Any) -> None:
+    """Wraps `client`'s pool (once) so that a pinned thread's calls take its own connection.
+    A call made while that connection is busy (Py4J's finaliser deleting a Java object in the
+    middle of another call) and every unpinned thread's call use the pool as before."""
+    if getattr(client, "_llmstream_pinnable", False):
+        return
+    pooled_get, pooled_give = client._get_connection, client._give_back_connection
+
+    def get() -> Any:
+        pin = _pins.get(threading.get_ident())
+        if pin is not None and not pin.busy:
+            pin.busy = True
+            return pin.connection
+        return pooled_get()
+
+    def give_back(connection: Any) -> None:
+        pin = _pins.get(threading.get_ident())
+        if pin is not None and connection is pin.connection:
+            pin.busy = False
+        else:
+            pooled_give(connection)
+
+    client._get_connection = get
+    client._give_back_connection = give_back
+    client._llmstream_pinnable = True
+
+
+@contextlib.contextmanager
+def one_jvm_thread(env: StreamExecutionEnvironment) -> Iterator[None]:
+    """Every call this Python thread makes to the JVM inside the block runs on one JVM thread,
+    whose context class loader holds `env`'s `pipeline.jars`.
+
+    Py4J serves each pooled connection on its own JVM thread and hands a Python thread whichever
+    connection came back last, so once another thread of the process has called the JVM (a test
+    run's helpers, a progress reporter, Py4J's finaliser) consecutive calls can land on different
+    JVM threads. The table planner cannot take that: its table environment finds connectors
+    through the context class loader of the thread that made it ("Could not find any factory for
+    identifier 'kafka'"), and Calcite keeps its metadata provider in a ThreadLocal set on that
+    thread (FLINK-23020: `NullPointerException: metadataHandlerProvider`)."""
+    from pyflink.util.java_utils import add_jars_to_context_class_loader
+
+    client = get_gateway()._gateway_client
+    me = threading.get_ident()
+    if me in _pins:  # already pinned further up
+        yield
+        return
+    _pinnable(client)
+    _pins[me] = pin = _Pin(client._get_connection())  # not pinned yet: a pooled connection
+    try:
+        add_jars_to_context_class_loader(pipeline_jars(env))
+        yield
+    finally:
+        del _pins[me]
+        if not pin.busy:  # a connection Py4J closed on an error is not given back
+            client._give_back_connection(pin.connection)

@@ -27,6 +27,7 @@ from jobs.clients.kafka_admin import consume_committed, produce
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
+from jobs.graph import pyflink_private as private
 from jobs.graph.gate_operator import TICKS_UID
 from jobs.graph.pipeline import GATE_UID, TICKS_TABLE
 from jobs.launch.driver import MiniClusterDriver
@@ -122,8 +123,9 @@ def test_the_stage_takes_the_rows_as_they_come_and_leaves_the_users_table_settin
     mine = read_kafka(env, config).map(lambda row: row, output_type=INPUT_ROW_TYPE).uid("mine").set_parallelism(3)
     answers = infer(mine, config)
     write_kafka(answers, config)
-    t_env = StreamTableEnvironment.create(env)
-    t_env.to_data_stream(t_env.from_data_stream(answers).select(col("topic"))).print()
+    with private.one_jvm_thread(env):  # other threads of this test process call the JVM too
+        t_env = StreamTableEnvironment.create(env)
+        t_env.to_data_stream(t_env.from_data_stream(answers).select(col("topic"))).print()
     graph = env._j_stream_execution_environment.getStreamGraph(False)
     nodes = {n.getId(): n for n in graph.getStreamNodes().toArray()}
     step = [n for n in nodes.values() if str(n.getTransformationUID()) == "inference_requests_source"]
