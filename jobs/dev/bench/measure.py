@@ -409,7 +409,7 @@ class CheckpointSampler(PeriodicSampler):
             "failed": failed,
             "failed_untriggered": max(0, failed - len(self.failed)),
             "in_progress": counts.get("in_progress"),
-            "duration_ms": {k: _num(durations.get(k)) for k in ("min", "p50", "avg", "max")},
+            "duration_ms": {k: _num(durations.get(k)) for k in ("min", "p50", "p99", "avg", "max")},
             "recent_durations_ms": [h.get("end_to_end_duration") for h in history[:10]],
             "failures": dict(Counter(self.failed.values())),
         }

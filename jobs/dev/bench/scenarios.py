@@ -18,7 +18,7 @@ UNBATCHED = "llmstream-unbatched"
 """llmstream with `model.batch.max_size: 1` in a batching scenario, for the comparison."""
 VECTORIZED = "llmstream-vectorized"
 """llmstream with `stage: vectorized` (Arrow batches of `VECTORIZED_BATCH` records), beside the keyed
-stage: opt-in (`--approaches ...,llmstream-vectorized`), not yet in the default set."""
+stage (`llmstream`) in every run unless `--approaches` leaves it out."""
 VECTORIZED_BATCH = 1000
 """The lane's `vectorized.batch_size` in the bench: its default."""
 PER_KEY = "llmstream-per-key"
