@@ -8,6 +8,7 @@ and both runs' records arrive exactly once. A torn archive is refused before any
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,22 @@ def _run(config: Path, env: dict[str, str]) -> str:
     return output
 
 
+def _archive_of_a_new_run(env: dict[str, str]) -> GatewayArchive | None:
+    """The archive a new `llmstream run` with `env` finds, asked in a new process as the run is.
+    This test process may not find the same: PyFlink's launcher reads `os.environ` (FLINK_HOME,
+    JAVA_HOME, PATH), which earlier tests on this worker may have changed (CI found None in it
+    twice, where the runs beside it had found and used the archive)."""
+    probe = ("import json\n"
+             "from jobs.runtime.jvm_archive import GatewayArchive\n"
+             "a = GatewayArchive.find()\n"
+             "print(json.dumps(a and [str(a.directory), a.java, a.classpath]))")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
+                          check=False, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return None if found is None else GatewayArchive(Path(found[0]), found[1], found[2])
+
+
 def test_the_first_run_saves_a_class_archive_and_the_next_run_maps_it(
         kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path) -> None:
     sim = spawn_simulator(["--latency", "fixed:5"])
@@ -63,8 +80,8 @@ def test_the_first_run_saves_a_class_archive_and_the_next_run_maps_it(
     check_exactly_once(final_tally(setup, [k.decode() for k, _ in records]))
 
     # A torn archive (a disk filled, a copy cut short) is refused, and the next run makes a new one.
-    archive = GatewayArchive.find(env)
-    assert archive is not None and archive.path == saved[0]
+    archive = _archive_of_a_new_run(env)
+    assert archive is not None and archive.path == saved[0], (archive and archive.path, saved)
     assert archive.usable(archive.path)
     with open(archive.path, "r+b") as torn:
         torn.truncate(archive.path.stat().st_size * 3 // 4)
@@ -86,14 +103,6 @@ def test_no_archive_when_turned_off_or_when_jvm_args_name_one(tmp_path: Path) ->
     assert GatewayArchive.find({**base, "LLMSTREAM_JVM_ARCHIVE": "off"}) is None
     assert GatewayArchive.find({**base, "JVM_ARGS": "-Xshare:off"}) is None
     assert GatewayArchive.find({**base, "JVM_ARGS": "-XX:SharedArchiveFile=/x.jsa"}) is None
-    # What a new `llmstream run` finds, asked in a new process as the run is: in this one, PyFlink
-    # keeps what earlier tests on this worker set up (CI found None here once, and this alone passes).
-    probe = ("from jobs.runtime.jvm_archive import GatewayArchive, gateway_java_and_classpath\n"
-             "a = GatewayArchive.find()\n"
-             "print(a.path if a else 'none', a.jvm_options()[0] if a else gateway_java_and_classpath())")
-    done = subprocess.run([sys.executable, "-c", probe], env=base, capture_output=True, text=True, timeout=120,
-                          check=False, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
-    path, first_option = done.stdout.split(maxsplit=1)
-    assert Path(path).parent == tmp_path, done.stdout
-    assert first_option.startswith("-XX:ArchiveClassesAtExit="), done.stdout  # none yet: dump one
+    archive = _archive_of_a_new_run(base)
+    assert archive is not None and archive.path.parent == tmp_path
+    assert archive.jvm_options()[0].startswith("-XX:ArchiveClassesAtExit="), archive.jvm_options()  # none yet: dump one
