@@ -14,7 +14,6 @@ the output (`udfs/records/__init__.py`).
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,7 +46,6 @@ SOURCE_UID = f"{SOURCE_TABLE}_source"
 """The Kafka source's uid, which the job's snapshots hold its offsets under (Flink 2.2's planner named it so)."""
 SOURCE_UID_FROM_CONNECTOR = f"{SOURCE_TABLE}_kafka"
 """The uid Flink 2.3's planner leaves the Kafka source: the connector's `DataStreamScanProvider` names it `kafka`."""
-log = logging.getLogger("llmstream.pipeline")
 UDFS_DIR = Path(__file__).resolve().parents[2] / "udfs"
 
 
