@@ -43,6 +43,18 @@ def _find(results: Sequence[RunResult], scenario: str, approach: str) -> RunResu
     return next((r for r in results if r.scenario == scenario and r.approach == approach), None)
 
 
+def _ratio(run: RunResult | None, base: RunResult | None) -> float | None:
+    """`run`'s steady rate over `base`'s, when both have one."""
+    if run is None or base is None or not run.throughput_steady or not base.throughput_steady:
+        return None
+    return run.throughput_steady / base.throughput_steady
+
+
+def _parallelism(run: RunResult) -> int:
+    """The inference subtasks of `run` (1 for an approach without settings)."""
+    return int((run.settings or {}).get("parallelism", 1))
+
+
 def _checkpoint_ms(run: RunResult, stat: str) -> float | None:
     value = ((run.checkpoints or {}).get("duration_ms") or {}).get(stat)
     return None if value is None else float(value)
@@ -84,8 +96,8 @@ def targets(results: Sequence[RunResult], probes: dict[str, Any] | None = None) 
     else:
         out.append(Target("b", "pickup→visible p50 <= interval + 1 s, p99 <= interval + 3 s", None, ""))
     run, base = _find(results, "b", "llmstream"), _find(results, "b", "semaphore-gather")
-    if run and base and run.throughput_steady and base.throughput_steady:
-        ratio = run.throughput_steady / base.throughput_steady
+    ratio = _ratio(run, base)
+    if run is not None and base is not None and ratio is not None:
         out.append(Target("b", "llmstream >= 5x semaphore-gather", ratio >= 5,
                           f"{run.throughput_steady:,.0f}/s vs {base.throughput_steady:,.1f}/s = {ratio:.1f}x"))
     else:
@@ -102,9 +114,9 @@ def targets(results: Sequence[RunResult], probes: dict[str, Any] | None = None) 
         out.append(Target("c", "flat RSS and nothing lost", None, ""))
     run, base = _find(results, "d", "llmstream"), _find(results, "d", "semaphore-gather")
     if run is not None and run.throughput_steady:
-        parallelism = int((run.settings or {}).get("parallelism", 1))
+        parallelism = _parallelism(run)
         per = run.throughput_steady / parallelism
-        speedup = run.throughput_steady / base.throughput_steady if base and base.throughput_steady else None
+        speedup = _ratio(run, base)
         out.append(Target("d", ">= 5,000 records/s per inference subtask and >= 2x semaphore-gather",
                           per >= 5_000 and (speedup is None or speedup >= 2),
                           f"{per:,.0f}/s per subtask (parallelism {parallelism})"
@@ -126,9 +138,9 @@ def _peer_targets(results: Sequence[RunResult]) -> list[Target]:
     """Issue 23: llmstream >= 2x Flink's own ML_PREDICT with an instant model (d), same run."""
     text = "llmstream >= 2x ML_PREDICT (same run)"
     run, peer = _find(results, "d", "llmstream"), _find(results, "d", "ml-predict")
-    if run is None or peer is None or not run.throughput_steady or not peer.throughput_steady:
+    ratio = _ratio(run, peer)
+    if run is None or peer is None or ratio is None:
         return [Target("d", text, None, "")]
-    ratio = run.throughput_steady / peer.throughput_steady
     cpu = ""
     if run.cpu_ms_per_record is not None and peer.cpu_ms_per_record is not None:
         cpu = f"; CPU per record {run.cpu_ms_per_record:.2f} vs {peer.cpu_ms_per_record:.2f} ms"
@@ -142,8 +154,8 @@ def _batching_targets(results: Sequence[RunResult]) -> list[Target]:
     run, base = _find(results, "e", "llmstream"), _find(results, "e", UNBATCHED)
     if run is None or not run.throughput_steady:
         return [Target("e", text, None, "")]
-    per = run.throughput_steady / int((run.settings or {}).get("parallelism", 1))
-    speedup = run.throughput_steady / base.throughput_steady if base and base.throughput_steady else None
+    per = run.throughput_steady / _parallelism(run)
+    speedup = _ratio(run, base)
     cpu = [f"{r.cpu_ms_per_record:.2f} ms {label}" for r, label in ((run, "batched"), (base, "unbatched"))
            if r is not None and r.cpu_ms_per_record is not None]
     detail = f"{per:,.0f}/s per subtask batched"
@@ -152,13 +164,6 @@ def _batching_targets(results: Sequence[RunResult]) -> list[Target]:
     if cpu:
         detail += "; CPU per record (JVM + Python) " + ", ".join(cpu)
     return [Target("e", text, per >= 10_000 and speedup is not None and speedup >= 5, detail)]
-
-
-def _ratio(run: RunResult | None, base: RunResult | None) -> float | None:
-    """`run`'s steady rate over `base`'s, when both have one."""
-    if run is None or base is None or not run.throughput_steady or not base.throughput_steady:
-        return None
-    return run.throughput_steady / base.throughput_steady
 
 
 def _lane_targets(results: Sequence[RunResult], probes: dict[str, Any] | None) -> list[Target]:
@@ -189,7 +194,7 @@ def _lane_targets(results: Sequence[RunResult], probes: dict[str, Any] | None) -
     if lane is None or not lane.throughput_steady:
         out.append(Target("e", text, None, ""))
     else:
-        per = lane.throughput_steady / int((lane.settings or {}).get("parallelism", 1))
+        per = lane.throughput_steady / _parallelism(lane)
         out.append(Target("e", text, per >= 10_000, f"{per:,.0f}/s per subtask"))
     found = (probes or {}).get("ceiling_a")
     lanes = [r for r in (_find(results, "a", "llmstream"), _find(results, "a", VECTORIZED))
