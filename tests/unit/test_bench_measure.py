@@ -146,12 +146,30 @@ def test_flink_options_on_the_command_line_reach_the_job_config(tmp_path) -> Non
     assert data["flink"]["python.metric.enabled"] == "false" and data["flink"]["pipeline.name"] == "x=y"
 
 
+def _run(scenario: str, approach: str, rate: float, *, cpu: float | None = None, pct: float | None = None,
+         checkpoints: dict[str, float] | None = None, records: int = 10_000, parallelism: int | None = 1) -> Any:
+    """A finished bench run of `records` records answering `rate` a second at steady state
+    (`parallelism` None: an approach without llmstream settings)."""
+    from jobs.dev.bench.harness import RunResult
+    from jobs.dev.bench.measure import Latencies, Outcome
+
+    none = Latencies()
+    return RunResult(scenario=scenario, scenario_name=scenario, approach=approach,
+                     limit_per_s=SCENARIOS[scenario].limit_per_s,
+                     records_in=records, elapsed_s=60.0, stopped_by="finished", exit_code=0,
+                     outcome=Outcome(records, records, 0, 0, 0, 0, 0), throughput_steady=rate,
+                     steady_window_s=20.0, throughput_overall=rate, pct_of_limit=pct, e2e_ms=none,
+                     pickup_ms=none, commit_lag_ms=none, utilization=None, rss_peak_mb={}, rss_breakdown_mb={},
+                     rss_drift_mb=None, rss_series=[], server={},
+                     settings=None if parallelism is None else {"parallelism": parallelism},
+                     load_avg=(0.0, 0.0, 0.0), log_file="", cpu_ms_per_record=cpu,
+                     checkpoints=None if checkpoints is None else {"duration_ms": checkpoints})
+
+
 def test_a_fixed_latency_scenario_reports_what_bare_aiohttp_gets_from_its_simulator() -> None:
     """(a)'s 90% target reads differently once the simulator alone serves bare aiohttp at 94% of
     its limit: the bench probes that ceiling where a short probe can say it (fixed latency, chat,
     one endpoint) and quotes it beside the target and in the notes."""
-    from jobs.dev.bench.harness import RunResult
-    from jobs.dev.bench.measure import Latencies, Outcome
     from jobs.dev.bench.report import markdown, targets
 
     assert SCENARIOS["a"].ceiling_probe_concurrency == 128  # twice the server's 64 slots
@@ -159,14 +177,7 @@ def test_a_fixed_latency_scenario_reports_what_bare_aiohttp_gets_from_its_simula
     for key in ("b", "d", "e", "h"):  # heavy tail, no limit, embeddings, a fleet
         assert SCENARIOS[key].ceiling_probe_concurrency is None, key
 
-    none = Latencies()
-    run = RunResult(scenario="a", scenario_name="fixed 50 ms", approach="llmstream", limit_per_s=1280.0,
-                    records_in=20_000, elapsed_s=60.0, stopped_by="finished", exit_code=0,
-                    outcome=Outcome(20_000, 20_000, 0, 0, 0, 0, 0), throughput_steady=1000.0,
-                    steady_window_s=20.0, throughput_overall=900.0, pct_of_limit=78.125, e2e_ms=none,
-                    pickup_ms=none, commit_lag_ms=none, utilization=None, rss_peak_mb={}, rss_breakdown_mb={},
-                    rss_drift_mb=None, rss_series=[], server={}, settings=None, load_avg=(0.0, 0.0, 0.0),
-                    log_file="")
+    run = _run("a", "llmstream", 1000.0, pct=78.125, records=20_000, parallelism=None)
     probes = {"ceiling_a": {"requests": 12_000, "seconds": 10.0, "rate": 1200.0, "concurrency": 128}}
     (target_a,) = [t for t in targets([run], probes) if t.scenario == "a" and t.text.startswith("llmstream >=")]
     assert target_a.met is False
@@ -178,23 +189,6 @@ def test_a_fixed_latency_scenario_reports_what_bare_aiohttp_gets_from_its_simula
                     probes)
     assert "(a) ceiling probe: bare aiohttp, 128 concurrent" in text and "1,200 requests/s" in text
     assert "94% of the limit" in text
-
-
-def _run(scenario: str, approach: str, rate: float, *, cpu: float | None = None, pct: float | None = None,
-         checkpoints: dict[str, float] | None = None) -> Any:
-    from jobs.dev.bench.harness import RunResult
-    from jobs.dev.bench.measure import Latencies, Outcome
-
-    none = Latencies()
-    return RunResult(scenario=scenario, scenario_name=scenario, approach=approach,
-                     limit_per_s=SCENARIOS[scenario].limit_per_s,
-                     records_in=10_000, elapsed_s=60.0, stopped_by="finished", exit_code=0,
-                     outcome=Outcome(10_000, 10_000, 0, 0, 0, 0, 0), throughput_steady=rate,
-                     steady_window_s=20.0, throughput_overall=rate, pct_of_limit=pct, e2e_ms=none,
-                     pickup_ms=none, commit_lag_ms=none, utilization=None, rss_peak_mb={}, rss_breakdown_mb={},
-                     rss_drift_mb=None, rss_series=[], server={}, settings={"parallelism": 1},
-                     load_avg=(0.0, 0.0, 0.0), log_file="", cpu_ms_per_record=cpu,
-                     checkpoints=None if checkpoints is None else {"duration_ms": checkpoints})
 
 
 def test_the_vectorized_lanes_targets_are_judged_within_one_run() -> None:
