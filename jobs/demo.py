@@ -33,10 +33,10 @@ from kafka import KafkaConsumer
 
 from jobs.clients import kafka_admin
 from jobs.dev import local_kafka, real_models, simulator
-from jobs.dev.processes import free_port
 from jobs.launch.plan import RunOptions
 from jobs.launch.run import run_job
 from jobs.runtime import jars
+from jobs.runtime.ports import free_port
 from udfs.config import JobConfig, KafkaConfig, load_config, with_overrides
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_prompts.jsonl"

@@ -51,8 +51,9 @@ from jobs.clients.flink_cli import (
 )
 from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
 from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
-from jobs.dev.processes import children, cmdline, pid_alive, terminate, wait_gone
+from jobs.dev.processes import children, cmdline, terminate
 from jobs.runtime import jars
+from jobs.runtime.pids import pid_alive, wait_gone
 from jobs.runtime.ports import free_ports, port_in_use
 
 log = logging.getLogger("llmstream.cluster")

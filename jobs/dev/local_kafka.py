@@ -25,14 +25,10 @@ from pathlib import Path
 from typing import Any, Self
 
 from jobs.clients.kafka_admin import answers
-from jobs.dev.processes import (
-    cmdline,
-    free_ports,
-    pid_alive,
-    port_in_use,
-    terminate,
-)
+from jobs.dev.processes import cmdline, terminate
 from jobs.runtime import jars
+from jobs.runtime.pids import pid_alive
+from jobs.runtime.ports import free_ports, port_in_use
 from udfs.errors import LLMStreamError
 
 log = logging.getLogger(__name__)

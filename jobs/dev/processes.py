@@ -1,6 +1,7 @@
 """Process facts shared by the services llmstream starts (broker, Flink cluster, model servers),
 on psutil rather than /proc parsing. The port and pid helpers live on the job's side
-(`jobs/runtime/ports.py`, `jobs/runtime/pids.py`, which `llmstream run` uses too) and are re-exported here."""
+(`jobs/runtime/ports.py`, `jobs/runtime/pids.py`), since `llmstream run` needs them too: import them
+from there."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from collections.abc import Iterable
 
 import psutil
 
-from jobs.runtime.pids import pid_alive, wait_gone
-from jobs.runtime.ports import free_port, free_ports, port_in_use
-
-__all__ = ["children", "cmdline", "free_port", "free_ports", "pid_alive", "port_in_use", "terminate", "wait_gone"]
+from jobs.runtime.pids import wait_gone
 
 log = logging.getLogger("llmstream.processes")
 

@@ -273,7 +273,7 @@ class RealModelServer:
 def spawn(backend: str, *, port: int = 0, threads: int = 1, timeout: float = 120.0,
           report: Callable[[str], None] = print) -> RealModelServer:
     """Installs `backend` if needed, starts it on loopback and waits until ``/v1/models`` answers."""
-    from jobs.dev.processes import free_port
+    from jobs.runtime.ports import free_port
 
     python = ensure_installed(backend, report)
     port = port or free_port()

@@ -35,8 +35,9 @@ from typing import Self
 
 import requests
 
-from jobs.dev.processes import free_port, port_in_use, terminate
+from jobs.dev.processes import terminate
 from jobs.runtime import jars
+from jobs.runtime.ports import free_port, port_in_use
 from udfs.errors import LLMStreamError
 
 SET = "registry"

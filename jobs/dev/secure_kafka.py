@@ -66,8 +66,8 @@ from jobs.dev.local_kafka import (
     Listener,
     LocalBroker,
 )
-from jobs.dev.processes import free_port, port_in_use
 from jobs.runtime import jars
+from jobs.runtime.ports import free_port, port_in_use
 
 DEFAULT_PORT = 9192
 """SASL_SSL; by default SSL (mutual TLS) is on +1, the controller on +2, WRONG_HOST on +3."""

@@ -12,7 +12,7 @@ from kafka.errors import TopicAlreadyExistsError
 from jobs.clients import kafka_admin
 from jobs.dev import kafka_cli
 from jobs.dev import local_kafka as lk
-from jobs.dev.processes import free_port
+from jobs.runtime.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ import yaml
 from jobs import cli
 from jobs.clients import kafka_admin
 from jobs.dev.local_kafka import BrokerConfig, LocalBroker
-from jobs.dev.processes import free_port
 from jobs.launch import preflight
+from jobs.runtime.ports import free_port
 from udfs.config import load_config, to_dict, with_overrides
 from udfs.errors import ConfigError
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from jobs.dev import processes
-from jobs.dev.processes import pid_alive, terminate, wait_gone
-from jobs.runtime import pids, ports
+from jobs.dev.processes import terminate
+from jobs.runtime import ports
+from jobs.runtime.pids import pid_alive, wait_gone
 
 IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
 
@@ -46,9 +46,3 @@ def test_a_listening_port_is_in_use_and_a_free_one_is_not() -> None:
         assert ports.port_in_use(listener.getsockname()[1])
     assert not ports.port_in_use(ports.free_port())
 
-
-def test_the_dev_wing_uses_the_jobs_port_and_pid_helpers() -> None:
-    """One implementation: jobs/dev/processes re-exports jobs/ports and jobs/pids (`llmstream run`
-    needs a free port, and waits for its JVM to exit when it saves the class archive)."""
-    assert processes.free_port is ports.free_port and processes.port_in_use is ports.port_in_use
-    assert processes.pid_alive is pids.pid_alive and processes.wait_gone is pids.wait_gone
