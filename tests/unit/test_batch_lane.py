@@ -22,7 +22,7 @@ from jobs.dev.simulator import ThreadedSimulator
 from jobs.dev.simulator.batch_config import BatchSettings
 from tests.support.fake_flink import Harness, record
 from tests.support.waiting import wait_until
-from udfs.config import JobConfig, config_from_dict, to_dict
+from udfs.config import ConfigError, JobConfig, config_from_dict, to_dict
 from udfs.stage.batch_lane import BATCHES, BatchStage
 
 FAST = BatchSettings(validating_s=0.05, delay_s=(0.1, 0.4), finalizing_s=0.05)
@@ -67,6 +67,50 @@ def admin(sim: ThreadedSimulator, path: str = "", body: dict[str, Any] | None = 
     response = requests.post(url, json=body, timeout=10) if body is not None else requests.get(url, timeout=10)
     response.raise_for_status()
     return response.json()
+
+
+REFUSED = {
+    "stage": {"stage": "vectorized"},
+    "model.endpoints": {"model": {"endpoint": None, "endpoints": [{"url": "http://127.0.0.1:9/v1"},
+                                                                  {"url": "http://127.0.0.1:10/v1"}]}},
+    "ordering": {"ordering": "per_key"},
+    "budget": {"budget": {"max_tokens_per_hour": 1000}},
+    "model.response_format": {"model": {"response_format": {"type": "object"}}},
+    "model.batch.max_size": {"model": {"api": "embeddings", "batch": {"max_size": 8}}},
+    "model.preprocess": {"model": {"preprocess": "mine.prompts:build"}},
+    "output.postprocess": {"output": {"postprocess": "mine.results:shape"}},
+    "model.provider": {"model": {"provider": "anthropic", "api": "embeddings"}},
+    "provider_batch.on_expired": {"model": {"provider": "anthropic"}, "provider_batch": {"on_expired": "realtime"}},
+    "provider_batch.on_cancelled": {"model": {"provider": "anthropic"},
+                                    "provider_batch": {"on_cancelled": "realtime"}},
+    "provider_batch.max_requests": {"provider_batch": {"max_requests": 50_001}},
+}
+"""What the lane does not do, each refused at load with one line naming its key."""
+
+
+def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = _merged(out.get(key) or {}, value) if isinstance(value, dict) and key != "response_format" else value
+    return out
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_what_the_lane_does_not_do_is_refused_at_load_naming_the_key(key: str) -> None:
+    data = _merged(to_dict(lane_config("http://127.0.0.1:9/v1")), REFUSED[key])
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert info.value.key == key and "\n" not in str(info.value), str(info.value)
+
+
+def test_the_combinations_the_lane_does_take_load() -> None:
+    """Its neighbours that work: the result cache, embeddings one input a line, OpenAI's realtime
+    fallback for expired and cancelled batches, Anthropic with batches made again."""
+    base = to_dict(lane_config("http://127.0.0.1:9/v1"))
+    for changes in ({"cache": {"backend": "local"}}, {"model": {"api": "embeddings"}},
+                    {"provider_batch": {"on_expired": "realtime", "on_cancelled": "realtime"}},
+                    {"model": {"provider": "anthropic"}, "provider_batch": {"on_cancelled": "resubmit"}}):
+        assert config_from_dict(_merged(base, changes)).model.mode == "batch"
 
 
 @pytest.fixture
