@@ -23,6 +23,7 @@ from jobs.dev.simulator.batch_config import BatchSettings
 from tests.support.fake_flink import Harness, record
 from tests.support.waiting import wait_until
 from udfs.config import ConfigError, JobConfig, config_from_dict, to_dict
+from udfs.stage import batch_lane
 from udfs.stage.batch_lane import BATCHES, BatchStage
 
 FAST = BatchSettings(validating_s=0.05, delay_s=(0.1, 0.4), finalizing_s=0.05)
@@ -161,6 +162,28 @@ def test_a_refused_request_goes_to_a_later_batch_then_to_a_dead_letter_with_the_
     assert 80 < submitted(sim) < 160  # the refused ones once more, no one a third time
     letter = h.bodies("dlq")[0]
     assert letter["attempts"] == 2 and letter["last_status"] == 500
+
+
+def test_a_wake_takes_up_one_slice_of_answers_and_leaves_the_rest_for_later(
+        batch_sim: ThreadedSimulator, harnesses: list[Harness], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint barrier waits for the Python bundle in progress, in which every element, tick
+    and timer wakes the bucket: answers are taken up for a share of each window of time (here the
+    least, one chunk a window), whatever has arrived, and the rest left for later wakes."""
+    monkeypatch.setattr(batch_lane, "TAKE_UP_WINDOW_S", 0.05)
+    monkeypatch.setattr(batch_lane, "TAKE_UP_SHARE_S", 1e-9)
+    monkeypatch.setattr(batch_lane, "TAKE_UP_CHUNK", 10)
+    h = lane(lane_config(batch_sim.url, max_requests=100, max_wait_s=0.05), harnesses)
+    feed(h, range(100), buckets=1)
+    per_wake: list[int] = []
+
+    def wake() -> bool:
+        before = len(h.out)
+        h.tick(0)
+        per_wake.append(len(h.out) - before)
+        return len(h.bodies("out")) >= 100
+    wait_until(wake, timeout=60, interval=0.01)
+    assert Counter(b["id"] for b in h.bodies("out")) == Counter({f"id-{i}": 1 for i in range(100)})
+    assert max(per_wake) == 10 and per_wake.count(10) == 10, per_wake
 
 
 def _force(sim: ThreadedSimulator, action: dict[str, Any], *, when: Callable[[dict[str, Any]], bool]) -> threading.Thread:

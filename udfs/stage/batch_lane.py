@@ -72,8 +72,15 @@ OPERATIONS = 8
 """Provider calls and cache lookups at once per subtask (a batch is one call, not one per record)."""
 WAKE_MS = 1000
 """How often a bucket with records looks at its batches when no element or tick comes."""
-RESULTS_PER_WAKE = 500
-"""Results taken up per element, tick or timer of a bucket (each is a few state operations)."""
+TAKE_UP_WINDOW_S = 1.0
+TAKE_UP_SHARE_S = 0.25
+"""Of each `TAKE_UP_WINDOW_S`, the most the task thread spends taking up results. A checkpoint barrier waits
+for the Python bundle in progress, and every element, tick and timer of a bucket wakes it: at a
+fixed count a wake (500), a batch of 10,000 answers arriving while input flowed held barriers for
+2.5-6 s (`llmstream bench --batch-lane 100000`). A share of the time bounds that wait whatever
+arrives; at the end of input there is no limit."""
+TAKE_UP_CHUNK = 50
+"""Results taken up between two looks at the clock."""
 DURABLE_READ_S = 0.2
 """How often the gate's `.durable` file is read while a sealed batch waits for a checkpoint."""
 LINE_OVERHEAD_BYTES = 96
@@ -125,7 +132,14 @@ class BatchStage(KeyedProcessFunction):
         self._maybe_created: set[str] = set()
         self._timer_at: dict[Any, int] = {}
         self._durable: set[str] = set()
-        self._unread: dict[Any, dict[str, tuple[Any, list[Any], int]]] = {}
+        # bucket -> batch key -> (entry, its results, how many taken up, its records still in state)
+        self._unread: dict[Any, dict[str, tuple[Any, list[Any], int, dict[str, Any]]]] = {}
+        self._take_up_second = 0.0  # time.monotonic() at which the current window of take-up began
+        self._take_up_spent = 0.0  # seconds spent taking up results in it
+        # Records not yet in a batch made at the provider, as state holds them: making a batch of
+        # 10,000 read them from state one by one (a round trip to the JVM each), 2-5 s of the task
+        # thread that held checkpoint barriers as long. State stays what a checkpoint holds.
+        self._unbatched: dict[str, Any] = {}
         self._flushing = False
         self._durable_file = (Path(self._gate_dir) / f"{runtime_context.get_index_of_this_subtask()}.durable"
                               if self._gate_dir is not None else None)
@@ -193,11 +207,14 @@ class BatchStage(KeyedProcessFunction):
         entries: dict[str, BatchEntry] = {key: entry for key, entry in self._batches.items()}
         assigned = {handle for handle, _ in self._assigned.items()}
         collection = self._collections[bucket] = _Collection(oldest_ms=_now_ms())
+        unmade = {handle for entry in entries.values() if entry.provider_id is None for handle in entry.handles}
         held = 0
-        for handle in self._records.keys():  # noqa: SIM118 - a Flink MapState, not a dict
+        for handle, value in self._records.items():  # one pass, read in pages, not one get a record
             held += 1
             if handle not in assigned:
                 collection.handles.append(handle)
+            if handle not in assigned or handle in unmade:
+                self._unbatched[handle] = value
         self._held[bucket] = held
         self._entries[bucket] = entries
         for key, entry in entries.items():
@@ -226,7 +243,9 @@ class BatchStage(KeyedProcessFunction):
             yield from self._emit((self._path.dead_letter(err, record, prepared.id), err.reason))
             return
         handle = record.handle
-        self._records.put(handle, Held(record))
+        held = Held(record)
+        self._records.put(handle, held)
+        self._unbatched[handle] = held
         self._held[bucket] += 1
         cache = self._client.cache
         api = self._config.model.api
@@ -259,8 +278,12 @@ class BatchStage(KeyedProcessFunction):
         self._seal(bucket)
         yield from self._drive(bucket)
         self._gauges()
-        if self._held.get(bucket) and bucket not in self._timer_at:
-            at = ctx.timer_service().current_processing_time() + WAKE_MS
+        if not self._held.get(bucket):
+            return
+        now = ctx.timer_service().current_processing_time()
+        # Results left unread come back in the next window, not after a whole WAKE_MS.
+        at = now + (int(TAKE_UP_WINDOW_S * 250) + 1 if self._unread.get(bucket) else WAKE_MS)
+        if at < self._timer_at.get(bucket, at + 1):
             ctx.timer_service().register_processing_time_timer(at)
             self._timer_at[bucket] = at
 
@@ -343,7 +366,7 @@ class BatchStage(KeyedProcessFunction):
     def _creator(self, entry: Any) -> Callable[[], Coroutine[Any, Any, Any]]:
         from udfs.inference.prompts import build_payload
 
-        records = [self._stored(handle) for handle in entry.handles]
+        records = [self._unbatched.pop(handle, None) or self._stored(handle) for handle in entry.handles]
         find = entry.key in self._maybe_created
         provider = self._provider
 
@@ -394,25 +417,34 @@ class BatchStage(KeyedProcessFunction):
                 yield from self._viewed(bucket, entry, value)
             elif kind == "results":
                 self._busy.add(name)  # viewed no more while its results are taken up
-                self._unread.setdefault(bucket, {})[name] = (entry, list(value), 0)
+                self._unread.setdefault(bucket, {})[name] = (entry, list(value), 0, self._load(entry))
 
     def _take_up(self, bucket: Any) -> Iterator[Row]:
-        """Up to `RESULTS_PER_WAKE` results of the bucket's ended batches, the rest at its next wake
-        (not from `_events`, which `_submit` calls while it waits, inside a take-up):
-        a batch of 10,000 answers taken up at once would hold a checkpoint barrier for seconds. What
-        is not taken up yet is still in state; a restore reads the batch's results again."""
+        """Results of the bucket's ended batches while this window's `TAKE_UP_SHARE_S` lasts, the
+        rest in the next (not from `_events`, which `_submit` calls while it waits, inside a
+        take-up). What is not taken up yet is still in state; a restore reads the batch's results
+        again."""
         unread = self._unread.get(bucket)
-        budget = RESULTS_PER_WAKE
-        while unread and budget > 0:
-            key, (entry, results, at) = next(iter(unread.items()))
-            end = min(len(results), at + budget)
-            yield from self._answered(bucket, entry, results[at:end])
-            budget -= end - at
+        if not unread:
+            return
+        started = time.monotonic()
+        if started - self._take_up_second >= TAKE_UP_WINDOW_S:
+            self._take_up_second, self._take_up_spent = started, 0.0
+        left = TAKE_UP_SHARE_S - self._take_up_spent
+        if left <= 0 and not self._flushing:
+            return
+        while unread:  # a chunk at least, then more while the share lasts
+            key, (entry, results, at, loaded) = next(iter(unread.items()))
+            end = min(len(results), at + TAKE_UP_CHUNK)
+            yield from self._answered(bucket, entry, results[at:end], loaded)
             if end < len(results):
-                unread[key] = (entry, results, end)
-                continue
-            del unread[key]
-            self._drop(bucket, entry)
+                unread[key] = (entry, results, end, loaded)
+            else:
+                del unread[key]
+                self._drop(bucket, entry)
+            if not self._flushing and time.monotonic() - started >= left:
+                break
+        self._take_up_spent += time.monotonic() - started
 
     def _looked_up(self, bucket: Any, handle: str, value: Any) -> Iterator[Row]:
         from udfs.cost.single_flight import cached_completion
@@ -473,10 +505,13 @@ class BatchStage(KeyedProcessFunction):
             return
         if view.phase == "failed":
             lines = dict(view.errors)
+            loaded = self._load(entry)
             for i, handle in enumerate(entry.handles):
+                if handle not in loaded:
+                    continue
                 said = lines.get(i + 1) or lines.get(None) or next(iter(lines.values()), "the batch failed")
                 err = ProviderBatchError("batch_failed", f"the provider failed batch {entry.provider_id}: {said}")
-                yield from self._settle(bucket, handle, self._dead(handle, err))
+                yield from self._settle(bucket, handle, self._dead(handle, err, loaded[handle]), in_batch=True)
             self._drop(bucket, entry)
             return
         # gone: the provider no longer knows the batch
@@ -491,22 +526,25 @@ class BatchStage(KeyedProcessFunction):
                 self._assigned.put(handle, again.key)
             self._entries[bucket][again.key] = again
             return
+        loaded = self._load(entry)
         for handle in entry.handles:
-            err = ProviderBatchError("batch_gone", f"the provider lost batch {entry.provider_id} twice")
-            yield from self._settle(bucket, handle, self._dead(handle, err))
+            if handle in loaded:
+                err = ProviderBatchError("batch_gone", f"the provider lost batch {entry.provider_id} twice")
+                yield from self._settle(bucket, handle, self._dead(handle, err, loaded[handle]), in_batch=True)
         self._drop(bucket, entry)
 
-    def _answered(self, bucket: Any, entry: Any, results: list[Any]) -> Iterator[Row]:
+    def _answered(self, bucket: Any, entry: Any, results: list[Any], loaded: dict[str, Any]) -> Iterator[Row]:
+        """`results` of `entry`; `loaded`: its records still in state (`_load`)."""
         from udfs.provider_batch.providers import Answered, Refused
 
         settings = self._config.provider_batch
         for result in results:
             handle = entry.handles[result.index]
-            if self._records.get(handle) is None:
+            held = loaded.pop(handle, None)
+            if held is None:  # settled before (results read again after a restore)
                 continue
-            held = self._stored(handle)
             if isinstance(result, Answered):
-                yield from self._settle(bucket, handle, self._result(entry, held, result.body))
+                yield from self._settle(bucket, handle, self._result(entry, held, result.body), in_batch=True)
             elif isinstance(result, Refused):
                 tries = held.tries + 1
                 if result.retryable and tries < self._config.retry.max_attempts:
@@ -514,7 +552,7 @@ class BatchStage(KeyedProcessFunction):
                     continue
                 err = ProviderBatchError("batch_request_failed", f"{result.code}: {result.message}",
                                          attempts=tries, status=result.status)
-                yield from self._settle(bucket, handle, self._dead(handle, err))
+                yield from self._settle(bucket, handle, self._dead(handle, err, held), in_batch=True)
             else:
                 policy = settings.on_expired if result.why == "expired" else settings.on_cancelled
                 tries = held.tries + 1
@@ -527,7 +565,7 @@ class BatchStage(KeyedProcessFunction):
                     err = ProviderBatchError(f"batch_{result.why}",
                                              f"batch {entry.provider_id} {result.why} before answering this request",
                                              attempts=tries)
-                    yield from self._settle(bucket, handle, self._dead(handle, err))
+                    yield from self._settle(bucket, handle, self._dead(handle, err, held), in_batch=True)
 
     def _provider_failed(self, bucket: Any, entry: Any, kind: str, err: Any) -> Iterator[Row]:
         if kind == "create" and not err.retryable:
@@ -604,23 +642,26 @@ class BatchStage(KeyedProcessFunction):
 
     def _again(self, bucket: Any, handle: str, held: Any, tries: int) -> None:
         """`handle` into a later batch, one more try counted."""
-        self._records.put(handle, dataclasses.replace(held, tries=tries))
+        self._records.put(handle, again := dataclasses.replace(held, tries=tries))
+        self._unbatched[handle] = again
         self._assigned.remove(handle)
         self._collect(bucket, handle)
 
-    def _dead(self, handle: str, err: RecordError) -> Outcome:
-        held = self._stored(handle)
+    def _dead(self, handle: str, err: RecordError, held: Any = None) -> Outcome:
+        held = held if held is not None else self._stored(handle)
         return self._path.dead_letter(err, held.record), err.reason
 
     def _internal(self, handle: str) -> Outcome:
         return self._dead(handle, InternalError("the realtime call of an unanswered batch request raised"))
 
-    def _settle(self, bucket: Any, handle: str, outcome: Outcome) -> Iterator[Row]:
-        """`handle`'s outcome out, and the record out of state in the same call."""
-        if self._records.get(handle) is not None:
+    def _settle(self, bucket: Any, handle: str, outcome: Outcome, *, in_batch: bool = False) -> Iterator[Row]:
+        """`handle`'s outcome out, and the record out of state in the same call. `in_batch`: the
+        caller knows it is in state and in a batch (from `_load`), so state is not asked again."""
+        self._unbatched.pop(handle, None)
+        if in_batch or self._records.get(handle) is not None:
             self._records.remove(handle)
             self._held[bucket] -= 1
-        if self._assigned.get(handle) is not None:
+        if in_batch or self._assigned.get(handle) is not None:
             self._assigned.remove(handle)
         yield from self._emit(outcome)
 
@@ -643,6 +684,13 @@ class BatchStage(KeyedProcessFunction):
             self._runner.wait(0.2, bucket)
 
     # ------------------------------------------------------------------ state
+    def _load(self, entry: Any) -> dict[str, Any]:
+        """The records of `entry` still in state, by handle, in one pass over the bucket's records
+        (read in pages): a get per record is a round trip to the JVM, and 10,000 of them held the
+        task thread, and so checkpoint barriers, for seconds."""
+        wanted = set(entry.handles)
+        return {handle: held for handle, held in self._records.items() if handle in wanted}
+
     def _stored(self, handle: str) -> Any:
         from udfs.provider_batch.entries import Held
 
