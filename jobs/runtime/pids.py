@@ -1,6 +1,6 @@
 """Whether a process still runs, and waiting for processes to end, on psutil. On the job's side
 because `llmstream run` waits for its own JVM to exit (`jobs/runtime/jvm_archive.py`); the local services
-(`jobs/dev/processes.py`) use and re-export them."""
+(`jobs/dev/`) import them from here too."""
 
 from __future__ import annotations
 

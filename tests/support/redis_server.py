@@ -15,7 +15,7 @@ from typing import Self
 
 import pytest
 
-from jobs.dev.processes import free_port
+from jobs.runtime.ports import free_port
 from tests.support.waiting import wait_until
 
 SERVER_NAMES = ("redis-server", "valkey-server")
