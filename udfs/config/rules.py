@@ -135,8 +135,8 @@ def _batch_lane(config: JobConfig) -> None:
     for policy in ("on_expired", "on_cancelled"):  # a realtime call speaks OpenAI's API, not Anthropic's
         unsupported[f"provider_batch.{policy}"] = (
             model.provider == "anthropic" and getattr(config.provider_batch, policy) == "realtime",
-            "not with model.provider: anthropic: a realtime call speaks OpenAI's chat completions, not "
-            "Anthropic's Messages API (choose resubmit or dead-letter)")
+            ("not with model.provider: anthropic: a realtime call speaks OpenAI's chat completions, not "
+             "Anthropic's Messages API (choose resubmit or dead-letter)"))
     for key, (refused, why) in unsupported.items():
         require(not refused, key, why)
     require(config.provider_batch.max_requests <= PROVIDER_MAX_REQUESTS[model.provider], "provider_batch.max_requests",
