@@ -6,6 +6,7 @@ same simulator settings, same records; writes latest.md / latest.json / latest.p
     llmstream bench --scenarios b --approaches llmstream --bundle-size 2000   # a tuning run
     llmstream bench --render             # re-write latest.md/png from latest.json
     llmstream bench --profile --scenarios d --approaches llmstream   # CPU per record per stage
+    llmstream bench --batch-lane 100000 [--inject]   # the provider-batch lane: kills, restarts, bad days
 
 Exit status 0 when every run produced answers with no duplicates and nothing lost; speed
 targets are reported, never enforced.
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.dev import local_kafka
-from jobs.dev.bench import report
+from jobs.dev.bench import batch_lane, report
 from jobs.dev.bench.harness import (
     ALL_APPROACHES,
     APPROACHES,
@@ -105,6 +106,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the soak's kinds of fault, comma-separated: " + ", ".join(FAULT_NAMES)
                              + ", or all (default) or none")
     parser.add_argument("--seed", type=int, default=1, help="the soak's fault schedule (default %(default)s)")
+    lane = parser.add_argument_group(
+        "the provider-batch lane (instead of the scenarios: jobs/dev/bench/batch_lane.py; batch-lane.md/json "
+        "go to --out)")
+    lane.add_argument("--batch-lane", type=int, default=None, metavar="RECORDS",
+                      help="RECORDS through `model.mode: batch` on a standalone cluster against the simulator's "
+                           "OpenAI batch API, with TaskManager kills and a stop-with-savepoint and resubmit while "
+                           "batches are live")
+    lane.add_argument("--batch-size", type=int, default=10_000, help="provider_batch.max_requests (default %(default)s)")
+    lane.add_argument("--batch-delay-s", default="10:120", metavar="LOW:HIGH",
+                      help="how long the simulator takes to answer a batch (default %(default)s)")
+    lane.add_argument("--kills", type=int, default=2, help="TaskManager SIGKILLs while batches are live (default %(default)s)")
+    lane.add_argument("--inject", action="store_true",
+                      help="5%% of batched requests refused, and one batch each expired, failed, deleted, cancelled")
     parser.add_argument("--wait-for-quiet", type=float, default=None, metavar="LOAD",
                         help="first wait (at most 10 min) for the 1-minute load average to drop below LOAD")
     tuning = parser.add_argument_group(
@@ -265,6 +279,13 @@ def run(args: argparse.Namespace) -> int:
         jars.ensure("connector")
         return run_soak(args.soak, args.soak_rate or DEFAULT_RATE, args.seed, args.out or RESULTS_DIR, args.keep, _say,
                         kinds)
+    if args.batch_lane is not None:
+        if args.wait_for_quiet is not None:
+            wait_for_quiet(args.wait_for_quiet, 600, _say)
+        jars.ensure("broker")
+        jars.ensure("connector")
+        return batch_lane.run(args.batch_lane, args.batch_size, args.batch_delay_s, args.kills, args.inject,
+                              args.out or RESULTS_DIR, getattr(args, "command_line", "llmstream bench").strip(), _say)
     if args.smoke:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS

@@ -434,8 +434,7 @@ class BatchEngine:
                 if not (message is None or isinstance(message, str)) or not isinstance(code, str):
                     raise ValueError("message and code must be strings")
                 self.fail(batch, line, message, code)
-        if action != "delete":
-            result["batch"] = batch.summary()
+        result["batch"] = batch.summary()  # as it was left (a deleted one too: what it had answered)
         return result
 
 

@@ -135,13 +135,25 @@ class SpawnedSimulator:
     def reset_stats(self, timeout: float = 5.0) -> dict[str, Any]:
         return self._post("/stats/reset", None, timeout)
 
-    def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+    def _get(self, path: str, timeout: float) -> dict[str, Any]:
         import requests
 
-        response = requests.get(self.base_url + "/stats", timeout=timeout, **self._tls)
+        response = requests.get(self.base_url + path, timeout=timeout, **self._tls)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
         return result
+
+    def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        return self._get("/stats", timeout)
+
+    def batches(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Every batch of both batch APIs, newest first (``GET /admin/batches``)."""
+        batches: list[dict[str, Any]] = self._get("/admin/batches", timeout)["batches"]
+        return batches
+
+    def force_batch(self, batch_id: str, action: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """Force a batch's outcome (``POST /admin/batches/ID``), e.g. ``{"action": "expire"}``."""
+        return self._post(f"/admin/batches/{batch_id}", action, timeout)
 
     def stop(self, timeout: float = 10.0) -> dict[str, Any] | None:
         """SIGTERM the child (SIGKILL after ``timeout``); returns its final stats line if it printed one."""
