@@ -44,6 +44,8 @@ def preprocess(record):
         return {"prompt": "a", "temperature": 0.2}
     if kind == "bad-messages":
         return [{"role": "robot", "content": "x"}]
+    if kind == "surrogate":
+        return "Ask \\ud800"
     if kind == "slow":
         time.sleep(30)
     if kind == "messages":
@@ -61,6 +63,8 @@ def postprocess(record, result):
         return None
     if kind == "post-set":
         return {"n": record["n"], "tags": {1, 2}}
+    if kind == "post-surrogate":
+        return {"n": record["n"], "answer": "\\ud800"}
     if result is None:
         return {"n": record.get("n"), "skipped": True}
     return {"n": record["n"], "answer": result["output"], "id": result["id"], "tokens": result["usage"]["total_tokens"]}
@@ -150,9 +154,11 @@ BAD_CODE = [
     ("both", "model.preprocess usermod:preprocess returned a dict without exactly one of 'prompt' and 'messages'"),
     ("extra", "model.preprocess usermod:preprocess returned a dict with 'temperature'; expected only id, messages"),
     ("bad-messages", "model.preprocess usermod:preprocess returned messages[0].role must be one of"),
+    ("surrogate", "model.preprocess usermod:preprocess returned a string with a lone surrogate (\\ud800-\\udfff)"),
     ("post-raise", "output.postprocess usermod:postprocess raised ValueError: no label in Simulated answer"),
     ("post-list", "output.postprocess usermod:postprocess returned a list; expected a dict (the output value) or None"),
     ("post-set", "output.postprocess usermod:postprocess returned a dict the output format (json) cannot write"),
+    ("post-surrogate", "output.postprocess usermod:postprocess returned a dict the output format (json) cannot write"),
 ]
 
 

@@ -42,7 +42,7 @@ SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 """A `\\ud800`-`\\udfff` escape: half of a pair, or alone (then no Unicode text)."""
 
 
-def _lone_surrogate(value: Any) -> bool:
+def lone_surrogate(value: Any) -> bool:
     """Whether a string in `value` (a key too) holds a lone surrogate, which no UTF-8 writer takes."""
     stack = [value]
     while stack:
@@ -75,7 +75,7 @@ def _parse(value: bytes) -> Any:
         raise BadInput("invalid_json", str(err)[:200]) from None
     # `json` reads "\ud800" into a str that cannot be written as UTF-8 again (the output record, the
     # dead letter, the model's request): not text, so not a record, whatever field it is in.
-    if SURROGATE_ESCAPE.search(text) and _lone_surrogate(parsed):
+    if SURROGATE_ESCAPE.search(text) and lone_surrogate(parsed):
         raise BadInput("invalid_json", "a string holds a lone surrogate escape (\\ud800-\\udfff), not Unicode text")
     return parsed
 

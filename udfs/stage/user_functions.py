@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 from udfs.errors import BadInput, ConfigError, UserFunctionError
 from udfs.records import Request
-from udfs.records.json_format import checked_messages, checked_params, checked_text
+from udfs.records.json_format import (
+    checked_messages,
+    checked_params,
+    checked_text,
+    lone_surrogate,
+)
 
 if TYPE_CHECKING:
     from udfs.config import JobConfig, LimitsConfig
@@ -256,6 +261,8 @@ def _shaped_request(request: Request, shaped: Any, limits: LimitsConfig) -> Requ
     if not isinstance(shaped, dict):
         raise BadInput("wrong_type", f"a {type(shaped).__name__}; expected a prompt (str), chat messages (list), "
                                      "a dict with 'prompt' or 'messages' (and 'params', 'id'), or None to skip")
+    if lone_surrogate(shaped):  # Python strings may; no request body (UTF-8) can carry one
+        raise BadInput("wrong_type", "a string with a lone surrogate (\\ud800-\\udfff), which is not Unicode text")
     unknown = sorted(set(shaped) - REQUEST_KEYS)
     if unknown:
         raise BadInput("wrong_type", f"a dict with {', '.join(map(repr, unknown))}; expected only "
