@@ -81,6 +81,9 @@ fixed count a wake (500), a batch of 10,000 answers arriving while input flowed 
 arrives; at the end of input there is no limit."""
 TAKE_UP_CHUNK = 50
 """Results taken up between two looks at the clock."""
+UNREAD_WAKE_MS = 250
+"""How soon a bucket with results left unread wakes again (PyFlink delivers timers at bundle ends,
+so in practice at the next one), instead of after a whole `WAKE_MS`."""
 DURABLE_READ_S = 0.2
 """How often the gate's `.durable` file is read while a sealed batch waits for a checkpoint."""
 LINE_OVERHEAD_BYTES = 96
@@ -281,8 +284,7 @@ class BatchStage(KeyedProcessFunction):
         if not self._held.get(bucket):
             return
         now = ctx.timer_service().current_processing_time()
-        # Results left unread come back in the next window, not after a whole WAKE_MS.
-        at = now + (int(TAKE_UP_WINDOW_S * 250) + 1 if self._unread.get(bucket) else WAKE_MS)
+        at = now + (UNREAD_WAKE_MS + 1 if self._unread.get(bucket) else WAKE_MS)
         if at < self._timer_at.get(bucket, at + 1):
             ctx.timer_service().register_processing_time_timer(at)
             self._timer_at[bucket] = at

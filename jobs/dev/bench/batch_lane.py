@@ -104,11 +104,11 @@ def _checkpoint_figures(seen: dict[tuple[str, int], dict[str, Any]], job_ids: li
         if after:
             firsts.append(min(after, key=lambda r: r["at_s"]))
     steady = sorted(r["ms"] for r in checkpoints if r not in firsts)
-    return {
+    return {"seen": len(durations), "p50_ms": percentile(durations, 50), "p99_ms": percentile(durations, 99),
+            "max_ms": durations[-1] if durations else None,
             "after_restore_ms": [r["ms"] for r in firsts],
             "without_first_after_restore": {"seen": len(steady), "p99_ms": percentile(steady, 99),
-                                            "max_ms": steady[-1] if steady else None},"seen": len(durations), "p50_ms": percentile(durations, 50), "p99_ms": percentile(durations, 99),
-            "max_ms": durations[-1] if durations else None,
+                                            "max_ms": steady[-1] if steady else None},
             "largest_bytes": max((r["bytes"] for r in rows), default=None),
             "slowest": sorted(checkpoints, key=lambda r: -r["ms"])[:3],
             "savepoints": [r for r in rows if r not in checkpoints]}

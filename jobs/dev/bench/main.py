@@ -258,6 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     return run(args)
 
 
+def _standalone_ready(args: argparse.Namespace) -> None:
+    """Before the soak or the batch lane (each starts its own broker and standalone cluster): a
+    quiet machine if asked, and the broker's and connector's jars."""
+    if args.wait_for_quiet is not None:
+        wait_for_quiet(args.wait_for_quiet, 600, _say)
+    jars.ensure("broker")
+    jars.ensure("connector")
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute parsed `add_arguments` flags: 0 if every run saw output with 0 lost and 0 duplicated."""
     if args.render:
@@ -273,26 +282,20 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             _say(f"bench: {err}")
             return 2
-        if args.wait_for_quiet is not None:
-            wait_for_quiet(args.wait_for_quiet, 600, _say)
-        jars.ensure("broker")
-        jars.ensure("connector")
+        _standalone_ready(args)
         return run_soak(args.soak, args.soak_rate or DEFAULT_RATE, args.seed, args.out or RESULTS_DIR, args.keep, _say,
                         kinds)
+    command = getattr(args, "command_line", "llmstream bench").strip()
     if args.batch_lane is not None:
-        if args.wait_for_quiet is not None:
-            wait_for_quiet(args.wait_for_quiet, 600, _say)
-        jars.ensure("broker")
-        jars.ensure("connector")
+        _standalone_ready(args)
         return batch_lane.run(args.batch_lane, args.batch_size, args.batch_delay_s, args.kills, args.inject,
-                              args.out or RESULTS_DIR, getattr(args, "command_line", "llmstream bench").strip(), _say)
+                              args.out or RESULTS_DIR, command, _say)
     if args.smoke:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS
         args.max_seconds = max(args.max_seconds, SMOKE_MAX_SECONDS)
-    command = getattr(args, "command_line", "llmstream bench")
     started = time.monotonic()
-    results, paths, failures, probes = run_all(args, command.strip())
+    results, paths, failures, probes = run_all(args, command)
     print()
     print(report.table(results))
     print()

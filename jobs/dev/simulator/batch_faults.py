@@ -97,10 +97,10 @@ class ForcedOutcomes:
     def accounting(self, stats: dict[str, Any], reasons: Iterable[str], records: int) -> dict[str, Any]:
         """What was forced, the dead letters by reason, and the requests submitted beyond one a
         record set against what explains them (``stats``: the simulator's counters of the API):
-        each refused request tried again (refused, less those dead-lettered for it), each request an
-        expired batch left unanswered (less those dead-lettered for it), and the deleted batches made again whole (less their
-        refusals, which went again with them). ``unexplained`` is what a record paid for twice
-        without cause."""
+        each refused request tried again (refused, less those dead-lettered for it), each request
+        an expired batch left unanswered (less those dead-lettered for it), and the deleted batches
+        made again whole (less their refusals, which went again with them). ``unexplained`` is what
+        a record paid for twice without cause."""
         by_reason = Counter(reasons)
         deleted = [f for f in self.forced if f["action"] == "delete"]
         explained = (int(stats["requests_errored"]) - by_reason["batch_request_failed"]
