@@ -179,20 +179,15 @@ class Fleet:
                      AdaptiveConcurrency(spec.capacity, min_concurrency, adaptive=adaptive, clock=clock),
                      Circuit(circuit), fallback=spec.fallback)
             for i, spec in enumerate(specs)]
-        if not any(not e.fallback for e in self.endpoints):
+        # The groups are fixed for the fleet's life; every attempt asks for them.
+        self.primaries = [e for e in self.endpoints if not e.fallback]
+        self.fallbacks = [e for e in self.endpoints if e.fallback]
+        if not self.primaries:
             raise ValueError("a fleet needs at least one primary endpoint")
         self.fallback_after_attempts = fallback_after_attempts
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-
-    @property
-    def primaries(self) -> list[Endpoint]:
-        return [e for e in self.endpoints if not e.fallback]
-
-    @property
-    def fallbacks(self) -> list[Endpoint]:
-        return [e for e in self.endpoints if e.fallback]
 
     # ------------------------------------------------------------------ the pure part
 

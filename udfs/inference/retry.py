@@ -14,9 +14,9 @@ import math
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from email.utils import parsedate_to_datetime
+from types import TracebackType
 from typing import Literal, TypeVar
 
 from udfs.config import RetryConfig
@@ -135,14 +135,30 @@ class Deadline:
             return None
         return self._expires_at - asyncio.get_running_loop().time()
 
-    @asynccontextmanager
-    async def scope(self) -> AsyncIterator[asyncio.Timeout]:
-        async with asyncio.timeout_at(self._expires_at) as timeout:
-            self._scope = timeout
-            try:
-                yield timeout
-            finally:
-                self._scope = None
+    def scope(self) -> _Scope:
+        """An `asyncio.timeout_at` the deadline's `start()` reschedules while it is entered."""
+        return _Scope(self)
+
+
+class _Scope:
+    """`Deadline.scope()`: a class, not an `asynccontextmanager` generator, because it is entered
+    once for every attempt of every record, and a generator's set-up is measurable there."""
+
+    __slots__ = ("_deadline", "_timeout")
+
+    def __init__(self, deadline: Deadline) -> None:
+        self._deadline = deadline
+        self._timeout = asyncio.timeout_at(deadline._expires_at)
+
+    async def __aenter__(self) -> asyncio.Timeout:
+        timeout = await self._timeout.__aenter__()
+        self._deadline._scope = timeout
+        return timeout
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self._deadline._scope = None
+        await self._timeout.__aexit__(exc_type, exc, tb)  # raises TimeoutError when it expired
 
 
 class RetryPolicy:

@@ -38,6 +38,11 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+"""One decoder for every record: `json.loads` with an argument builds a new one per call, a few
+microseconds of each record's CPU on the fast lanes. Stateless, so safe across threads."""
+
+
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 """A `\\ud800`-`\\udfff` escape: half of a pair, or alone (then no Unicode text)."""
 
@@ -68,7 +73,9 @@ def _parse(value: bytes) -> Any:
     if "\x00" in text:
         raise BadInput("invalid_json", "value contains a NUL character")
     try:
-        parsed = json.loads(text, parse_constant=_reject_constant)
+        if text.startswith("\ufeff"):  # as `json.loads` refuses it; the decoder itself would not
+            raise ValueError("Unexpected UTF-8 BOM (decode using utf-8-sig)")
+        parsed = _DECODER.decode(text)
     except RecursionError:
         raise BadInput("invalid_json", "JSON nested too deeply") from None
     except ValueError as err:
