@@ -226,3 +226,21 @@ def test_the_vectorized_lanes_targets_are_judged_within_one_run() -> None:
     # Without the lane's runs nothing is judged.
     missing = [t for t in targets(results[:2]) if "vectorized" in t.text]
     assert missing and all(t.verdict == "not measured" for t in missing)
+
+
+@pytest.mark.parametrize("api", ["chat", "embeddings"])
+def test_the_lane_probe_runs_the_vectorized_function_without_flink(api: str, sim: Any) -> None:
+    """`probes lane`: whole batches through the lane's function, each row answered (it raises if
+    one is not), counted in records with the probe's own CPU a record; the report quotes both."""
+    from jobs.dev.bench.probes import lane_ceiling
+    from jobs.dev.bench.report import markdown
+
+    found = lane_ceiling(sim.url, 0.2, 256, batch_size=40, api=api)  # capacity >= the embeddings batch of 128
+    assert found["requests"] >= 40 and found["requests"] % 40 == 0
+    assert found["rate"] > 0 and found["cpu_us_per_record"] > 0
+    machine = {"cpus": 2, "memory_gb": 1.0, "load_avg_at_end": [0.0, 0.0, 0.0]}
+    text = markdown([_run("d", "llmstream", 1000.0)],
+                    {"generated": "now", "command": "llmstream bench", "machine": machine, "load_before": 0.0},
+                    {"lane_d": found})
+    assert "(d) probe: the vectorized lane's function over batches of 1,000 rows, without Flink" in text
+    assert f"{found['cpu_us_per_record']:g} µs CPU a record" in text

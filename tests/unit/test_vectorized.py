@@ -3,6 +3,7 @@ the columns of an Arrow batch (pandas values) back into the records both lanes w
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pandas as pd
@@ -73,3 +74,7 @@ def test_the_bench_runs_the_vectorized_lane_as_an_approach_of_its_own(tmp_path: 
                             LlmstreamSettings.recommended(scenario, 1), scenario, tmp_path, vectorized=True)
     config = config_from_dict(data)
     assert config.stage == "vectorized" and config.vectorized.batch_size == 1000
+    tuned = llmstream_config(Topics("i", "o", "d", "g"), "127.0.0.1:9", "http://127.0.0.1:9/v1",
+                             dataclasses.replace(LlmstreamSettings.recommended(scenario, 1), vectorized_batch_size=5000),
+                             scenario, tmp_path, vectorized=True)
+    assert config_from_dict(tuned).vectorized.batch_size == 5000

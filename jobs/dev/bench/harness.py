@@ -102,6 +102,8 @@ class LlmstreamSettings:
     """1: the result cache on (`cache.backend: local`, requests at temperature 0 so they are
     cacheable); 0: `cache.backend: none`. Ids are unique, so every lookup misses: what it
     measures is the cache's cost per record."""
+    vectorized_batch_size: int = VECTORIZED_BATCH
+    """The vectorized lane's `vectorized.batch_size` (its runs only)."""
     flink: tuple[tuple[str, str], ...] = ()
     """Flink options for the job config's `flink:` section (`--flink KEY=VALUE`), to measure a
     Flink setting without a new flag for each."""
@@ -120,6 +122,8 @@ class LlmstreamSettings:
         return (f"capacity {self.capacity}, {bundle}, "
                 f"checkpoint every {self.checkpoint_interval_ms} ms (timeout {self.checkpoint_timeout_ms // 1000} s), "
                 f"parallelism {self.parallelism}" + (", result cache on (temperature 0)" if self.cache else "")
+                + (f", vectorized batches of {self.vectorized_batch_size}"
+                   if self.vectorized_batch_size != VECTORIZED_BATCH else "")
                 + "".join(f", {key}={value}" for key, value in self.flink))
 
 
@@ -235,7 +239,7 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
         data["ordering"] = "per_key"
     if vectorized:
         data["stage"] = "vectorized"
-        data["vectorized"] = {"batch_size": VECTORIZED_BATCH}
+        data["vectorized"] = {"batch_size": settings.vectorized_batch_size}
         data["parallelism"] = {**data["parallelism"], "default": settings.parallelism, "inference": None}
         data["python"] = {**data["python"], "bundle_target_ms": 0}
     if settings.flink:

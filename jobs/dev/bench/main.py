@@ -46,8 +46,9 @@ from jobs.dev.simulator import spawn as spawn_simulator
 from jobs.runtime import jars
 
 TUNING_FLAGS = ("capacity", "bundle_size", "bundle_time_ms", "bundle_target_ms", "checkpoint_interval_ms",
-                "checkpoint_timeout_ms", "parallelism", "cache")
-PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, no Flink"}
+                "checkpoint_timeout_ms", "parallelism", "cache", "vectorized_batch_size")
+PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, no Flink",
+               "lane": "the vectorized lane's function, no Flink"}
 CEILING_PROBE_S = 10.0
 """How long the ceiling probe of a scenario with a fixed latency runs (`Scenario.ceiling_probe_concurrency`)."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
