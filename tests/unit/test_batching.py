@@ -378,7 +378,7 @@ def test_bench_scenario_e_runs_llmstream_batched_and_unbatched_with_valid_config
                                           batched=approach != UNBATCHED)) for approach in ("llmstream", UNBATCHED))
     assert batched.model.api == unbatched.model.api == "embeddings"
     assert (batched.model.batch.max_size, unbatched.model.batch.max_size) == (128, 1)
-    assert (batched.async_.capacity, unbatched.async_.capacity) == (1024, 128)
+    assert (batched.async_.capacity, unbatched.async_.capacity) == (1024, 256)  # four times the default 64 slots
 
 
 # ------------------------------------------------------------------ the stage, on fake PyFlink
