@@ -438,6 +438,7 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
         if stop.cancel.is_set():
             stopper.cancel()
         elif stop.savepoint.is_set() and not stopper.started:
+            _final_figures(figures, now)
             if on_stop is not None:
                 on_stop()
             stopper.start(drain=False, timeout_s=stop_timeout_s)
@@ -446,6 +447,7 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
             with contextlib.suppress(Exception):
                 if progress.reached(targets):
                     report("llmstream: backfill input committed; stopping with a draining savepoint")
+                    _final_figures(figures, now)
                     if on_stop is not None:
                         on_stop()
                     stopper.start(drain=True, timeout_s=stop_timeout_s)
@@ -475,6 +477,14 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
         cause = _first_and_last(failures, driver.failure())
     return Outcome(state=state, savepoint=stopper.savepoint, cause=cause,
                    stop_error=stopper.error if stopper.started else None)
+
+
+def _final_figures(figures: RunFigures | None, now: float) -> None:
+    """The figures once more as a stop begins, while the job still answers: after it ends,
+    `llmstream status` shows the last figures recorded, which the regular refresh (every
+    `progress_every_s`) may have taken a second or more before the last records were counted."""
+    if figures is not None:
+        figures.refresh(now, force=True)
 
 
 def _first_and_last(seen: list[str], last: str) -> str:

@@ -348,3 +348,29 @@ def test_a_job_that_ends_before_its_savepoint_is_reported_still_returns_the_save
             return attempt
 
     assert EndsFirst().stop_with_savepoint(drain=False, directory=SAVEPOINTS, timeout_s=30) == f"{SAVEPOINTS}/savepoint-1"
+
+
+class CountedFigures:
+    """`RunFigures` as `drive` uses it: which refreshes were forced, and how many stops had begun then."""
+
+    def __init__(self, job: FakeJob) -> None:
+        self.job = job
+        self.forced: list[int] = []
+
+    def refresh(self, now: float, *, force: bool = False) -> None:
+        if force:
+            self.forced.append(len(self.job.stops))
+
+
+@pytest.mark.parametrize("backfill", [False, True])
+def test_the_figures_are_taken_once_more_as_a_stop_begins(backfill: bool) -> None:
+    """An ended run's `llmstream status` shows the last figures recorded: without a refresh as the
+    stop begins they could be a second or more older than the job's last counts."""
+    job = FakeJob()
+    figures = CountedFigures(job)
+    stop = StopRequest.new() if backfill else requested(savepoint=True)
+    outcome = drive(job, stop, savepoints_uri=SAVEPOINTS, progress=Progress(reach_at=2) if backfill else None,  # type: ignore[arg-type]
+                    targets={"t:0": 10} if backfill else None, figures=figures,  # type: ignore[arg-type, dict-item]
+                    progress_every_s=0, report=lambda line: None)
+    assert outcome.state == "FINISHED"
+    assert figures.forced == [0]  # once, before the stop was asked for
