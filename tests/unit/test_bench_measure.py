@@ -242,5 +242,6 @@ def test_the_lane_probe_runs_the_vectorized_function_without_flink(api: str, sim
     text = markdown([_run("d", "llmstream", 1000.0)],
                     {"generated": "now", "command": "llmstream bench", "machine": machine, "load_before": 0.0},
                     {"lane_d": found})
-    assert "(d) probe: the vectorized lane's function over batches of 1,000 rows, without Flink" in text
+    assert found["batch_size"] == 40
+    assert "(d) probe: the vectorized lane's function over batches of 40 rows, without Flink" in text
     assert f"{found['cpu_us_per_record']:g} µs CPU a record" in text

@@ -179,9 +179,10 @@ class Fleet:
                      AdaptiveConcurrency(spec.capacity, min_concurrency, adaptive=adaptive, clock=clock),
                      Circuit(circuit), fallback=spec.fallback)
             for i, spec in enumerate(specs)]
-        # The groups are fixed for the fleet's life; every attempt asks for them.
-        self.primaries = [e for e in self.endpoints if not e.fallback]
-        self.fallbacks = [e for e in self.endpoints if e.fallback]
+        # The groups are fixed for the fleet's life; every attempt asks for them (tuples: what
+        # `candidates` hands out is the group itself).
+        self.primaries = tuple(e for e in self.endpoints if not e.fallback)
+        self.fallbacks = tuple(e for e in self.endpoints if e.fallback)
         if not self.primaries:
             raise ValueError("a fleet needs at least one primary endpoint")
         self.fallback_after_attempts = fallback_after_attempts
@@ -191,7 +192,7 @@ class Fleet:
 
     # ------------------------------------------------------------------ the pure part
 
-    def candidates(self, attempt: int = 1) -> list[Endpoint]:
+    def candidates(self, attempt: int = 1) -> tuple[Endpoint, ...]:
         """The group an attempt may go to, before looking at slots: closed primaries; else (every
         primary open, or past `fallback.after_attempts`) the fallback group plus primaries that
         may be probed. Without a fallback group, the primaries."""

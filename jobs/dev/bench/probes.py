@@ -92,9 +92,7 @@ async def client_ceiling(endpoint: str, seconds: float, concurrency: int) -> dic
     from udfs.records.decode import decode
     from udfs.records.encode import result_value
 
-    config = with_overrides(load_config(), model={"endpoint": endpoint, "model": MODEL,
-                                                  "system_prompt": SYSTEM_PROMPT, "max_tokens": MAX_TOKENS},
-                            async_={"capacity": concurrency})
+    config = with_overrides(load_config(), model=_model(endpoint), async_={"capacity": concurrency})
     client = InferenceClient(config, cache_file=result_cache_file(config, StateDir.for_job(config)))
 
     async def call(seq: int) -> object:
@@ -117,8 +115,7 @@ def lane_ceiling(endpoint: str, seconds: float, concurrency: int, batch_size: in
     from udfs.config import load_config, with_overrides
     from udfs.stage.vectorized import VectorizedInference
 
-    model: dict[str, Any] = {"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT,
-                             "max_tokens": MAX_TOKENS, "api": api}
+    model = {**_model(endpoint), "api": api}
     if api == "embeddings":
         model["batch"] = {"max_size": EMBEDDINGS_BATCH}
     config = with_overrides(load_config(), model=model, async_={"capacity": concurrency}, stage="vectorized",
@@ -142,9 +139,14 @@ def lane_ceiling(endpoint: str, seconds: float, concurrency: int, batch_size: in
             if int(out["emit"].sum()) != batch_size or (out["topic"] == config.kafka.dead_letter_topic).any():
                 raise RuntimeError("the lane probe's batch did not come back answered")
             done += batch_size
-        return _figures(done, time.monotonic() - started, concurrency, _cpu_s() - cpu)
+        return {**_figures(done, time.monotonic() - started, concurrency, _cpu_s() - cpu), "batch_size": batch_size}
     finally:
         function.close()
+
+
+def _model(endpoint: str) -> dict[str, Any]:
+    """The `model` section of the llmstream probes: the request the benchmark's baselines send."""
+    return {"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT, "max_tokens": MAX_TOKENS}
 
 
 class _NoMetrics:

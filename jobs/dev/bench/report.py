@@ -354,12 +354,13 @@ def markdown(results: Sequence[RunResult], meta: dict[str, Any], probes: dict[st
     ]
     notes = [f"- ({r.scenario}) {r.approach}: {n}" for r in results for n in r.notes]
     labels = {"http": "bare aiohttp", "client": "llmstream's decode + InferenceClient + encode, without Flink",
-              "lane": "the vectorized lane's function over batches of 1,000 rows, without Flink"}
+              "lane": "the vectorized lane's function over batches of {batch_size:,} rows, without Flink"}
     for name, probe in (probes or {}).items():
         kind, scenario = name.rsplit("_", 1)
         if probe and kind in labels:
             cpu = f", {probe['cpu_us_per_record']:g} µs CPU a record" if "cpu_us_per_record" in probe else ""
-            notes.append(f"- ({scenario}) probe: {labels[kind]}, {probe['concurrency']} concurrent, no Kafka, "
+            label = labels[kind].format(**probe)  # the lane probe says its batch size
+            notes.append(f"- ({scenario}) probe: {label}, {probe['concurrency']} concurrent, no Kafka, "
                          f"against the same simulator: {probe['rate']:,.0f} requests/s over {probe['seconds']:g} s{cpu}")
         run = next((r for r in results if r.scenario == scenario and r.limit_per_s), None)
         if probe and kind == "ceiling" and run is not None:
