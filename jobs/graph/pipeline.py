@@ -170,7 +170,7 @@ def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateD
             conf.set_string(key, value)
     conf.set_string("python.executable", sys.executable)
     conf.set_string("python.client.executable", sys.executable)
-    if config.stage == "vectorized":  # the bundle is one Arrow batch: a checkpoint waits for about one
+    if config.lane == "vectorized":  # the bundle is one Arrow batch: a checkpoint waits for about one
         conf.set_string("python.fn-execution.arrow.batch.size", str(config.vectorized.batch_size))
         conf.set_string("python.fn-execution.bundle.size", str(config.vectorized.batch_size))
     else:
@@ -490,7 +490,7 @@ def _build_pipeline(env: StreamExecutionEnvironment, t_env: StreamTableEnvironme
     with_headers = create_source_table(t_env, config)
     create_sink_table(t_env, config)
     gate_dir = None
-    if config.stage == "vectorized":
+    if config.lane == "vectorized":
         vectorized_lane(t_env, config, with_headers, cache_file)
     else:
         outgoing, gate_dir = keyed_stage(t_env, env, config, SOURCE_TABLE, cache_file=cache_file)

@@ -144,8 +144,8 @@ def prepare(config: JobConfig, options: RunOptions, site: Site, *,
     `checkpointing.directory`; made if missing), the user functions (`user_modules`), the config against the broker
     (`jobs.launch.preflight`), `site.reach()`, the connector's and the admission gate's jars,
     `site.claim(state)`, the state's identity (`jobs.state.snapshots.check_identity`), the
-    snapshot to resume from and whether its gate state is left behind (both reported), and the
-    input's end offsets for a backfill.
+    snapshot to resume from and whether its gate state is left behind (both reported, and with
+    `stage: auto` the lane it chose), and the input's end offsets for a backfill.
 
     Each check raises as it always has: a `ConfigError` naming the setting (exit 2), or the error
     of the jar, the cluster or the state directory that failed. Nothing is started."""
@@ -159,6 +159,8 @@ def prepare(config: JobConfig, options: RunOptions, site: Site, *,
     check_identity(state, config, fresh=options.fresh)
     restore, resume = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
     report(f"llmstream: {resume}")  # before any JVM starts: a run killed while it starts has said so
+    if config.stage == "auto":
+        report(f"llmstream: {config.lane_choice()[1]}")
     leave_behind = gate.left_behind(config, restore)
     if leave_behind:
         report(f"llmstream: {leave_behind}")

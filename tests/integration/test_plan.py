@@ -52,6 +52,13 @@ def test_stages_and_parallelism_follow_the_config() -> None:
     assert _node(nodes, "kafka_results")["parallelism"] == 2
 
 
+@pytest.mark.parametrize(("api", "vectorized"), [("embeddings", True), ("chat", False)])
+def test_stage_auto_plans_the_lane_it_chooses(api: str, vectorized: bool) -> None:
+    types = [n["type"] for n in _plan(stage="auto", model={"api": api})]  # type: ignore[arg-type]
+    assert any(t.startswith("PythonCalc") for t in types) == vectorized, types
+    assert ("inference" in types) != vectorized, types
+
+
 def test_decode_and_inference_are_one_keyed_python_operator() -> None:
     nodes = _plan()
     types = [n["type"] for n in nodes]

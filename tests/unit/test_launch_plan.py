@@ -110,3 +110,11 @@ def test_a_state_directory_that_is_a_file_is_named_before_the_broker_is_asked(tm
     with pytest.raises(ConfigError, match=r"^checkpointing\.directory: "):
         prepare(_local_cache(tmp_path), RunOptions(), _Site(calls), report=print)
     assert calls == []
+
+
+def test_prepare_says_which_lane_stage_auto_chose(tmp_path: Path, calls: list[str]) -> None:
+    said: list[str] = []
+    config = with_overrides(_local_cache(tmp_path), stage="auto", model={"api": "embeddings"})
+    prepare(config, RunOptions(), _Site(calls), report=said.append)
+    assert said[-1] == "llmstream: stage: auto, vectorized: model.api is embeddings"
+    assert config.stage == "auto"  # chosen, not written back

@@ -41,6 +41,36 @@ def test_what_the_vectorized_lane_does_not_do_is_one_line_naming_the_key(overrid
     assert info.value.key == key and "\n" not in str(info.value)
 
 
+def test_auto_chooses_the_vectorized_lane_for_embeddings_and_the_keyed_stage_for_chat() -> None:
+    embeddings = config_from_dict(_vectorized(stage="auto", model={"api": "embeddings"}))
+    assert embeddings.stage == "auto" and embeddings.lane == "vectorized"
+    assert embeddings.lane_choice()[1] == "stage: auto, vectorized: model.api is embeddings"
+    for api in ("chat", "completions"):
+        chosen = config_from_dict(_vectorized(stage="auto", model={"api": api}))
+        assert chosen.lane_choice() == ("keyed", f"stage: auto, keyed: model.api is {api}")
+    assert config_from_dict(_vectorized(stage="vectorized")).lane_choice() == ("vectorized", "stage: vectorized")
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"ordering": "per_key"}, "ordering"),
+    ({"budget": {"max_tokens_per_hour": 1000}}, "budget"),
+    ({"python": {"bundle_target_ms": 250}}, "python.bundle_target_ms"),
+    ({"parallelism": {"default": 1, "inference": 2}}, "parallelism.inference"),
+])
+def test_auto_keeps_the_keyed_stage_for_what_only_it_does_instead_of_refusing(overrides: dict[str, Any],
+                                                                              key: str) -> None:
+    config = config_from_dict(_vectorized(stage="auto", model={"api": "embeddings"}, **overrides))
+    assert config.lane_choice() == ("keyed", f"stage: auto, keyed: {key} needs it")
+
+
+def test_auto_keeps_the_keyed_stage_for_the_provider_batch_lane() -> None:
+    config = config_from_dict(_vectorized(stage="auto", model={"api": "embeddings", "mode": "batch"}))
+    assert config.lane_choice() == ("keyed", "stage: auto, keyed: model.mode: batch is a keyed stage")
+    with pytest.raises(ConfigError) as info:  # as written, the lanes still refuse each other
+        config_from_dict(_vectorized(model={"api": "embeddings", "mode": "batch"}))
+    assert info.value.key == "stage"
+
+
 def test_an_unknown_stage_names_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict(_vectorized(stage="batched"))
@@ -78,3 +108,13 @@ def test_the_bench_runs_the_vectorized_lane_as_an_approach_of_its_own(tmp_path: 
                              dataclasses.replace(LlmstreamSettings.recommended(scenario, 1), vectorized_batch_size=5000),
                              scenario, tmp_path, vectorized=True)
     assert config_from_dict(tuned).vectorized.batch_size == 5000
+
+
+def test_the_library_call_refuses_the_vectorized_lane_however_it_was_chosen() -> None:
+    from jobs.library import infer
+
+    for stage in ("vectorized", "auto"):
+        config = config_from_dict(_vectorized(stage=stage, model={"api": "embeddings"}))
+        with pytest.raises(ConfigError) as info:
+            infer(None, config)  # type: ignore[arg-type]  # refused before the stream is looked at
+        assert info.value.key == "stage" and "infer() runs the keyed stage" in str(info.value)

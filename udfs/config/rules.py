@@ -61,22 +61,14 @@ def _formats(config: JobConfig) -> None:
 
 
 def _stage(config: JobConfig) -> None:
-    """What the vectorized lane does not do (yet), refused at load rather than half done."""
+    """What the vectorized lane does not do (yet), refused at load rather than half done
+    (`stage: auto` never refuses: it keeps the keyed stage for these)."""
     if config.stage != "vectorized":
         return
-    keyed_only = "needs the keyed stage (stage: keyed): "
-    unsupported = {
-        "ordering": (config.ordering == "per_key",
-                     keyed_only + "the vectorized lane does not route a key's records to one subtask"),
-        "budget": (config.budget.enabled, keyed_only + "a paused budget would hold the batch in progress, "
-                   "and with it every checkpoint, for up to its window"),
-        "python.bundle_target_ms": (config.python.bundle_target_ms > 0,
-                                    "is for the keyed stage; the vectorized lane's bundle is vectorized.batch_size"),
-        "parallelism.inference": (config.parallelism.of("inference") != config.parallelism.default,
-                                  "the vectorized lane runs at parallelism.default (set that instead)"),
-    }
-    for key, (refused, why) in unsupported.items():
-        require(not refused, key, f"{why}")
+    refused = config.keyed_only()
+    if refused:
+        key, why = next(iter(refused.items()))
+        raise ConfigError(key, why)
 
 
 def validate_job(config: JobConfig) -> None:
@@ -118,7 +110,7 @@ def _batch_lane(config: JobConfig) -> None:
     batch_lane = "not with model.mode: batch: "
     model = config.model
     unsupported = {
-        "stage": (config.stage != "keyed", batch_lane + "the batch lane is a keyed stage (stage: keyed)"),
+        "stage": (config.lane != "keyed", batch_lane + "the batch lane is a keyed stage (stage: keyed)"),
         "model.endpoints": (model.endpoints is not None or model.fallback is not None,
                             batch_lane + "a batch goes to one provider (model.endpoint)"),
         "ordering": (config.ordering == "per_key", batch_lane + "a batch answers in any order"),

@@ -659,6 +659,10 @@ class ProviderBatchConfig:
                 f"{self.poll_max_s:g} is below poll_initial_s ({self.poll_initial_s:g})")
 
 
+Lane = Literal["keyed", "vectorized"]
+"""An inference stage a job runs (`JobConfig.lane`): `stage` as written, `auto` resolved."""
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """The whole job. `name` is the Flink job name and part of log lines; `flink` holds any
@@ -681,7 +685,7 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     schema_registry: SchemaRegistryConfig | None = None
     ordering: Literal["none", "per_key"] = "none"
-    stage: Literal["keyed", "vectorized"] = "keyed"
+    stage: Literal["keyed", "vectorized", "auto"] = "keyed"
     vectorized: VectorizedConfig = field(default_factory=VectorizedConfig)
     provider_batch: ProviderBatchConfig = field(default_factory=ProviderBatchConfig)
     flink: dict[str, str] = field(default_factory=dict)
@@ -700,5 +704,49 @@ class JobConfig:
     def api_key(self) -> str | None:
         """The API key from the environment or its file, read where it is used and never stored."""
         return read_api_key(self.model.api_key_env, self.model.api_key_file, "model")
+
+    def keyed_only(self) -> dict[str, str]:
+        """The settings of this config that only the keyed stage serves, each with why: the
+        vectorized lane refuses them at load (`udfs/config/rules.py`), and `stage: auto` keeps
+        the keyed stage for them."""
+        keyed = "needs the keyed stage (stage: keyed): "
+        settings = {
+            "ordering": (self.ordering == "per_key",
+                         keyed + "the vectorized lane does not route a key's records to one subtask"),
+            "budget": (self.budget.enabled, keyed + "a paused budget would hold the batch in progress, "
+                       "and with it every checkpoint, for up to its window"),
+            "python.bundle_target_ms": (self.python.bundle_target_ms > 0,
+                                        "is for the keyed stage; the vectorized lane's bundle is vectorized.batch_size"),
+            "parallelism.inference": (self.parallelism.of("inference") != self.parallelism.default,
+                                      "the vectorized lane runs at parallelism.default (set that instead)"),
+        }
+        return {key: why for key, (present, why) in settings.items() if present}
+
+    @property
+    def lane(self) -> Lane:
+        """The inference stage this job runs: `stage`, with `auto` resolved (`lane_choice`)."""
+        return self.lane_choice()[0]
+
+    def lane_choice(self) -> tuple[Lane, str]:
+        """The inference stage this job runs, and why, in words for the start-up line.
+
+        `stage: auto` decides from the config alone, by what kind of call the model answers:
+        the vectorized lane for embeddings (an input takes milliseconds, about what its crossing
+        into Python costs, and a batch has no heavy tail), the keyed stage for chat (calls take
+        tens of milliseconds to minutes, with tails that would hold a vectorized batch and every
+        checkpoint behind it) and whenever a setting needs it (`keyed_only`, the provider-batch
+        lane). Not by a latency measured at start: the lane is fixed for a job's life (a savepoint
+        restores only into the lane that took it), and what the first few calls of a cold server
+        take says little about the rest. docs/tuning.md, "Which lane", has the measured rows."""
+        if self.stage != "auto":
+            return self.stage, f"stage: {self.stage}"
+        if self.model.mode == "batch":
+            return "keyed", "stage: auto, keyed: model.mode: batch is a keyed stage"
+        held = self.keyed_only()
+        if held:
+            return "keyed", f"stage: auto, keyed: {', '.join(held)} {'needs' if len(held) == 1 else 'need'} it"
+        if self.model.api == "embeddings":
+            return "vectorized", "stage: auto, vectorized: model.api is embeddings"
+        return "keyed", f"stage: auto, keyed: model.api is {self.model.api}"
 
 
