@@ -50,28 +50,40 @@ def _record(fault_report: FaultReport, name: str, result: Tally, *, started: flo
 INTERRUPTED_RUNS = int(os.environ.get("LLMSTREAM_INTERRUPTED_RUNS", "15"))
 """How many times the interrupted-runs test stops `llmstream run`: 15 in the documented fault run,
 fewer in `make test` (its Makefile sets 6: the same moments' spread, a third of the time)."""
-INTERRUPTED_RECORDS = max(1500, 5000 * INTERRUPTED_RUNS // 15)
-"""5,000 ids with 15 interruptions, fewer with fewer: each interrupted run answers only ~50 of them
-(most of its life is the start), and the final backfill does the rest at ~40/s, which was 115 s of
-the test's 9.5 min in `make test` (CI, 2026-12-02) for no more interruptions. Capacity 48 (16 until
-2026-12-02: ~40/s) triples the pace at which they go and puts 48 calls in flight at each kill."""
 
 
+def interrupted_records(runs: int) -> int:
+    """How many ids the interrupted-runs test sends with `runs` interruptions: 5,000 with 15, fewer
+    with fewer. Each interrupted run answers only ~50 of them (most of its life is the start), and
+    the final backfill does the rest at ~40/s, which was 115 s of the test's 9.5 min in `make test`
+    (CI, 2026-12-02) for no more interruptions. Capacity 48 (16 until 2026-12-02: ~40/s) triples the
+    pace at which they go and puts 48 calls in flight at each kill."""
+    return max(1500, 5000 * runs // 15)
+
+
+VECTORIZED_INTERRUPTED_RUNS = max(4, INTERRUPTED_RUNS * 2 // 3)
+"""The same test in the vectorized lane stops its runs fewer times (4 in `make test`): what it adds
+is the lane's own stop and restore paths, which a few of each kind already take."""
+
+
+@pytest.mark.parametrize(("stage", "runs"), [("keyed", INTERRUPTED_RUNS), ("vectorized", VECTORIZED_INTERRUPTED_RUNS)])
 def test_run_interrupted_many_times_loses_and_duplicates_nothing(
-        kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport) -> None:
-    """`INTERRUPTED_RECORDS` ids, a model at 100-500 ms, `llmstream run` interrupted `INTERRUPTED_RUNS` times (15:
-    SIGINT at 10 random moments, SIGKILL of the whole process group at 5; two thirds SIGINT in
-    general) and restarted with the same command each time, then finished with `--until-end`:
-    every id exactly once."""
+        kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport, stage: str, runs: int) -> None:
+    """`interrupted_records(runs)` ids, a model at 100-500 ms, `llmstream run` interrupted `runs` times (15 in
+    the keyed lane's documented run: SIGINT at 10 random moments, SIGKILL of the whole process group at 5;
+    two thirds SIGINT in general) and restarted with the same command each time, then finished with
+    `--until-end`: every id exactly once. In both lanes (the vectorized one with Arrow batches of 100:
+    a Ctrl-C's savepoint waits for the batch in progress, a kill sends its calls again)."""
     sim = simulator.spawn(["--latency", "lognormal:200:500", "--seed", "11"])
+    lane = {"stage": "vectorized", "vectorized": {"batch_size": 100}} if stage == "vectorized" else {}
     try:
         setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="interrupted",
-                         async_={"capacity": 48}, checkpointing={"interval_ms": 1000})
-        records = unique_records(INTERRUPTED_RECORDS, "int")
+                         async_={"capacity": 48}, checkpointing={"interval_ms": 1000}, **lane)
+        records = unique_records(interrupted_records(runs), "int")
         kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
         rng = random.Random(20261130)
-        kills = max(1, INTERRUPTED_RUNS // 3)
-        kinds = ["SIGINT"] * (INTERRUPTED_RUNS - kills) + ["SIGKILL"] * kills
+        kills = max(1, runs // 3)
+        kinds = ["SIGINT"] * (runs - kills) + ["SIGKILL"] * kills
         rng.shuffle(kinds)
         started = time.monotonic()
         outcomes = []
@@ -103,7 +115,8 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
         sim.stop()
     resumed = sum(1 for _, r, _ in outcomes if r)
     stopped_with_savepoint = sum(1 for k, _, s in outcomes if k == "SIGINT" and s)
-    _record(fault_report, f"r1. llmstream run: SIGINT x{kinds.count('SIGINT')} + SIGKILL x{kinds.count('SIGKILL')}, "
+    scenario = "r1." if stage == "keyed" else "r1v. vectorized lane,"
+    _record(fault_report, f"{scenario} llmstream run: SIGINT x{kinds.count('SIGINT')} + SIGKILL x{kinds.count('SIGKILL')}, "
             "restarted each time", result,
             started=started, restarts=len(kinds),
             notes=f"model calls per record {served / len(records):.2f}; "
