@@ -302,6 +302,52 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     check_exactly_once(result)
 
 
+def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
+        cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
+    """The lifecycle above in the vectorized lane (Arrow batches of 50): cancel -> submit resumes
+    from the retained checkpoint; `llmstream stop` -> submit from the savepoint; `llmstream upgrade`
+    with a changed capacity; then a backfill. Every id exactly once. Not its parallelism changes:
+    the lane runs at `parallelism.default`, the source's subtasks included."""
+    sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle-vectorized", partitions=2,
+                     async_={"capacity": 8}, parallelism={"default": 1}, stage="vectorized",
+                     vectorized={"batch_size": 50})
+    run = ClusterRun(cluster, setup, 2000, "lifev")
+    run.produce(slice(0, 2000))
+    out = run.submit(capsys)
+    assert "no snapshot" in out
+    run.wait_output(200)
+
+    cluster.cancel(run.live_job())
+    out = run.submit(capsys)
+    assert "resuming from checkpoint" in out, out
+    run.wait_output(600)
+
+    assert submit_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
+    assert "savepoint" in capsys.readouterr().out
+    out = run.submit(capsys)
+    assert "resuming from savepoint" in out, out
+    run.wait_output(1000)
+
+    faster = setup.path.with_name("lifecycle-vectorized-capacity.yaml")
+    faster.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
+    assert submit_mod.upgrade(str(faster), jobmanager=cluster.address) == 0, capsys.readouterr()
+    capsys.readouterr()
+    cluster.wait_for_job_state(run.live_job(), "RUNNING", timeout=180)
+    run.wait_output(1400)
+
+    assert submit_mod.stop_job(str(faster), jobmanager=cluster.address) == 0
+    capsys.readouterr()
+    out = run.backfill(capsys, faster)
+    assert "resuming from savepoint" in out, out
+    result = final_tally(setup, run.ids)
+    _record(fault_report, "r2v. vectorized lane, cluster: cancel/stop -> submit resumes; upgrade capacity", result,
+            started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
+            calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
+    check_exactly_once(result)
+
+
 def test_upgrades_that_add_and_remove_a_spend_budget_resume_from_state(
         cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
