@@ -136,6 +136,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
     metrics: dict[str, dict[str, float]] = (raw or {}).get("metrics") or {}
     if raw:
         out["job"] = {k: raw[k] for k in ("id", "name", "state", "uptime_s", "restarts")}
+    out["job"]["lane"] = config.lane  # with `stage: auto`, the one it chose
 
     def llm(name: str) -> float | None:
         return _sum(metrics, LLMSTREAM_GROUP + name)

@@ -94,6 +94,7 @@ def render(fig: dict[str, Any]) -> Any:
     if not started(fig) and state not in ("ENDED", "FINISHED"):
         title += "  [yellow]starting: nothing processed yet[/yellow]"
     header = (f"job {job.get('id') or '–'}   up {_duration(job.get('uptime_s'))}   restarts {_fmt(job.get('restarts'))}"
+              + (f"   {job['lane']} lane" if job.get("lane") else "")
               + (f"   REST {job['rest_url']}" if job.get("rest_url") else ""))
     if job.get("figures_as_of"):
         header += f"\n[dim]the run has ended: figures as last seen {_duration(fig['at'] - job['figures_as_of'])} " \

@@ -108,7 +108,7 @@ def test_figures_from_the_rest_api() -> None:
     fig = figures(config(model={"prices": {"prompt_per_1k": 0.5, "completion_per_1k": 1.0}}), raw,
                   lag={"committed": 100, "end": 2100, "partitions": {"llm-requests:0": [0, 1500], "llm-requests:1": [100, 600]}})
     assert fig["job"] == {"id": JOB, "name": "llmstream-inference", "state": "RUNNING", "uptime_s": 60.0,
-                          "restarts": 1}
+                          "restarts": 1, "lane": "keyed"}
     # Per partition: end - (last emitted + 1), or - the group's offset before the first emitted record:
     # (1500 - 500) + (600 - 100); not pendingRecords (800), which counts from the fetch position.
     assert fig["input"]["lag_records"] == 1500 and fig["input"]["drain_s"] == 37.5   # at 40 records/s
@@ -157,7 +157,7 @@ def test_screen_and_line_show_every_figure() -> None:
     text = out.getvalue()
     for expected in ("RUNNING", "input lag", "800 records", "20 s", "40/s", "14 / 32 capacity", "AIMD limit",
                      "180 / 900 ms", "1,120 / 20 / 7", "3 s ago", "240 ms / 20.0 KB", "invalid_json",
-                     "inference_rejected", "tokens / min", "restarts 1"):
+                     "inference_rejected", "tokens / min", "restarts 1", "keyed lane"):
         assert expected in text, expected
     compact = line(fig)
     assert compact.startswith("RUNNING") and "in 1,200 (40/s)" in compact and "lag 800 (~20 s)" in compact
@@ -241,7 +241,8 @@ class VectorizedRest(FakeRest):
 
 def test_the_vectorized_lanes_figures_read_as_the_keyed_stages() -> None:
     raw = JobMetrics(VectorizedRest(), JOB).collect()
-    fig = figures(config(stage="vectorized"), raw)
+    fig = figures(config(stage="auto", model={"api": "embeddings"}), raw)
+    assert fig["job"]["lane"] == "vectorized"  # what `stage: auto` chose
     assert fig["records"]["in"] == 1200 and fig["records"]["processed"] == 1190 and fig["records"]["emitted"] == 1190
     assert fig["calls"]["capacity"] == 32 and fig["calls"]["admitted"] == 64
     assert fig["dead_letters"]["by_reason"] == {"invalid_json": 2}
