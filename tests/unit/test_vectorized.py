@@ -118,3 +118,48 @@ def test_the_library_call_refuses_the_vectorized_lane_however_it_was_chosen() ->
         with pytest.raises(ConfigError) as info:
             infer(None, config)  # type: ignore[arg-type]  # refused before the stream is looked at
         assert info.value.key == "stage" and "infer() runs the keyed stage" in str(info.value)
+
+
+def test_a_batchs_calls_keep_to_capacity_and_a_call_that_fails_or_outlives_the_batch_is_a_dead_letter() -> None:
+    """`_batch` runs a batch's calls by `async.capacity` workers: never more at once, every other
+    call answered in its row when one raises (a bug) or never ends (past the batch's guard)."""
+    import asyncio
+
+    from udfs.metrics import InferenceMetrics
+    from udfs.records import PendingRecord, Request
+
+    config = config_from_dict(_vectorized(**{"async": {"capacity": 3}}))
+    function = VectorizedInference(config)
+    running: list[int] = []
+    peak = 0
+
+    class Path:
+        async def call(self, request: Request, record: PendingRecord) -> Any:
+            nonlocal peak
+            running.append(1)
+            peak = max(peak, len(running))
+            try:
+                if request.id == "boom":
+                    raise RuntimeError("a bug")
+                if request.id == "hang":
+                    await asyncio.Event().wait()  # never set
+                await asyncio.sleep(0)
+                return f"answer {request.id}", None
+            finally:
+                running.pop()
+
+        def dead_letter(self, err: Any, record: PendingRecord, request_id: str | None = None) -> Any:
+            return f"dead {request_id}: {err.reason}"
+
+    function._path = Path()  # type: ignore[assignment]
+    function._metrics = InferenceMetrics(None)
+    ids = [f"r{i}" for i in range(10)] + ["boom", "hang"] + [f"s{i}" for i in range(5)]
+    calls = []
+    for i, rid in enumerate(ids):
+        record = PendingRecord(None, b"{}", "in", 0, i)
+        calls.append((i, Request(id=rid, key=None, source=record.source), record))
+    answers = asyncio.run(function._batch(calls, timeout_s=2.0))
+    assert [a[0] for a in answers] == [
+        f"dead {rid}: internal_error" if rid in ("boom", "hang") else f"answer {rid}" for rid in ids]
+    assert [a[1] for a in answers].count("internal_error") == 2
+    assert peak == 3 and function._metrics.admitted == 0
