@@ -232,6 +232,33 @@ class ClusterRun:
     def restarts(self) -> int:
         return total_restarts(self.cluster, self.jobs)
 
+    def upgrade(self, capsys: pytest.CaptureFixture[str], config_path: Path) -> str:
+        """``llmstream upgrade`` to `config_path`; the new job once it runs."""
+        assert submit_mod.upgrade(str(config_path), jobmanager=self.cluster.address) == 0, capsys.readouterr()
+        capsys.readouterr()
+        job = self.live_job()
+        self.cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+        return job
+
+    def first_runs(self, capsys: pytest.CaptureFixture[str], outputs: tuple[int, int, int]) -> None:
+        """The lifecycle's start: submit (nothing to resume), cancel -> submit (resumes from the retained
+        checkpoint), `llmstream stop` -> submit (from the savepoint), each run until `outputs` committed."""
+        first, after_cancel, after_stop = outputs
+        out = self.submit(capsys)
+        assert "no snapshot" in out
+        self.wait_output(first)
+
+        self.cluster.cancel(self.live_job())
+        out = self.submit(capsys)
+        assert "resuming from checkpoint" in out, out
+        self.wait_output(after_cancel)
+
+        assert submit_mod.stop_job(str(self.setup.path), jobmanager=self.cluster.address) == 0
+        assert "savepoint" in capsys.readouterr().out
+        out = self.submit(capsys)
+        assert "resuming from savepoint" in out, out
+        self.wait_output(after_stop)
+
 
 LIFECYCLE_SIM_ARGS = ["--latency", "fixed:100", "--seed", "3"]
 
@@ -247,36 +274,16 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
                      async_={"capacity": 8}, parallelism={"default": 1})
     run = ClusterRun(cluster, setup, 5000, "life")
     run.produce(slice(0, 5000))
-    out = run.submit(capsys)
-    assert "no snapshot" in out
-    run.wait_output(400)
-
-    cluster.cancel(run.live_job())
-    out = run.submit(capsys)
-    assert "resuming from checkpoint" in out, out
-    run.wait_output(1200)
-
-    assert submit_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
-    stopped = capsys.readouterr().out
-    assert "savepoint" in stopped
-    out = run.submit(capsys)
-    assert "resuming from savepoint" in out, out
-    run.wait_output(2000)
+    run.first_runs(capsys, (400, 1200, 2000))
 
     faster = setup.path.with_name("lifecycle-capacity.yaml")
     faster.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
-    assert submit_mod.upgrade(str(faster), jobmanager=cluster.address) == 0, capsys.readouterr()
-    capsys.readouterr()
-    job = run.live_job()
-    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    run.upgrade(capsys, faster)
     run.wait_output(2600)
 
     wider = setup.path.with_name("lifecycle-parallelism.yaml")
     wider.write_text(faster.read_text().replace("inference: 1", "inference: 2").replace("sink: 1", "sink: 2"))
-    assert submit_mod.upgrade(str(wider), jobmanager=cluster.address) == 0, capsys.readouterr()
-    capsys.readouterr()
-    job = run.live_job()
-    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    job = run.upgrade(capsys, wider)
     assert max(cluster.vertex_parallelism(job).values()) == 2
 
     run.wait_output(3200)
@@ -285,10 +292,7 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     # second subtask, which the narrower job must still find and start again.
     narrow = setup.path.with_name("lifecycle-narrow.yaml")
     narrow.write_text(faster.read_text())
-    assert submit_mod.upgrade(str(narrow), jobmanager=cluster.address) == 0, capsys.readouterr()
-    capsys.readouterr()
-    job = run.live_job()
-    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    job = run.upgrade(capsys, narrow)
     assert max(cluster.vertex_parallelism(job).values()) == 1
 
     assert submit_mod.stop_job(str(narrow), jobmanager=cluster.address) == 0
@@ -315,26 +319,11 @@ def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
                      vectorized={"batch_size": 50})
     run = ClusterRun(cluster, setup, 2000, "lifev")
     run.produce(slice(0, 2000))
-    out = run.submit(capsys)
-    assert "no snapshot" in out
-    run.wait_output(200)
-
-    cluster.cancel(run.live_job())
-    out = run.submit(capsys)
-    assert "resuming from checkpoint" in out, out
-    run.wait_output(600)
-
-    assert submit_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
-    assert "savepoint" in capsys.readouterr().out
-    out = run.submit(capsys)
-    assert "resuming from savepoint" in out, out
-    run.wait_output(1000)
+    run.first_runs(capsys, (200, 600, 1000))
 
     faster = setup.path.with_name("lifecycle-vectorized-capacity.yaml")
     faster.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
-    assert submit_mod.upgrade(str(faster), jobmanager=cluster.address) == 0, capsys.readouterr()
-    capsys.readouterr()
-    cluster.wait_for_job_state(run.live_job(), "RUNNING", timeout=180)
+    run.upgrade(capsys, faster)
     run.wait_output(1400)
 
     assert submit_mod.stop_job(str(faster), jobmanager=cluster.address) == 0
