@@ -32,7 +32,7 @@ from udfs.config import JobConfig, load_config, with_overrides
 pytestmark = pytest.mark.integration
 
 
-def _plan(**overrides: dict[str, Any]) -> list[dict[str, Any]]:
+def _plan(**overrides: Any) -> list[dict[str, Any]]:
     config = with_overrides(load_config(), **overrides)
     env = create_environment(config, jars.connector_jar_urls())
     build_pipeline(env, config)
@@ -54,7 +54,7 @@ def test_stages_and_parallelism_follow_the_config() -> None:
 
 @pytest.mark.parametrize(("api", "vectorized"), [("embeddings", True), ("chat", False)])
 def test_stage_auto_plans_the_lane_it_chooses(api: str, vectorized: bool) -> None:
-    types = [n["type"] for n in _plan(stage="auto", model={"api": api})]  # type: ignore[arg-type]
+    types = [n["type"] for n in _plan(stage="auto", model={"api": api})]
     assert any(t.startswith("PythonCalc") for t in types) == vectorized, types
     assert ("inference" in types) != vectorized, types
 
