@@ -156,7 +156,7 @@ def prepare(config: JobConfig, options: RunOptions, site: Site, *,
     jars.ensure("connector")
     gate.ensure_for(config)
     site.claim(state)
-    check_identity(state, config, fresh=options.fresh)
+    check_identity(state, config, fresh=options.fresh, explicit=options.from_savepoint is not None)
     restore, resume = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
     report(f"llmstream: {resume}")  # before any JVM starts: a run killed while it starts has said so
     if config.stage == "auto":

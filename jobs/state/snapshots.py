@@ -170,15 +170,21 @@ class StateDir:
 
 IDENTITY_FILE = "job.json"
 IDENTITY_KEYS = ("bootstrap_servers", "input_topic", "group_id", "transactional_id_prefix")
+LANE_KEY = "stage"
 
 
-def check_identity(state: StateDir, config: JobConfig, *, fresh: bool) -> None:
+def check_identity(state: StateDir, config: JobConfig, *, fresh: bool, explicit: bool = False) -> None:
     """Refuses to resume state written for another input, group or sink.
 
     Restoring a Kafka source's state restores its topic partitions and offsets; resuming a
     job that now reads another topic from it would read the old one too. So the state
     directory records what it belongs to, and a different config must use another
     directory (or `--fresh`, which rewrites the record).
+
+    It records the lane too (`stage`, with `auto` resolved): a snapshot restores only into the
+    lane that took it, and Flink would say so only after its JVM started, naming an operator
+    hash, and for `llmstream upgrade` after the running job was stopped. Not with an explicit
+    `--from-savepoint` (`explicit`), which need not come from this directory.
     """
     if state.path is None:
         return
@@ -190,15 +196,21 @@ def check_identity(state: StateDir, config: JobConfig, *, fresh: bool) -> None:
     recorded: dict[str, str] = {}
     with contextlib.suppress(OSError, ValueError):
         recorded = json.loads(path.read_text())
-    if recorded:
+    if recorded and not fresh and state.snapshots():
         differs = [key for key in IDENTITY_KEYS if recorded.get(key) != wanted[key]]
-        if differs and not fresh and state.snapshots():
+        if differs:
             key = differs[0]
             raise ConfigError(f"kafka.{key}", f"is {wanted[key]!r}, but the state directory {state.path} holds the "
                                              f"state of a job with {key} {recorded.get(key)!r}; give this job its "
                                              "own checkpointing.directory (or --state-dir), or pass --fresh")
+        lane = recorded.get(LANE_KEY)
+        if lane is not None and lane != config.lane and not explicit:
+            raise ConfigError("stage", f"runs the {config.lane} lane, but the snapshots in {state.path} were taken "
+                                       f"by the {lane} lane, and a snapshot restores only into the lane that took it; "
+                                       f"drain the job in the {lane} lane first (`llmstream run --until-end`, or "
+                                       "`llmstream submit --until-end` on a cluster), then start this config with --fresh")
     state.path.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(wanted, indent=2) + "\n")
+    path.write_text(json.dumps({**wanted, LANE_KEY: config.lane}, indent=2) + "\n")
 
 
 def resume_point(state: StateDir, *, fresh: bool, explicit: str | None = None) -> tuple[str | None, str]:

@@ -175,6 +175,53 @@ def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_withou
     assert result.dead == 0, result.dead_reasons
 
 
+def test_a_drained_keyed_job_moves_to_the_vectorized_lane_with_fresh(
+        kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport) -> None:
+    """The documented change of lane (docs/tuning.md, "Which lane"): a keyed job drained with
+    `--until-end`; the same job with `stage: vectorized` is refused its keyed savepoint at start
+    (exit 2, one line naming `stage`, the drain and `--fresh`); started with `--fresh` it reads on
+    from the group's offsets that the drain committed with its output. Every id of both halves
+    once, each paid for once."""
+    sim = simulator.spawn(["--latency", "fixed:20", "--seed", "6"])
+    try:
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lane-change", stage="keyed")
+        first, second = unique_records(400, "lk"), unique_records(400, "lv")
+        started = time.monotonic()
+        kafka_admin.produce(setup.bootstrap, setup.input_topic, first)
+        keyed = LocalRun(setup.path, tmp_path / "keyed.log", "--until-end")
+        assert keyed.wait(timeout=600) == 0, keyed.output()[-3000:]
+
+        kafka_admin.produce(setup.bootstrap, setup.input_topic, second)
+        data = yaml.safe_load(setup.path.read_text())
+        data["stage"] = "vectorized"
+        vectorized = setup.path.with_name("lane-change-vectorized.yaml")
+        vectorized.write_text(yaml.safe_dump(data, sort_keys=False))
+        refused = LocalRun(vectorized, tmp_path / "refused.log", "--until-end")
+        code = refused.wait(timeout=300)
+        out = refused.output()
+        assert code == 2, out[-3000:]
+        assert "llmstream: config error: stage: runs the vectorized lane, but the snapshots" in out, out[-3000:]
+        assert "--until-end" in out and "--fresh" in out and "Traceback" not in out, out[-3000:]
+        assert STARTED not in out, out[-3000:]
+
+        moved = LocalRun(vectorized, tmp_path / "moved.log", "--fresh", "--until-end")
+        code = moved.wait(timeout=600)
+        out = moved.output()
+        assert code == 0, out[-3000:]
+        assert "starting FRESH from the consumer group's committed offsets" in out, out[-3000:]
+        served = int(sim.stats()["served"])
+    finally:
+        sim.stop()
+    ids = [k.decode() for k, _ in first + second]
+    result = final_tally(setup, ids)
+    _record(fault_report, "r6. llmstream run: a keyed job drained, then moved to the vectorized lane with --fresh",
+            result, started=started, restarts=0, notes=f"model calls per record {served / len(ids):.2f}",
+            calls_per_record=round(served / len(ids), 3))
+    check_exactly_once(result)
+    assert result.dead == 0, result.dead_reasons
+    assert served == len(ids), f"{served} model calls for {len(ids)} records: the move paid for some twice"
+
+
 # ---------------------------------------------------------------------- the cluster path
 
 

@@ -108,6 +108,26 @@ def test_state_of_another_input_is_refused_unless_fresh(tmp_path: Path) -> None:
     check_identity(state, other, fresh=False)
 
 
+def test_snapshots_of_the_other_lane_are_refused_before_flink_unless_fresh(tmp_path: Path) -> None:
+    keyed = with_overrides(load_config(), stage="keyed", checkpointing={"directory": str(tmp_path)})
+    vectorized = with_overrides(keyed, stage="vectorized")
+    state = StateDir.for_job(keyed)
+    check_identity(state, keyed, fresh=False)
+    check_identity(state, vectorized, fresh=False)  # no snapshot yet: nothing to protect
+    check_identity(state, keyed, fresh=False)
+    _snapshot(tmp_path, "savepoints/savepoint-1", 1)
+    with pytest.raises(ConfigError) as err:
+        check_identity(state, vectorized, fresh=False)
+    assert err.value.key == "stage"
+    assert "taken by the keyed lane" in str(err.value) and "--until-end" in str(err.value)
+    assert "--fresh" in str(err.value)
+    check_identity(state, vectorized, fresh=False, explicit=True)  # a savepoint named by hand may be from anywhere
+    check_identity(state, vectorized, fresh=True)
+    check_identity(state, vectorized, fresh=False)  # the record now names the vectorized lane
+    with pytest.raises(ConfigError, match="taken by the vectorized lane"):
+        check_identity(state, keyed, fresh=False)
+
+
 REFUSAL = ("An error occurred while calling o64.executeAsync.\n: org.apache.flink.util.FlinkException: Failed to "
            "execute job 'llmstream-off'.\n\tat org.apache.flink...\nCaused by: java.lang.IllegalStateException: "
            "Failed to rollback to checkpoint/savepoint file:/s/savepoints/savepoint-9a0332-2e134deb788d. Cannot map "
