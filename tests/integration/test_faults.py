@@ -24,7 +24,7 @@ from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from tests.support.committed import Tally, check_exactly_once
 from tests.support.fault_report import FaultReport, FaultResult
-from tests.support.job_setup import make_job, unique_records
+from tests.support.job_setup import fault_lanes, lane_sections, make_job, unique_records
 from tests.support.runs import Run, start_run
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
 
@@ -44,6 +44,10 @@ def _since(t: float | None, origin: float) -> float | None:
     return None if t is None else t - origin
 
 
+def _lane_suffix(stage: str) -> str:
+    return " (vectorized lane)" if stage == "vectorized" else ""
+
+
 # ---------------------------------------------------------------------- a. TaskManager crash
 
 
@@ -54,8 +58,8 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one(
     """SIGKILL the only TaskManager mid-stream, start a fresh one: the job restarts from the last
     checkpoint, aborts the dead TaskManager's open transactions, and nothing is lost or doubled.
     In both lanes (the vectorized one with Arrow batches of 100, so a batch is a few seconds of work)."""
-    lane = {"stage": "vectorized", "vectorized": {"batch_size": 100}} if stage == "vectorized" else {}
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"tm-kill-{stage}", **lane)
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"tm-kill-{stage}",
+                     **lane_sections(stage))
     run = start_run(cluster, setup, f"tmkill-{stage}")
     run.wait_mid_stream(0.2)
     committed_at_kill = run.reader.unique_ids()
@@ -69,7 +73,7 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one(
     check_exactly_once(result)
     assert run.restarts() >= 1
     first = run.reader.first_arrival_after(running_again)
-    report(fault_report, "a. TaskManager SIGKILL + new TaskManager" + (" (vectorized lane)" if stage == "vectorized" else ""),
+    report(fault_report, "a. TaskManager SIGKILL + new TaskManager" + _lane_suffix(stage),
            run, result,
            recovery_s=_since(first, killed_at),
            notes="recovery counted from the kill (a new TaskManager is started at once)",
@@ -81,16 +85,18 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one(
 # ---------------------------------------------------------------------- b. model server outage
 
 
+@pytest.mark.parametrize("stage", fault_lanes())
 def test_model_server_down_30s_holds_back_then_catches_up_without_restart(
         cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
-        fault_report: FaultReport) -> None:
+        fault_report: FaultReport, stage: str) -> None:
     """The model server refuses connections for 30 s: in-flight calls back off and retry within
-    their deadline, the bounded operator stops taking input, and the job never restarts."""
+    their deadline, the bounded operator stops taking input, and the job never restarts. In the
+    vectorized lane the batch in progress waits for its calls (and every checkpoint with it)."""
     setup = make_job(
-        tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="model-down",
+        tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"model-down-{stage}",
         retry={"max_attempts": 30, "initial_backoff_s": 0.5, "max_backoff_s": 5},
-        async_={"record_deadline_s": 300}, kafka={"transaction_timeout_ms": 900_000})
-    run = start_run(cluster, setup, "down")
+        async_={"record_deadline_s": 300}, kafka={"transaction_timeout_ms": 900_000}, **lane_sections(stage))
+    run = start_run(cluster, setup, f"down-{stage}")
     run.wait_mid_stream(0.2)
     before = run.reader.unique_ids()
     down_at = time.monotonic()
@@ -103,7 +109,7 @@ def test_model_server_down_30s_holds_back_then_catches_up_without_restart(
     assert run.restarts() == 0, f"the job restarted {run.restarts()} time(s) during a model outage"
     assert result.dead == 0, result.dead_reasons
     first = run.reader.first_arrival_after(up_at)
-    report(fault_report, "b. model server down 30 s", run, result, recovery_s=_since(first, up_at),
+    report(fault_report, "b. model server down 30 s" + _lane_suffix(stage), run, result, recovery_s=_since(first, up_at),
            notes="recovery counted from the server's return; retries back off up to 5 s",
            committed_before=before, committed_while_down=during - before,
            longest_output_gap_s=round(run.reader.longest_gap(), 1),
@@ -113,14 +119,15 @@ def test_model_server_down_30s_holds_back_then_catches_up_without_restart(
 # ---------------------------------------------------------------------- c. model server errors
 
 
+@pytest.mark.parametrize("stage", fault_lanes())
 def test_model_server_500_on_20_percent_for_60s_no_restart_nothing_lost(
         cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
-        fault_report: FaultReport) -> None:
+        fault_report: FaultReport, stage: str) -> None:
     """HTTP 500 on a fifth of the calls for 60 s: retried in the client, no job restart, every
     record answered (or dead-lettered with its reason if all its attempts failed)."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="model-500",
-                     retry={"max_attempts": 10, "initial_backoff_s": 0.2, "max_backoff_s": 2})
-    run = start_run(cluster, setup, "err500")
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"model-500-{stage}",
+                     retry={"max_attempts": 10, "initial_backoff_s": 0.2, "max_backoff_s": 2}, **lane_sections(stage))
+    run = start_run(cluster, setup, f"err500-{stage}")
     run.wait_mid_stream(0.1)
     fault_at = time.monotonic()
     paced_simulator.admin({"error_rate": 0.2, "error_status": 500, "until_s": 60})
@@ -130,7 +137,7 @@ def test_model_server_500_on_20_percent_for_60s_no_restart_nothing_lost(
     assert stats["errors"] > 100, f"the fault did not take: {stats}"
     assert run.restarts() == 0
     assert set(result.dead_reasons) <= {"inference_retries_exhausted"}, result.dead_reasons
-    report(fault_report, "c. model server 500 on 20% for 60 s", run, result, recovery_s=None,
+    report(fault_report, "c. model server 500 on 20% for 60 s" + _lane_suffix(stage), run, result, recovery_s=None,
            notes="no stall expected: failures are retried per record",
            injected_errors=stats["errors"], simulator_requests=stats["requests_total"],
            longest_output_gap_s=round(run.reader.longest_gap(fault_at), 1))
@@ -168,15 +175,18 @@ def restart_broker(broker: local_kafka.LocalBroker) -> None:
         broker.start(timeout=90)
 
 
+@pytest.mark.parametrize("stage", fault_lanes())
 def test_broker_stopped_20s_then_restarted(
-        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, fault_report: FaultReport) -> None:
+        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, fault_report: FaultReport,
+        stage: str) -> None:
     """The only Kafka broker stops (clean shutdown) for 20 s and comes back on the same ports and
     data: the job may fail and restart, but every id ends up exactly once."""
     broker = local_kafka.LocalBroker(local_kafka.BrokerConfig.ephemeral(tmp_path / "kafka", heap="384m"))
     broker.start(timeout=90)
     try:
-        setup = make_job(tmp_path, broker.bootstrap_servers, paced_simulator.url, name="broker-down")
-        run = start_run(cluster, setup, "brk")
+        setup = make_job(tmp_path, broker.bootstrap_servers, paced_simulator.url, name=f"broker-down-{stage}",
+                         **lane_sections(stage))
+        run = start_run(cluster, setup, f"brk-{stage}")
         run.wait_mid_stream(0.2)
         before = run.reader.unique_ids()
         stopped_at = time.monotonic()
@@ -187,7 +197,7 @@ def test_broker_stopped_20s_then_restarted(
         result = run.finish(timeout=420)
         check_exactly_once(result)
         first = run.reader.first_arrival_after(back_at)
-        report(fault_report, "d. broker stopped 20 s", run, result, recovery_s=_since(first, back_at),
+        report(fault_report, "d. broker stopped 20 s" + _lane_suffix(stage), run, result, recovery_s=_since(first, back_at),
                notes="dedicated broker; recovery counted from the broker answering again",
                committed_before=before, outage_s=round(back_at - stopped_at, 1),
                job_state=cluster.job_status(run.job_id))

@@ -26,7 +26,13 @@ from jobs.launch.plan import RunOptions
 from tests.support.cluster import heal
 from tests.support.committed import Tally, check_exactly_once, final_tally
 from tests.support.fault_report import FaultReport, FaultResult
-from tests.support.job_setup import JobSetup, SpawnSimulator, make_job, unique_records
+from tests.support.job_setup import (
+    JobSetup,
+    SpawnSimulator,
+    lane_sections,
+    make_job,
+    unique_records,
+)
 from tests.support.runs import LocalRun, total_restarts
 from tests.support.waiting import wait_until
 
@@ -75,10 +81,9 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
     `--until-end`: every id exactly once. In both lanes (the vectorized one with Arrow batches of 100:
     a Ctrl-C's savepoint waits for the batch in progress, a kill sends its calls again)."""
     sim = simulator.spawn(["--latency", "lognormal:200:500", "--seed", "11"])
-    lane = {"stage": "vectorized", "vectorized": {"batch_size": 100}} if stage == "vectorized" else {}
     try:
         setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="interrupted",
-                         async_={"capacity": 48}, checkpointing={"interval_ms": 1000}, **lane)
+                         async_={"capacity": 48}, checkpointing={"interval_ms": 1000}, **lane_sections(stage))
         records = unique_records(interrupted_records(runs), "int")
         kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
         rng = random.Random(20261130)

@@ -9,6 +9,7 @@ and `estimated_tokens` what the client charges the budget for records up front.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from jobs.clients import kafka_admin
@@ -34,6 +36,24 @@ CHECKPOINT_INTERVAL_MS = 2000
 # calls makes 5,000 records take ~40 s, so a fault injected after a few seconds hits mid-stream.
 SIM_ARGS = ["--latency", "fixed:40", "--seed", "7"]
 FAULT_CAPACITY = 6
+
+
+FAULT_LANES = os.environ.get("LLMSTREAM_FAULT_LANES", "both")
+"""Which lanes the outage tests run in: `both` in the full fault run and straight from pytest,
+`keyed` in `make test` (its Makefile sets it), to keep the suite's time down."""
+
+
+def fault_lanes() -> list[Any]:
+    """The `stage` parameters of an outage test: keyed, and vectorized unless `FAULT_LANES` is `keyed`."""
+    return ["keyed", pytest.param("vectorized", marks=pytest.mark.skipif(
+        FAULT_LANES == "keyed", reason="the vectorized lane's outage runs are in the full fault run "
+                                       "(LLMSTREAM_FAULT_LANES=both)"))]
+
+
+def lane_sections(stage: str, batch_size: int = 100) -> dict[str, Any]:
+    """`make_job`'s sections for `stage`: the vectorized lane with Arrow batches of `batch_size` (100:
+    a batch is a few seconds of a fault test's work, so a fault lands inside one), or nothing."""
+    return {"stage": "vectorized", "vectorized": {"batch_size": batch_size}} if stage == "vectorized" else {}
 
 
 @dataclass(frozen=True)
