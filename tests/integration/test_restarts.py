@@ -13,6 +13,7 @@ import random
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -51,6 +52,24 @@ def _record(fault_report: FaultReport, name: str, result: Tally, *, started: flo
 
 
 # ---------------------------------------------------------------------- llmstream run (mini cluster)
+
+
+def _variant(setup: JobSetup, name: str, **sections: Any) -> Path:
+    """The job's config with `sections` changed (a section's keys merged, a top-level value
+    replaced), saved beside it as ``<job>-<name>.yaml``: the same job, state directory and topics."""
+    data = yaml.safe_load(setup.path.read_text())
+    for key, values in sections.items():
+        data[key] = {**(data.get(key) or {}), **values} if isinstance(values, dict) else values
+    path = setup.path.with_name(f"{setup.path.stem}-{name}.yaml")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _ran(config_path: Path, log_path: Path, *extra: str) -> tuple[int, str]:
+    """`llmstream run` with `extra` to its end: its exit code and what it printed."""
+    run = LocalRun(config_path, log_path, *extra)
+    code = run.wait(timeout=600)
+    return code, run.output()
 
 
 INTERRUPTED_RUNS = int(os.environ.get("LLMSTREAM_INTERRUPTED_RUNS", "15"))
@@ -111,9 +130,8 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
             outcomes.append((kind, "resuming from" in text, "savepoint" in text.split("received")[-1]))
             if i > 0:
                 assert "resuming from" in text or "no snapshot" in text, text[-2000:]
-        final = LocalRun(setup.path, tmp_path / "run-final.log", "--until-end")
-        code = final.wait(timeout=600)
-        assert code == 0, final.output()[-3000:]
+        code, out = _ran(setup.path, tmp_path / "run-final.log", "--until-end")
+        assert code == 0, out[-3000:]
         result = final_tally(setup, [k.decode() for k, _ in records])
         served = int(sim.stats()["served"])
     finally:
@@ -160,13 +178,8 @@ def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_withou
         assert "no savepoint in time" not in out and "resumes from savepoint" in out, out[-3000:]
         assert not list(tmp.glob("llmstream-gate/*")), "the run left its gate directory"
 
-        data = yaml.safe_load(setup.path.read_text())
-        data["budget"] = {**data["budget"], "max_tokens_per_hour": None}
-        plain = setup.path.with_name("paused-stop-plain.yaml")
-        plain.write_text(yaml.safe_dump(data, sort_keys=False))
-        rest = LocalRun(plain, tmp_path / "plain.log", "--until-end")
-        code = rest.wait(timeout=600)
-        out = rest.output()
+        plain = _variant(setup, "plain", budget={"max_tokens_per_hour": None})
+        code, out = _ran(plain, tmp_path / "plain.log", "--until-end")
         assert code == 0, out[-3000:]
         assert "resuming from savepoint" in out and "left behind" in out, out[-3000:]
         served = int(sim.stats()["served"])
@@ -193,25 +206,18 @@ def test_a_drained_keyed_job_moves_to_the_vectorized_lane_with_fresh(
         first, second = unique_records(400, "lk"), unique_records(400, "lv")
         started = time.monotonic()
         kafka_admin.produce(setup.bootstrap, setup.input_topic, first)
-        keyed = LocalRun(setup.path, tmp_path / "keyed.log", "--until-end")
-        assert keyed.wait(timeout=600) == 0, keyed.output()[-3000:]
+        code, out = _ran(setup.path, tmp_path / "keyed.log", "--until-end")
+        assert code == 0, out[-3000:]
 
         kafka_admin.produce(setup.bootstrap, setup.input_topic, second)
-        data = yaml.safe_load(setup.path.read_text())
-        data["stage"] = "vectorized"
-        vectorized = setup.path.with_name("lane-change-vectorized.yaml")
-        vectorized.write_text(yaml.safe_dump(data, sort_keys=False))
-        refused = LocalRun(vectorized, tmp_path / "refused.log", "--until-end")
-        code = refused.wait(timeout=300)
-        out = refused.output()
+        vectorized = _variant(setup, "vectorized", stage="vectorized")
+        code, out = _ran(vectorized, tmp_path / "refused.log", "--until-end")
         assert code == 2, out[-3000:]
         assert "llmstream: config error: stage: runs the vectorized lane, but the snapshots" in out, out[-3000:]
         assert "--until-end" in out and "--fresh" in out and "Traceback" not in out, out[-3000:]
         assert STARTED not in out, out[-3000:]
 
-        moved = LocalRun(vectorized, tmp_path / "moved.log", "--fresh", "--until-end")
-        code = moved.wait(timeout=600)
-        out = moved.output()
+        code, out = _ran(vectorized, tmp_path / "moved.log", "--fresh", "--until-end")
         assert code == 0, out[-3000:]
         assert "starting FRESH from the consumer group's committed offsets" in out, out[-3000:]
         served = int(sim.stats()["served"])
