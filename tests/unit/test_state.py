@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,40 +93,39 @@ def test_one_run_at_a_time_per_state_directory(tmp_path: Path) -> None:
         pass
 
 
-def test_state_of_another_input_is_refused_unless_fresh(tmp_path: Path) -> None:
-    config = with_overrides(load_config(), checkpointing={"directory": str(tmp_path)})
+@pytest.mark.parametrize(("change", "key", "says"), [
+    ({"kafka": {"group_id": "another-group"}}, "kafka.group_id", "another-group"),
+    ({"stage": "vectorized"}, "stage", "taken by the keyed lane"),
+], ids=["another input", "the other lane"])
+def test_state_of_another_job_or_lane_is_refused_unless_fresh(
+        tmp_path: Path, change: dict[str, Any], key: str, says: str) -> None:
+    """Another input, group or sink would read the old one's partitions too; another lane's
+    snapshot Flink would refuse, after its JVM started. Both are refused at start, naming the key."""
+    config = with_overrides(load_config(), stage="keyed", checkpointing={"directory": str(tmp_path)})
     state = StateDir.for_job(config)
     check_identity(state, config, fresh=False)  # records what the directory belongs to
-    other = with_overrides(config, kafka={"group_id": "another-group"})
+    other = with_overrides(config, **change)
     check_identity(state, other, fresh=False)  # no snapshot yet: nothing to protect
     check_identity(state, config, fresh=False)
     _snapshot(tmp_path, "savepoints/savepoint-1", 1)
     with pytest.raises(ConfigError) as err:
         check_identity(state, other, fresh=False)
-    assert err.value.key == "kafka.group_id"
-    assert "another-group" in str(err.value) and "--fresh" in str(err.value)
+    assert err.value.key == key
+    assert says in str(err.value) and "--fresh" in str(err.value)
     check_identity(state, other, fresh=True)
-    check_identity(state, other, fresh=False)
+    check_identity(state, other, fresh=False)  # the record now names the other job or lane
 
 
-def test_snapshots_of_the_other_lane_are_refused_before_flink_unless_fresh(tmp_path: Path) -> None:
+def test_a_lane_change_says_how_and_a_savepoint_named_by_hand_is_not_judged_by_the_directory(tmp_path: Path) -> None:
     keyed = with_overrides(load_config(), stage="keyed", checkpointing={"directory": str(tmp_path)})
     vectorized = with_overrides(keyed, stage="vectorized")
-    state = StateDir.for_job(keyed)
-    check_identity(state, keyed, fresh=False)
-    check_identity(state, vectorized, fresh=False)  # no snapshot yet: nothing to protect
-    check_identity(state, keyed, fresh=False)
+    state = StateDir.for_job(vectorized)
+    check_identity(state, vectorized, fresh=False)
     _snapshot(tmp_path, "savepoints/savepoint-1", 1)
-    with pytest.raises(ConfigError) as err:
-        check_identity(state, vectorized, fresh=False)
-    assert err.value.key == "stage"
-    assert "taken by the keyed lane" in str(err.value) and "--until-end" in str(err.value)
-    assert "--fresh" in str(err.value)
-    check_identity(state, vectorized, fresh=False, explicit=True)  # a savepoint named by hand may be from anywhere
-    check_identity(state, vectorized, fresh=True)
-    check_identity(state, vectorized, fresh=False)  # the record now names the vectorized lane
-    with pytest.raises(ConfigError, match="taken by the vectorized lane"):
+    with pytest.raises(ConfigError, match="taken by the vectorized lane") as err:
         check_identity(state, keyed, fresh=False)
+    assert "drain the job in the vectorized lane first" in str(err.value) and "--until-end" in str(err.value)
+    check_identity(state, keyed, fresh=False, explicit=True)  # --from-savepoint: may come from anywhere
 
 
 REFUSAL = ("An error occurred while calling o64.executeAsync.\n: org.apache.flink.util.FlinkException: Failed to "
