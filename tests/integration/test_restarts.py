@@ -36,6 +36,7 @@ from tests.support.job_setup import (
 )
 from tests.support.runs import LocalRun, total_restarts
 from tests.support.waiting import wait_until
+from udfs.errors import ConfigError
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -54,13 +55,13 @@ def _record(fault_report: FaultReport, name: str, result: Tally, *, started: flo
 # ---------------------------------------------------------------------- llmstream run (mini cluster)
 
 
-def _variant(setup: JobSetup, name: str, **sections: Any) -> Path:
+def _variant(config_path: Path, name: str, **sections: Any) -> Path:
     """The job's config with `sections` changed (a section's keys merged, a top-level value
     replaced), saved beside it as ``<job>-<name>.yaml``: the same job, state directory and topics."""
-    data = yaml.safe_load(setup.path.read_text())
+    data = yaml.safe_load(config_path.read_text())
     for key, values in sections.items():
         data[key] = {**(data.get(key) or {}), **values} if isinstance(values, dict) else values
-    path = setup.path.with_name(f"{setup.path.stem}-{name}.yaml")
+    path = config_path.with_name(f"{config_path.stem}-{name}.yaml")
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -178,7 +179,7 @@ def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_withou
         assert "no savepoint in time" not in out and "resumes from savepoint" in out, out[-3000:]
         assert not list(tmp.glob("llmstream-gate/*")), "the run left its gate directory"
 
-        plain = _variant(setup, "plain", budget={"max_tokens_per_hour": None})
+        plain = _variant(setup.path, "plain", budget={"max_tokens_per_hour": None})
         code, out = _ran(plain, tmp_path / "plain.log", "--until-end")
         assert code == 0, out[-3000:]
         assert "resuming from savepoint" in out and "left behind" in out, out[-3000:]
@@ -210,7 +211,7 @@ def test_a_drained_keyed_job_moves_to_the_vectorized_lane_with_fresh(
         assert code == 0, out[-3000:]
 
         kafka_admin.produce(setup.bootstrap, setup.input_topic, second)
-        vectorized = _variant(setup, "vectorized", stage="vectorized")
+        vectorized = _variant(setup.path, "vectorized", stage="vectorized")
         code, out = _ran(vectorized, tmp_path / "refused.log", "--until-end")
         assert code == 2, out[-3000:]
         assert "llmstream: config error: stage: runs the vectorized lane, but the snapshots" in out, out[-3000:]
@@ -369,7 +370,7 @@ def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
     """The lifecycle above in the vectorized lane (Arrow batches of 50): cancel -> submit resumes
     from the retained checkpoint; `llmstream stop` -> submit from the savepoint; `llmstream upgrade`
-    with a changed capacity; then a backfill. Every id exactly once. Not its parallelism changes:
+    with a changed capacity, and one into the keyed stage, refused while the job runs on; then a backfill. Every id exactly once. Not its parallelism changes:
     the lane runs at `parallelism.default`, the source's subtasks included."""
     sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle-vectorized", partitions=2,
@@ -379,10 +380,13 @@ def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
     run.produce(slice(0, 2000))
     run.first_runs(capsys, (200, 600, 1000))
 
-    faster = setup.path.with_name("lifecycle-vectorized-capacity.yaml")
-    faster.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
+    faster = _variant(setup.path, "capacity", **{"async": {"capacity": 16}})
     run.upgrade(capsys, faster)
     run.wait_output(1400)
+    # An upgrade into the other lane is refused before it stops the job, not by Flink after.
+    with pytest.raises(ConfigError, match="taken by the vectorized lane"):
+        submit_mod.upgrade(str(_variant(faster, "keyed", stage="keyed")), jobmanager=cluster.address)
+    assert cluster.job_status(run.live_job()) == "RUNNING"
 
     assert submit_mod.stop_job(str(faster), jobmanager=cluster.address) == 0
     capsys.readouterr()
