@@ -13,6 +13,7 @@ import json
 import subprocess
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,7 @@ from tests.conftest import SHELL_ENV
 from tests.support.committed import check_exactly_once
 from tests.support.job_setup import LLMSTREAM, SpawnSimulator, make_job, unique_records
 from tests.support.runs import start_records
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +35,18 @@ LANE = {"mode": "batch"}
 
 def _batches(sim: SpawnedSimulator) -> dict[str, object]:
     return sim.stats()["batches"]  # type: ignore[no-any-return]
+
+
+LIVE = ("validating", "in_progress", "finalizing")
+"""A batch's states at the provider between its creation and its results (the simulator's OpenAI
+names; its Anthropic batches are `in_progress` until they end)."""
+
+
+def _live_batches(sim: SpawnedSimulator) -> int:
+    """Batches made and not yet answered, at every provider the simulator serves."""
+    batches: dict[str, Any] = _batches(sim)
+    return sum(int(batches[provider]["batches_by_status"].get(state, 0))
+               for provider in ("openai", "anthropic") for state in LIVE)
 
 
 @pytest.fixture
@@ -68,7 +82,15 @@ def test_a_taskmanager_killed_while_batches_are_live_pays_for_nothing_twice(
                      provider_batch={"max_requests": 150, "max_wait_s": 2, "poll_initial_s": 0.5, "poll_max_s": 2})
     records = unique_records(1500, "bk")
     run = start_records(cluster, setup, records)
-    run.wait_mid_stream(0.2)
+
+    def live() -> int:
+        run.not_failed()
+        return _live_batches(batch_simulator)
+
+    # The kill waits for a batch at the provider, not for a share of the output: the job reads all
+    # 1,500 records at once and its batches end within seconds of each other, so on a slow machine
+    # the output went from none to all between two looks (CI, 2026-12-06).
+    wait_until(live, timeout=180, interval=0.2, message="a batch live at the provider")
     cluster.kill_taskmanager()
     cluster.add_taskmanager(timeout=120)
     cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
