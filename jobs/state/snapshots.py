@@ -192,6 +192,7 @@ def check_identity(state: StateDir, config: JobConfig, *, fresh: bool, explicit:
     # its name so that state directories of single-topic jobs stay theirs.
     wanted = {key: getattr(config.kafka, key) for key in IDENTITY_KEYS if key != "input_topic"}
     wanted["input_topic"] = config.kafka.input_description()
+    lane = config.lane  # `stage` with `auto` resolved
     path = state.path / IDENTITY_FILE
     recorded: dict[str, str] = {}
     with contextlib.suppress(OSError, ValueError):
@@ -203,14 +204,14 @@ def check_identity(state: StateDir, config: JobConfig, *, fresh: bool, explicit:
             raise ConfigError(f"kafka.{key}", f"is {wanted[key]!r}, but the state directory {state.path} holds the "
                                              f"state of a job with {key} {recorded.get(key)!r}; give this job its "
                                              "own checkpointing.directory (or --state-dir), or pass --fresh")
-        lane = recorded.get(LANE_KEY)
-        if lane is not None and lane != config.lane and not explicit:
-            raise ConfigError("stage", f"runs the {config.lane} lane, but the snapshots in {state.path} were taken "
-                                       f"by the {lane} lane, and a snapshot restores only into the lane that took it; "
-                                       f"drain the job in the {lane} lane first (`llmstream run --until-end`, or "
+        took = recorded.get(LANE_KEY)
+        if took is not None and took != lane and not explicit:
+            raise ConfigError("stage", f"runs the {lane} lane, but the snapshots in {state.path} were taken "
+                                       f"by the {took} lane, and a snapshot restores only into the lane that took it; "
+                                       f"drain the job in the {took} lane first (`llmstream run --until-end`, or "
                                        "`llmstream submit --until-end` on a cluster), then start this config with --fresh")
     state.path.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**wanted, LANE_KEY: config.lane}, indent=2) + "\n")
+    path.write_text(json.dumps({**wanted, LANE_KEY: lane}, indent=2) + "\n")
 
 
 def resume_point(state: StateDir, *, fresh: bool, explicit: str | None = None) -> tuple[str | None, str]:

@@ -21,6 +21,7 @@ from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
+from jobs.dev.simulator.batch_engine import LIVE
 from jobs.dev.simulator.batch_faults import ForcedOutcomes
 from tests.conftest import SHELL_ENV
 from tests.support.committed import check_exactly_once
@@ -37,13 +38,8 @@ def _batches(sim: SpawnedSimulator) -> dict[str, object]:
     return sim.stats()["batches"]  # type: ignore[no-any-return]
 
 
-LIVE = ("validating", "in_progress", "finalizing")
-"""A batch's states at the provider between its creation and its results (the simulator's OpenAI
-names; its Anthropic batches are `in_progress` until they end)."""
-
-
 def _live_batches(sim: SpawnedSimulator) -> int:
-    """Batches made and not yet answered, at every provider the simulator serves."""
+    """Batches made and not yet answered (the simulator's `LIVE` states), at every provider it serves."""
     batches: dict[str, Any] = _batches(sim)
     return sum(int(batches[provider]["batches_by_status"].get(state, 0))
                for provider in ("openai", "anthropic") for state in LIVE)

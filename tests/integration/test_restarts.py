@@ -36,6 +36,7 @@ from tests.support.job_setup import (
 )
 from tests.support.runs import LocalRun, total_restarts
 from tests.support.waiting import wait_until
+from udfs.config import load_config, to_dict, with_overrides
 from udfs.errors import ConfigError
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
@@ -58,11 +59,9 @@ def _record(fault_report: FaultReport, name: str, result: Tally, *, started: flo
 def _variant(config_path: Path, name: str, **sections: Any) -> Path:
     """The job's config with `sections` changed (a section's keys merged, a top-level value
     replaced), saved beside it as ``<job>-<name>.yaml``: the same job, state directory and topics."""
-    data = yaml.safe_load(config_path.read_text())
-    for key, values in sections.items():
-        data[key] = {**(data.get(key) or {}), **values} if isinstance(values, dict) else values
+    changed = with_overrides(load_config(config_path), **sections)
     path = config_path.with_name(f"{config_path.stem}-{name}.yaml")
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml.safe_dump(to_dict(changed), sort_keys=False))
     return path
 
 
@@ -380,7 +379,7 @@ def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
     run.produce(slice(0, 2000))
     run.first_runs(capsys, (200, 600, 1000))
 
-    faster = _variant(setup.path, "capacity", **{"async": {"capacity": 16}})
+    faster = _variant(setup.path, "capacity", async_={"capacity": 16})
     run.upgrade(capsys, faster)
     run.wait_output(1400)
     # An upgrade into the other lane is refused before it stops the job, not by Flink after.
