@@ -37,12 +37,31 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     return proc, out
 
 
+def _failure(proc: subprocess.CompletedProcess[str]) -> str:
+    """The end of the bench's output, led by the log tail of each run that answered nothing.
+
+    The report table at the end says which approach failed; the harness prints that run's log
+    tail earlier, where the end of the output alone would cut it off.
+    """
+    out = proc.stdout
+    tails = [out[out.rfind("\n", 0, at) + 1:at + 2500] for at in _find_all(out, " results; last lines of ")]
+    return "\n".join(tails) + "\n[...]\n" + out[-3000:] + proc.stderr[-3000:]
+
+
+def _find_all(text: str, needle: str) -> list[int]:
+    found, at = [], text.find(needle)
+    while at >= 0:
+        found.append(at)
+        at = text.find(needle, at + 1)
+    return found
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_smoke_bench_answers_every_record_once_in_every_approach(
         smoke: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     proc, out = smoke
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     data = json.loads((out / "latest.json").read_text())
     runs = {r["approach"]: r for r in data["results"]}
     assert set(runs) == set(ALL_APPROACHES)
@@ -62,7 +81,7 @@ def test_smoke_bench_answers_every_record_once_in_every_approach(
 @pytest.mark.slow
 def test_smoke_bench_writes_the_report(smoke: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     proc, out = smoke
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     table = (out / "latest.md").read_text()
     for approach in ALL_APPROACHES:
         assert f"| (a) fixed 50 ms | {approach} |" in table

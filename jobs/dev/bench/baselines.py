@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 import time
@@ -33,6 +34,25 @@ APPROACHES = ("sequential", "semaphore-gather")
 GATHER_CONCURRENCY = 10
 GATHER_EVERY = 100
 COMMIT_EVERY_S = 1.0
+TOPIC_WAIT_S = 60.0
+METADATA_MAX_AGE_MS = 10_000
+
+
+def _subscribe_when_known(consumer: KafkaConsumer, topic: str) -> None:
+    """Subscribes once the client's metadata lists the topic's partitions.
+
+    kafka-python can send its first JoinGroup before the metadata for a just-created topic has
+    arrived; the leader then assigns itself nothing ("No partition metadata for topic") and
+    waits for a metadata change to rejoin. Once in a CI run that change never came within the
+    run's 300 s, and the baseline answered nothing. Knowing the partitions before joining
+    removes the race; the short metadata age bounds the wait if a rejoin is ever missed again.
+    """
+    deadline = time.monotonic() + TOPIC_WAIT_S
+    while not consumer.partitions_for_topic(topic):
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"baseline: topic {topic} has no partitions after {TOPIC_WAIT_S:g} s")
+        time.sleep(0.2)
+    consumer.subscribe([topic])
 
 
 def _now_ms() -> int:
@@ -61,9 +81,10 @@ class Baseline:
         self.args = args
         self.url = args.endpoint.rstrip("/") + "/chat/completions"
         self.consumer = KafkaConsumer(
-            args.input, bootstrap_servers=args.bootstrap, group_id=args.group,
-            auto_offset_reset="earliest", enable_auto_commit=False, client_id=f"bench-{args.approach}",
+            bootstrap_servers=args.bootstrap, group_id=args.group, auto_offset_reset="earliest",
+            enable_auto_commit=False, client_id=f"bench-{args.approach}", metadata_max_age_ms=METADATA_MAX_AGE_MS,
         )
+        _subscribe_when_known(self.consumer, args.input)
         self.producer = KafkaProducer(bootstrap_servers=args.bootstrap, client_id=f"bench-{args.approach}")
         self.progress = Progress()
         self.stop = asyncio.Event()
@@ -193,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # kafka-python's group membership and assignment lines go to the run's log: a run that
+    # answers nothing then says whether it ever joined its group and got its partition.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka.coordinator").setLevel(logging.INFO)
+    logging.getLogger("kafka.consumer.subscription_state").setLevel(logging.INFO)
     return asyncio.run(_run(build_parser().parse_args(argv)))
 
 
