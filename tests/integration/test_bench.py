@@ -14,6 +14,7 @@ runs this checkout's code whatever `llmstream` script the venv has.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,16 +45,9 @@ def _failure(proc: subprocess.CompletedProcess[str]) -> str:
     tail earlier, where the end of the output alone would cut it off.
     """
     out = proc.stdout
-    tails = [out[out.rfind("\n", 0, at) + 1:at + 2500] for at in _find_all(out, " results; last lines of ")]
+    tails = [out[out.rfind("\n", 0, m.start()) + 1:m.start() + 2500]
+             for m in re.finditer(" results; last lines of ", out)]
     return "\n".join(tails) + "\n[...]\n" + out[-3000:] + proc.stderr[-3000:]
-
-
-def _find_all(text: str, needle: str) -> list[int]:
-    found, at = [], text.find(needle)
-    while at >= 0:
-        found.append(at)
-        at = text.find(needle, at + 1)
-    return found
 
 
 @pytest.mark.integration
