@@ -51,7 +51,9 @@ PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + Inference
                "lane": "the vectorized lane's function, no Flink"}
 CEILING_PROBE_S = 10.0
 """How long the ceiling probe of a scenario with a fixed latency runs (`Scenario.ceiling_probe_concurrency`)."""
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "journal" / "results"
+"""Where a run's report goes by default: the journal's data folder (not a Python package). `latest.*` there
+is the newest run, ignored by git; a run worth keeping is copied under a name of its own and cited."""
 SMOKE_MAX_SECONDS = 300.0
 """A deadline for each smoke run, not a pace: 100 records end every run on its own within seconds,
 but on a loaded 2-core machine the job's start-up alone once took longer than the old 45 s cap."""
