@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -18,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+BENCH_DOCS = [*sorted((ROOT / "jobs" / "dev" / "bench").glob("*.md")),
+              *sorted((ROOT / "jobs" / "dev" / "bench" / "journal").glob("*.md"))]
+"""The bench's README and its journal (not the reports in journal/results/, which quote as they were)."""
+PERFORMANCE_DOC = ROOT / "docs" / "performance.md"
+REFERENCE_MAX_LINES = 250
 README_MAX_LINES = 250
 
 # A row of a reference table in docs/configuration.md: the first cell is one key, in backticks.
@@ -137,7 +143,7 @@ def test_readme_is_a_short_front_door() -> None:
     assert "make demo" in commands and "make test" in commands, "README's first code block must show `make demo` and `make test`"
 
 
-@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+@pytest.mark.parametrize("path", DOCS + BENCH_DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS + BENCH_DOCS])
 def test_relative_links_resolve(path: Path) -> None:
     problems = broken_links(path)
     assert not problems, "broken links:\n" + "\n".join(problems)
@@ -175,8 +181,7 @@ def _named_paths(text: str) -> set[str]:
 
 def test_every_code_path_the_docs_and_docstrings_name_exists() -> None:
     """A file moved or renamed leaves no doc or docstring pointing at where it was."""
-    sources = [*DOCS, *(ROOT / "jobs").rglob("*.py"), *(ROOT / "udfs").rglob("*.py"),
-               *(ROOT / "jobs" / "dev" / "bench").glob("*.md")]
+    sources = [*DOCS, *BENCH_DOCS, *(ROOT / "jobs").rglob("*.py"), *(ROOT / "udfs").rglob("*.py")]
     missing = sorted({f"{src.relative_to(ROOT)}: {path}" for src in sources
                       for path in _named_paths(src.read_text(encoding="utf-8"))
                       if not (ROOT / path).exists() and not path.startswith(("pom-free/cache", "tests/tmp"))})
@@ -187,3 +192,30 @@ def test_named_paths_are_found() -> None:
     assert _named_paths("see `udfs/inference/client.py`, jobs/dev/ and (tests/unit/test_docs.py), "
                         "not a pattern like jobs/dev/bench/results/d-orjson-*.md.") == {
         "udfs/inference/client.py", "jobs/dev", "tests/unit/test_docs.py"}
+
+
+def test_broken_links_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link check itself: a missing file, a missing heading, and what it must leave alone."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "other.md").write_text("# A heading\n\n## `Code` and more, again\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Doc\n\n[ok](other.md#a-heading) [ok](other.md#code-and-more-again) [ok](#doc)\n"
+                   "[gone](missing.md) [no anchor](other.md#nope) [self](#nope) [web](https://example.com/x)\n"
+                   "`[in code](missing.md)`\n\n```\n[fenced](missing.md)\n```\n")
+    assert broken_links(doc) == [
+        "doc.md:4: missing.md (no such file)",
+        "doc.md:4: other.md#nope (no heading #nope in other.md)",
+        "doc.md:4: #nope (no heading #nope in doc.md)",
+    ]
+
+
+def test_performance_is_a_reference_and_links_its_journal_once() -> None:
+    """docs/performance.md holds current figures; the dated runs are in jobs/dev/bench/journal/."""
+    text = PERFORMANCE_DOC.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= REFERENCE_MAX_LINES, (
+        f"docs/performance.md has {len(text.splitlines())} lines (at most {REFERENCE_MAX_LINES}): "
+        "move dated runs to jobs/dev/bench/journal/")
+    journal_links = [t for t in LINK.findall(text) if "bench/journal" in t]
+    assert journal_links == ["../jobs/dev/bench/journal/README.md"], journal_links
+    assert not (ROOT / "jobs" / "dev" / "bench" / "results").exists(), "bench results live in journal/results/"
+    assert not (ROOT / "jobs" / "dev" / "bench" / "journal" / "__init__.py").exists()
