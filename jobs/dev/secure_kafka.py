@@ -29,6 +29,11 @@ Private keys are PKCS#8 encrypted with PBE-SHA1-3DES, not OpenSSL 3's default PB
 client's PEM keystore (``ssl.keystore.type=PEM``) cannot decrypt PBES2 on Java 17 ("PBES2
 SecretKeyFactory not available"); kafka-python reads both.
 
+``start --secure --brokers N`` is `SecureKafkaCluster`: N such nodes in one KRaft quorum
+(`jobs/dev/local_kafka.py`'s `LocalKafkaCluster`), sharing one CA, one broker certificate (it names
+127.0.0.1, whichever port) and one set of passwords, kept in the cluster's data dir; each node's
+state is in ``node-<i>/`` below it.
+
 Client settings come in two forms: `SecureBroker.client_properties` (Java names with
 ``${file:PATH}`` placeholders, for a job's ``kafka.properties``) and
 `SecureBroker.kafka_python_config` (kafka-python arguments with the secrets read).
@@ -63,14 +68,19 @@ from jobs.dev.local_kafka import (
     DEFAULT_HEAP,
     BrokerConfig,
     BrokerError,
+    ClusterConfig,
     Listener,
     LocalBroker,
+    LocalKafkaCluster,
+    Quorum,
 )
 from jobs.runtime import jars
 from jobs.runtime.ports import free_port, port_in_use
 
 DEFAULT_PORT = 9192
 """SASL_SSL; by default SSL (mutual TLS) is on +1, the controller on +2, WRONG_HOST on +3."""
+DEFAULT_CLUSTER_PORT = 9392
+"""A secured cluster's node i (from 0) has those four ports from ``DEFAULT_CLUSTER_PORT + PORT_STRIDE * i`` on."""
 MECHANISM = "SCRAM-SHA-512"
 ADMIN = "admin"
 JOB = "job"
@@ -114,8 +124,10 @@ __all__ = [
     "Permission",
     "SecureBroker",
     "SecureBrokerConfig",
+    "SecureKafkaCluster",
     "SecurityFiles",
     "Via",
+    "default_cluster_dir",
     "default_data_dir",
     "job_acls",
 ]
@@ -123,6 +135,10 @@ __all__ = [
 
 def default_data_dir() -> Path:
     return jars.repo_root() / "var" / "kafka-secure"
+
+
+def default_cluster_dir() -> Path:
+    return jars.repo_root() / "var" / "kafka-cluster-secure"
 
 
 # ---------------------------------------------------------------------- certificates and passwords
@@ -366,6 +382,13 @@ def _wait_until_enforced(client: KafkaAdminClient, principal: str, acls: Sequenc
         time.sleep(0.05)
 
 
+def _create_acls(client: KafkaAdminClient, principal: str, acls: Sequence[ACL]) -> None:
+    result = client.create_acls(list(acls))
+    if result["failed"]:
+        raise BrokerError(f"creating ACLs for {_principal(principal)} failed: {result['failed']}")
+    _wait_until_enforced(client, _principal(principal), acls)
+
+
 def job_acls(
     principal: str,
     *,
@@ -419,7 +442,11 @@ def job_acls(
 
 @dataclass(frozen=True)
 class SecureBrokerConfig:
-    """Ports and data dir of a secured broker; a port 0 means ``port`` + 1 (SSL), + 2 (controller), + 3 (WRONG_HOST)."""
+    """Ports and data dir of a secured broker; a port 0 means ``port`` + 1 (SSL), + 2 (controller), + 3 (WRONG_HOST).
+
+    ``files_dir`` holds the certificates and passwords (default: ``data_dir``; a cluster's nodes share
+    one); ``quorum`` makes the broker a node of a cluster (`Quorum`).
+    """
 
     port: int = DEFAULT_PORT
     ssl_port: int = 0
@@ -427,15 +454,23 @@ class SecureBrokerConfig:
     wrong_host_port: int = 0
     data_dir: Path = field(default_factory=default_data_dir)
     heap: str = DEFAULT_HEAP
+    quorum: Quorum | None = None
+    files_dir: Path | None = None
 
     def __post_init__(self) -> None:
         for offset, name in enumerate(("ssl_port", "controller_port", "wrong_host_port"), start=1):
             if not getattr(self, name):
                 object.__setattr__(self, name, self.port + offset)
-        data_dir = Path(self.data_dir).expanduser().resolve()
-        if ":" in str(data_dir):
-            raise ValueError(f"data_dir must not contain ':' (Kafka's config placeholders split on it): {data_dir}")
-        object.__setattr__(self, "data_dir", data_dir)
+        for name in ("data_dir", "files_dir"):
+            path = Path(getattr(self, name) or self.data_dir).expanduser().resolve()
+            if ":" in str(path):
+                raise ValueError(f"{name} must not contain ':' (Kafka's config placeholders split on it): {path}")
+            object.__setattr__(self, name, path)
+
+    @property
+    def security_dir(self) -> Path:
+        """Where the certificates and passwords are."""
+        return Path(self.files_dir or self.data_dir)
 
     @classmethod
     def ephemeral(cls, data_dir: Path, **kwargs: Any) -> SecureBrokerConfig:
@@ -450,7 +485,7 @@ class SecureBrokerConfig:
 
     def broker_config(self) -> BrokerConfig:
         """The `LocalBroker` config: listeners and security settings, secrets only as ``${dir:…}`` references."""
-        files = SecurityFiles(self.data_dir)
+        files = SecurityFiles(self.security_dir)
         secrets_dir = files.secrets_dir
 
         def secret(path: Path) -> str:
@@ -488,6 +523,7 @@ class SecureBrokerConfig:
             listener="SASL_SSL",
             extra_listeners=(Listener("SSL", self.ssl_port, "SSL"),
                              Listener(_WRONG_HOST_LISTENER, self.wrong_host_port, "SSL")),
+            quorum=self.quorum,
         )
 
 
@@ -497,7 +533,7 @@ class SecureBroker(LocalBroker):
     def __init__(self, config: SecureBrokerConfig | None = None) -> None:
         self.secure_config = config or SecureBrokerConfig()
         super().__init__(self.secure_config.broker_config())
-        self.files = SecurityFiles(self.data_dir)
+        self.files = SecurityFiles(self.secure_config.security_dir)
 
     # -- where
 
@@ -571,12 +607,13 @@ class SecureBroker(LocalBroker):
             "ssl_password": _read_secret(cert.password_file),
         }
 
-    def client_snippet(self, user: str = JOB) -> str:
+    def client_snippet(self, user: str = JOB, *, bootstrap: str | None = None, ssl_bootstrap: str | None = None) -> str:
         """The ``kafka:`` part of a job config for ``user`` over SCRAM, the mutual-TLS alternative as a
-        comment, and where the admin's password is: YAML that names secrets, never holds them."""
-        scram = {"kafka": {"bootstrap_servers": self.bootstrap_servers,
+        comment, and where the admin's password is: YAML that names secrets, never holds them.
+        ``bootstrap``/``ssl_bootstrap`` replace this broker's listeners (a cluster lists every node's)."""
+        scram = {"kafka": {"bootstrap_servers": bootstrap or self.bootstrap_servers,
                            "properties": self.client_properties(user, "scram")}}
-        mtls = {"kafka": {"bootstrap_servers": self.ssl_bootstrap_servers,
+        mtls = {"kafka": {"bootstrap_servers": ssl_bootstrap or self.ssl_bootstrap_servers,
                           "properties": self.client_properties(user, "mtls")}}
         def dump(doc: dict[str, Any]) -> str:
             return str(yaml.safe_dump(doc, sort_keys=False, width=1000))
@@ -632,10 +669,7 @@ class SecureBroker(LocalBroker):
                         dead_letter_topic=dead_letter_topic, group_id=group_id,
                         transactional_id_prefix=transactional_id_prefix, prefixed=prefixed, omit=omit)
         with self.admin() as client:
-            result = client.create_acls(acls)
-            if result["failed"]:
-                raise BrokerError(f"creating ACLs for {_principal(principal)} failed: {result['failed']}")
-            _wait_until_enforced(client, _principal(principal), acls)
+            _create_acls(client, principal, acls)
         return acls
 
     # -- LocalBroker's hooks
@@ -673,3 +707,78 @@ class SecureBroker(LocalBroker):
             "ca_file": str(self.ca_file),
             "secrets_dir": str(self.files.secrets_dir),
         }
+
+
+# ---------------------------------------------------------------------- several secured nodes
+
+
+class SecureKafkaCluster(LocalKafkaCluster):
+    """`LocalKafkaCluster` of `SecureBroker` nodes: every node has the four listeners of a secured broker
+    (SASL_SSL, SSL, WRONG_HOST, the controller's, in that order in ``ClusterConfig.ports``), and all
+    share the certificates and passwords in ``config.data_dir`` (made before the first node starts).
+    Client settings and ``grant`` are the single broker's, with every node's listener to bootstrap from."""
+
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        config = config or ClusterConfig(port=DEFAULT_CLUSTER_PORT, data_dir=default_cluster_dir())
+        if ":" in str(config.data_dir):
+            raise ValueError(f"data_dir must not contain ':' (Kafka's config placeholders split on it): "
+                             f"{config.data_dir}")
+        self.files = SecurityFiles(config.data_dir)
+        super().__init__(config)
+        self.secure_nodes: list[SecureBroker] = [node for node in self.nodes if isinstance(node, SecureBroker)]
+
+    @classmethod
+    def ephemeral(cls, data_dir: Path, brokers: int = 3, **kwargs: Any) -> SecureKafkaCluster:
+        """A cluster on fresh free ports (four a node), for tests that must not collide."""
+        return cls(ClusterConfig.ephemeral(data_dir, brokers, per_node=4, **kwargs))
+
+    def _make_nodes(self) -> list[LocalBroker]:
+        ports = self.config.node_ports(4)
+        voters = tuple(controller for _, _, controller, _ in ports)
+        return [SecureBroker(SecureBrokerConfig(
+                    port=port, ssl_port=ssl_port, controller_port=controller, wrong_host_port=wrong_host,
+                    data_dir=self.config.node_dir(node), heap=self.config.heap, quorum=Quorum(node, voters),
+                    files_dir=self.config.data_dir))
+                for node, (port, ssl_port, controller, wrong_host) in enumerate(ports, start=1)]
+
+    def _prepare(self) -> None:
+        formatted = any((node.data_dir / "data" / "meta.properties").exists() for node in self.nodes)
+        self.files.ensure(SCRAM_USERS, TLS_CLIENTS, formatted=formatted)
+
+    @property
+    def ssl_bootstrap_servers(self) -> str:
+        """Every node's mutual-TLS listener."""
+        return ",".join(node.ssl_bootstrap_servers for node in self.secure_nodes)
+
+    @property
+    def ca_file(self) -> Path:
+        return self.files.ca_file
+
+    def client_properties(self, user: str = JOB, via: Via = "scram") -> dict[str, str]:
+        """`SecureBroker.client_properties`: the same on every node."""
+        return self.secure_nodes[0].client_properties(user, via)
+
+    def kafka_python_config(self, user: str = JOB, via: Via = "scram") -> dict[str, Any]:
+        """`SecureBroker.kafka_python_config` bootstrapping from every node."""
+        servers = self.bootstrap_servers if via == "scram" else self.ssl_bootstrap_servers
+        return {**self.secure_nodes[0].kafka_python_config(user, via), "bootstrap_servers": servers}
+
+    def client_args(self) -> dict[str, Any]:
+        return self.kafka_python_config(ADMIN)
+
+    def client_snippet(self, user: str = JOB) -> str:
+        return self.secure_nodes[0].client_snippet(user, bootstrap=self.bootstrap_servers,
+                                                   ssl_bootstrap=self.ssl_bootstrap_servers)
+
+    def grant(self, principal: str, **names: Any) -> list[ACL]:
+        """`SecureBroker.grant` (same keywords) through the whole cluster."""
+        acls = job_acls(principal, **names)
+        ms = 30_000
+        with KafkaAdminClient(**self.client_args(), request_timeout_ms=ms, bootstrap_timeout_ms=ms,
+                              client_id="llmstream-secure-admin") as client:
+            _create_acls(client, principal, acls)
+        return acls
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "ssl_bootstrap": self.ssl_bootstrap_servers, "ca_file": str(self.ca_file),
+                "secrets_dir": str(self.files.secrets_dir)}

@@ -7,6 +7,12 @@ topic, an ACL the job's principal lacks. The checks connect exactly as the job d
 (`kafka.properties`, see `udfs/config/kafka_security.py`) and ask the broker what the principal
 may do (the authorized operations of Kafka's Metadata and DescribeGroups answers), so a
 missing permission is named as `principal User:job may not WRITE topic llm-results`.
+
+On a replicated cluster it also reads what exactly-once output needs from it (docs/operations.md, "A
+replicated Kafka"): the sink's producer writes with acks=all, so a `kafka.properties.acks` other than
+`all` is refused here rather than by the producer inside Flink; an output or dead-letter topic whose
+`min.insync.replicas` exceeds its replication factor would refuse every write; one with replication 1 on
+a multi-broker cluster is a warning (its broker's loss stops the job).
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ import time
 from typing import Any
 
 from kafka import KafkaProducer  # type: ignore[import-untyped]
-from kafka.admin import ACLOperation, KafkaAdminClient, NewTopic  # type: ignore[import-untyped]
+from kafka.admin import (  # type: ignore[import-untyped]
+    ACLOperation,
+    ConfigResource,
+    ConfigResourceType,
+    KafkaAdminClient,
+    NewTopic,
+)
 from kafka.errors import (  # type: ignore[import-untyped]
     AuthorizationError,
     CoordinatorNotAvailableError,
@@ -115,13 +127,62 @@ def _check_topics(config: JobConfig, admin: KafkaAdminClient, principal: str) ->
                                           "to create it)")
     for key, topic in missing:
         try:
-            admin.create_topics([NewTopic(topic, kafka.topic_partitions, 1)])
+            # Replication -1: the broker's default.replication.factor (1 on a single broker, 3 on
+            # `llmstream kafka start --brokers 3`), so a replicated cluster's topics are replicated.
+            admin.create_topics([NewTopic(topic, kafka.topic_partitions, -1)])
             log.info("created topic %s (%s, %d partitions)", topic, key, kafka.topic_partitions)
         except TopicAlreadyExistsError:
             pass
         except AuthorizationError:
             raise ConfigError(f"kafka.{key}", f"topic {topic!r} does not exist and "
                                               + _denied(principal, "CREATE", "topic", topic)) from None
+
+
+def _check_producer_properties(config: JobConfig) -> None:
+    """The exactly-once sink's producer is transactional, hence idempotent, hence acks=all: Kafka's client
+    refuses anything else when the sink starts, inside Flink, in a restart loop."""
+    props = {k.lower(): str(v).strip().lower() for k, v in config.kafka.properties.items()}
+    if props.get("acks", "all") not in ("all", "-1"):
+        raise ConfigError("kafka.properties.acks", f"is {props['acks']!r}, but the exactly-once sink's transactional "
+                                                   "producer needs acks=all (leave it unset)")
+    if props.get("enable.idempotence", "true") != "true":
+        raise ConfigError("kafka.properties.enable.idempotence", "must stay true: the exactly-once sink's "
+                                                                 "transactions need an idempotent producer")
+
+
+def _check_replication(config: JobConfig, admin: KafkaAdminClient, brokers: int) -> None:
+    """Output and dead-letter topics against the cluster: `min.insync.replicas` above the replication
+    factor refuses every acks=all write (a `ConfigError`); replication 1 on a multi-broker cluster is a
+    one-line warning. What cannot be read (an ACL, an old broker) is left unchecked, quietly."""
+    kafka = config.kafka
+    topics = list(dict.fromkeys(getattr(kafka, key) for key in OUTPUT_KEYS))
+    keys = {getattr(kafka, key): key for key in reversed(OUTPUT_KEYS)}
+    try:
+        replicas = {}
+        for info in admin.describe_topics(topics):
+            parts = info.get("partitions") or []
+            if not info.get("error_code") and parts:
+                replicas[info["name"]] = min(len(p.get("replica_nodes") or ()) for p in parts)
+        if not replicas:
+            return
+        described = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, t, {"min.insync.replicas": None}) for t in replicas],
+            config_filter="all").get("topic", {})
+    except (KafkaError, OSError, KeyError, TypeError, ValueError) as err:
+        log.debug("replication of the output topics unchecked: %s", err)
+        return
+    for topic, factor in replicas.items():
+        entry = (described.get(topic) or {}).get("min.insync.replicas") or {}
+        value = str(entry.get("value") or "")
+        min_insync = int(value) if value.isdigit() else 0
+        if factor and min_insync > factor:
+            raise ConfigError(f"kafka.{keys[topic]}", f"topic {topic!r} has min.insync.replicas {min_insync} but "
+                              f"replication factor {factor}: every acks=all write, the exactly-once sink's "
+                              "included, would be refused")
+        if factor == 1 and brokers > 1:
+            log.warning("kafka.%s: topic %r has replication factor 1 on a %d-broker cluster: its broker's loss "
+                        "stops the job (create it with replication 3, min.insync.replicas 2)", keys[topic], topic,
+                        brokers)
 
 
 async def _join_probe(admin: KafkaAdminClient, group: str, request: Any) -> Any:
@@ -188,9 +249,10 @@ def check(config: JobConfig, *, timeout_s: float = 30.0) -> None:
     kafka = config.kafka
     args = kafka.client_args()
     principal = _principal(config, args)
+    _check_producer_properties(config)
     with contextlib.closing(_admin(config, args, timeout_s)) as admin:
         try:
-            admin.describe_cluster()
+            brokers = len(admin.describe_cluster().get("brokers") or ())
         except (KafkaError, OSError) as err:
             if isinstance(err, AuthorizationError):
                 raise
@@ -208,6 +270,7 @@ def check(config: JobConfig, *, timeout_s: float = 30.0) -> None:
                 "the exactly-once sink's transactions would be rejected",
             )
         _check_topics(config, admin, principal)
+        _check_replication(config, admin, brokers)
         _check_group(config, admin, principal, timeout_s)
     if args.get("security_protocol", "PLAINTEXT") != "PLAINTEXT":
         # An open broker has no ACLs worth a transactional round trip at every start.
