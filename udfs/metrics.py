@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -106,6 +107,11 @@ COUNTERS = ("records_in", "bad_input", "requests", "retries", "reissued", "rate_
             "batch_requests")
 
 
+HELD_GAUGES = ("held", "held_oldest_s")
+"""Records the stage holds whose outcome has not left it (calls in flight, records waiting for a
+slot, for their key's turn or in a provider batch), and the age of the oldest of them in seconds:
+what a backfill's drain waits for (`jobs/launch/driver.py`)."""
+
 BATCH_GAUGES = ("batch_records_waiting", "batches_open", "batch_oldest_age_s")
 """The provider-batch lane's gauges (`model.mode: batch`): records collected and not yet in a batch,
 batches created and not yet answered, and the age of the oldest of those in seconds."""
@@ -132,6 +138,7 @@ class InferenceMetrics:
     `BATCH_GAUGES`.
     `dropped` counts records that leave nothing by the user's own functions (`model.skipped: drop`,
     a postprocess that returns None; docs/user-functions.md).
+    `held` and `held_oldest_s` (`HELD_GAUGES`) read `holding`, which the stage keeps.
     """
 
     def __init__(self, group: MetricGroup | None = None) -> None:
@@ -159,6 +166,7 @@ class InferenceMetrics:
         self.in_flight = 0
         self.concurrency_limit = 0
         self.admitted = 0
+        self.holding = Holding()
         self.dead_letters_by_reason: dict[str, Counter] = {}
         self.endpoints: dict[str, Callable[[], dict[str, int]]] = {}
         if group is not None:
@@ -167,6 +175,9 @@ class InferenceMetrics:
                 group.gauge(name, lambda c=counter: int(c.value))
             for name in ("admitted", "in_flight", "concurrency_limit", "budget_paused", *BATCH_GAUGES):
                 group.gauge(name, lambda n=name: int(getattr(self, n)))
+            holding = self.holding
+            group.gauge("held", lambda: holding.count)
+            group.gauge("held_oldest_s", holding.oldest_s)
             latency = self.latency_ms
             group.gauge("latency_count", lambda: int(latency.count))
             group.gauge("latency_sum_ms", lambda: int(latency.sum))
@@ -205,8 +216,45 @@ class InferenceMetrics:
         values["budget_paused"] = self.budget_paused
         for name in BATCH_GAUGES:
             values[name] = getattr(self, name)
+        values["held"] = self.holding.count
+        values["held_oldest_s"] = self.holding.oldest_s()
         values["latency_ms"] = self.latency_ms.snapshot()
         values["dead_letters_by_reason"] = {r: c.value for r, c in self.dead_letters_by_reason.items()}
         if self.endpoints:
             values["endpoints"] = {label: figures() for label, figures in self.endpoints.items()}
         return values
+
+
+class Holding:
+    """The records a stage holds whose outcome has not left it, each since it was taken in (by this
+    instance: a record restored from state counts from its restore). The oldest is the first in
+    insertion order, so reading it costs nothing whatever the count. Operator thread only.
+
+    A stage that counts what it holds itself (the provider-batch lane, whose records wait in
+    collections and batches) says so with `set` instead of holding each record."""
+
+    def __init__(self) -> None:
+        self._since: dict[Any, float] = {}
+        self._counted: tuple[int, float] | None = None
+
+    @property
+    def count(self) -> int:
+        return self._counted[0] if self._counted is not None else len(self._since)
+
+    def hold(self, handle: Any) -> None:
+        self._since.setdefault(handle, time.monotonic())
+
+    def release(self, handle: Any) -> None:
+        self._since.pop(handle, None)
+
+    def set(self, count: int, oldest_s: float) -> None:
+        """`count` records held, the oldest for `oldest_s` seconds."""
+        self._counted = (count, time.monotonic() - oldest_s if count else 0.0)
+
+    def oldest_s(self) -> int:
+        """Whole seconds the oldest record has been held (0 when none is)."""
+        if self._counted is not None:
+            count, since = self._counted
+        else:
+            count, since = len(self._since), next(iter(self._since.values()), 0.0)
+        return int(time.monotonic() - since) if count else 0

@@ -180,6 +180,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
         "concurrency_limit": _int(llm("concurrency_limit")),
         "requests": _int(llm("requests")), "retries": _int(llm("retries")), "rate_limited": _int(llm("rate_limited")),
         "invalid_answers": _int(llm("invalid_answers")),
+        "held": _int(llm("held")), "held_oldest_s": _int(max_of("held_oldest_s")),
         "answered": _int(llm("latency_count")),
         "latency_p50_ms": _int(max_of("latency_p50_ms")), "latency_p99_ms": _int(max_of("latency_p99_ms")),
         "latency_mean_ms": (_round(llm("latency_sum_ms") / llm("latency_count"))  # type: ignore[operator]
@@ -201,6 +202,14 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
             "saving": round(1.0 - config.provider_batch.price_factor, 4),
         }
     return out
+
+
+def held_of(fig: dict[str, Any] | None) -> tuple[int, int] | None:
+    """(records the stage holds, seconds the oldest has been held) by these figures; None if unknown."""
+    calls = (fig or {}).get("calls") or {}
+    if calls.get("held") is None:
+        return None
+    return int(calls["held"]), int(calls.get("held_oldest_s") or 0)
 
 
 def _endpoints(metrics: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:

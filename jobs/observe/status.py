@@ -99,6 +99,8 @@ def render(fig: dict[str, Any]) -> Any:
     if job.get("figures_as_of"):
         header += f"\n[dim]the run has ended: figures as last seen {_duration(fig['at'] - job['figures_as_of'])} " \
                   "before now; lag and dead letters are current[/dim]"
+    if job.get("ended"):
+        header += f"\n[bold]{job['ended']}[/bold]"
 
     def table(title: str, rows: list[tuple[str, str]]) -> Table:
         t = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 1))
@@ -119,6 +121,8 @@ def render(fig: dict[str, Any]) -> Any:
     model = table("Is the model the bottleneck?", [
         ("calls in flight", f"{_fmt(calls['admitted'])} / {_fmt(calls['capacity'])} capacity"),
         ("HTTP in flight", _fmt(calls["in_flight"])),
+        ("records held by the stage", f"{_fmt(calls.get('held'))}"
+         + (f"  (oldest {_duration(calls.get('held_oldest_s'))})" if calls.get("held") else "")),
         ("AIMD limit", _fmt(calls["concurrency_limit"])),
         ("latency p50 / p99", f"{_fmt(calls['latency_p50_ms'])} / {_fmt(calls['latency_p99_ms'])} ms"),
         ("calls / retries / 429s", f"{_fmt(calls['requests'])} / {_fmt(calls['retries'])} / {_fmt(calls['rate_limited'])}"),

@@ -13,6 +13,7 @@ import asyncio
 import datetime
 import json
 import pickle
+import threading
 from typing import Any
 
 import pytest
@@ -357,3 +358,32 @@ def test_a_pending_record_pickled_before_a_field_was_added_takes_its_default() -
     older.__setstate__(old_state)
     assert pickle.loads(pickle.dumps(older)) == PendingRecord(b"k", b"v", "in", 0, 1, TS)
     assert pickle.loads(pickle.dumps(current)) == current
+
+
+def test_the_stage_counts_what_it_holds_until_each_outcome_leaves(harnesses: list[Harness]) -> None:
+    """`held` (what a backfill's drain waits for) counts every record in state: calls in flight,
+    also after a restore, and none once their outcomes have left."""
+    first = stage(harnesses, never_answering)
+    first.element(0, record(1), offset=1)
+    first.element(1, record(2), offset=2)
+    first.element(1, b"[]", offset=3)  # bad input: a dead letter at once, never held
+    holding = first.function._metrics.holding
+    assert holding.count == 2 and holding.oldest_s() >= 0
+    checkpoint = first.state.snapshot()
+    first.close()
+    release = threading.Event()
+
+    async def held_back(request: Request) -> Completion:
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return answer(request)
+
+    second = stage(harnesses, held_back, state=KeyedState(checkpoint))
+    assert second.function._metrics.holding.count == 0  # nothing adopted yet
+    second.tick(0)
+    second.tick(1)
+    assert second.function._metrics.holding.count == 2  # restored, called again
+    release.set()
+    second.end_of_input()
+    assert second.function._metrics.holding.count == 0 and len(second.bodies("out")) == 2
+    assert second.function._metrics.snapshot()["held"] == 0

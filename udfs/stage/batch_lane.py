@@ -716,7 +716,11 @@ class BatchStage(KeyedProcessFunction):
         entries = [e for bucket in self._entries.values() for e in bucket.values()]
         metrics.batches_open = len(entries)
         oldest = min((e.created_ms or e.sealed_ms for e in entries), default=None)
-        metrics.batch_oldest_age_s = int((_now_ms() - oldest) / 1000) if oldest is not None else 0
+        now_ms = _now_ms()
+        metrics.batch_oldest_age_s = int((now_ms - oldest) / 1000) if oldest is not None else 0
+        waiting_since = min((c.oldest_ms for c in self._collections.values() if c.handles), default=now_ms)
+        metrics.holding.set(sum(self._held.values()),
+                            max(metrics.batch_oldest_age_s, (now_ms - waiting_since) / 1000))
 
 
 def _now_ms() -> int:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Coroutine, Generator, Iterator
+from collections.abc import Callable, Coroutine, Generator, Hashable, Iterator
 from typing import Any
 
 from pyflink.common import Row, Types
@@ -234,9 +234,10 @@ class InferenceStage(KeyedProcessFunction):
         for handle, value in stored:
             try:
                 records.append((handle, PendingRecord.restored(value)))
+                self._metrics.holding.hold(handle)
             except Exception as err:
                 log.exception("bucket %r: state entry %r is not a pending record", bucket, handle)
-                self._pending.remove(handle)
+                self._let_go(handle)
                 yield self._failed(InternalError.from_exception(err), _salvage(value))
         if self._order is not None:
             records = restore_order(records)
@@ -253,14 +254,14 @@ class InferenceStage(KeyedProcessFunction):
         prepared = self._path.prepare(record)
         if prepared is SKIP:
             if reissue:
-                self._pending.remove(handle)
+                self._let_go(handle)
             return
         if not isinstance(prepared, Request):  # bad input or a forwarded tombstone: no call
             yield from self._settle(bucket, record, handle, reissue, prepared)
             return
         request = prepared
         if not reissue:
-            self._pending.put(handle, record)
+            self._hold(handle, record)
         else:
             self._metrics.reissued.inc()
         if self._order is not None:
@@ -327,11 +328,11 @@ class InferenceStage(KeyedProcessFunction):
         order = self._order
         if order is None or not order.waiting(bucket, record.key):
             if reissue:
-                self._pending.remove(handle)
+                self._let_go(handle)
             yield from self._out(outcome)
             return
         if not reissue:
-            self._pending.put(handle, record)
+            self._hold(handle, record)
         order.admit(bucket, record.key, handle)
         yield from self._release(order.finish(handle, outcome))
 
@@ -347,7 +348,7 @@ class InferenceStage(KeyedProcessFunction):
                 err = InternalError("the inference call raised")
                 outcome = (self._dead_letter(err, self._stored(handle)), err.reason)
             if order is None:
-                self._pending.remove(handle)
+                self._let_go(handle)
                 yield from self._out(outcome)
             else:
                 yield from self._release(order.finish(handle, outcome))
@@ -356,7 +357,7 @@ class InferenceStage(KeyedProcessFunction):
 
     def _release(self, released: list[tuple[Any, Outcome]]) -> Iterator[Row]:
         for handle, outcome in released:
-            self._pending.remove(handle)
+            self._let_go(handle)
             yield from self._out(outcome)
 
     def _out(self, outcome: Outcome) -> Iterator[Row]:
@@ -381,6 +382,15 @@ class InferenceStage(KeyedProcessFunction):
         at = ctx.timer_service().current_processing_time() + EMIT_PERIOD_MS
         ctx.timer_service().register_processing_time_timer(at)
         self._timer_at[bucket] = at
+
+    def _hold(self, handle: str, record: PendingRecord) -> None:
+        """`record` into state until its outcome leaves (`_let_go`), counted as held."""
+        self._pending.put(handle, record)
+        self._metrics.holding.hold(handle)
+
+    def _let_go(self, handle: Hashable) -> None:
+        self._pending.remove(handle)
+        self._metrics.holding.release(handle)
 
     def _stored(self, handle: Any) -> PendingRecord:
         """The record kept under `handle`, or what can be salvaged of it."""

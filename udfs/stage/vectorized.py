@@ -151,6 +151,7 @@ class VectorizedInference(ScalarFunction):
         """Each record's outcome, in input order (None: a skipped tombstone); every call of the
         batch runs at once on the call loop, at most `async.capacity` at a time. Never raises."""
         self._metrics.records_in.inc(len(records))
+        self._metrics.holding.set(len(records), 0.0)
         outcomes: list[Outcome | None] = [None] * len(records)
         calls: list[tuple[int, Request, PendingRecord]] = []
         for i, record in enumerate(records):
@@ -174,6 +175,7 @@ class VectorizedInference(ScalarFunction):
         for outcome in outcomes:
             if outcome is not None and outcome[1] is not None:
                 self._metrics.dead_letter(outcome[1])
+        self._metrics.holding.set(0, 0.0)
         return outcomes
 
     async def _batch(self, calls: list[tuple[int, Request, PendingRecord]], timeout_s: float) -> list[Outcome]:
