@@ -60,7 +60,8 @@ def _run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     return exit_code(run_job(config, _run_options(args), progress_every_s=args.progress_every,
-                             stop_timeout_s=args.stop_timeout, class_archive=True))
+                             stop_timeout_s=args.stop_timeout, drain_timeout_s=args.drain_timeout,
+                             class_archive=True))
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -84,7 +85,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from jobs.launch.submit import submit
 
-    return submit(args.config, jobmanager=args.jobmanager, options=_run_options(args))
+    return submit(args.config, jobmanager=args.jobmanager, options=_run_options(args),
+                  drain_timeout_s=args.drain_timeout)
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -130,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "offsets (records since the group's last commit may be written again)")
             command.add_argument("--from-savepoint", default=None, metavar="PATH",
                                  help="resume from this savepoint or retained checkpoint instead of the newest")
+            command.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
+                                 help="with --until-end: how long the end waits for the records the stage still "
+                                      "holds, then for the draining savepoint (default: as long as one record may "
+                                      "take by the config); cut short, the run exits 3 and the same command "
+                                      "finishes it")
 
     run = sub.add_parser("run", help="run the job in a local Flink mini cluster, resuming from its state")
     state_arguments(run)
@@ -313,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except LLMStreamError as err:
         print(f"llmstream: {_one_line(err)}", file=sys.stderr)
-        return 1
+        return err.exit_code
     except KeyboardInterrupt:
         print("llmstream: interrupted", file=sys.stderr)
         return 130

@@ -22,6 +22,9 @@ from __future__ import annotations
 class LLMStreamError(Exception):
     """Base of every error raised by llmstream code."""
 
+    exit_code = 1
+    """What a command that ends with it exits with (docs/operations.md, "When a command fails")."""
+
 
 class ConfigError(LLMStreamError, ValueError):
     """The job configuration is invalid; the message names the key path."""

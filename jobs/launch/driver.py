@@ -34,6 +34,7 @@ from jobs.clients.flink_rest import (
     last_error_line,
 )
 from jobs.observe.status import line as status_line
+from udfs.errors import LLMStreamError
 
 if TYPE_CHECKING:
     from kafka import TopicPartition  # type: ignore[import-untyped]
@@ -42,6 +43,13 @@ if TYPE_CHECKING:
     from jobs.observe.figures import RunFigures
 
 log = logging.getLogger("llmstream.run")
+
+
+class BackfillIncomplete(LLMStreamError):
+    """A backfill (`--until-end`) ended before every record present at start was out; the same
+    command finishes it."""
+
+    exit_code = 3
 
 
 def root_cause(err: BaseException) -> str:
@@ -87,6 +95,10 @@ class JobDriver(ABC):
         has none or they cannot be read. After restarts, `failure` names only the last one (often a
         consequence, such as a slot not yet freed), so `drive` keeps the first one it saw."""
         return []
+
+    def tasks_running(self) -> bool:
+        """Whether every task of the job runs (Flink refuses a savepoint before); True if unknown."""
+        return True
 
     @abstractmethod
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
@@ -227,6 +239,9 @@ class MiniClusterDriver(JobDriver):
     def failure_history(self) -> list[str]:
         return [last_error_line(trace) for trace in self._rest.failures(self.job_id)] if self._rest else []
 
+    def tasks_running(self) -> bool:
+        return _all_running(self._rest, self.job_id) if self._rest else True
+
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         """`JobClient.stop_with_savepoint` in the Flink 2 signature, which wants a format type: PyFlink's
         wrapper calls the 2-argument form Flink 2 no longer has."""
@@ -289,12 +304,24 @@ class RestDriver(JobDriver):
     def failure_history(self) -> list[str]:
         return [last_error_line(trace) for trace in self._rest.failures(self.job_id)]
 
+    def tasks_running(self) -> bool:
+        return _all_running(self._rest, self.job_id)
+
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         return _RestStop(self._rest, self.job_id, self._rest.trigger_stop(self.job_id, directory, drain=drain))
 
     def cancel(self) -> None:
         with contextlib.suppress(ClusterError):
             self._rest.rest(f"/jobs/{self.job_id}?mode=cancel", method="PATCH")
+
+
+def _all_running(rest: FlinkRest, job_id: str) -> bool:
+    """Whether every vertex of the job is RUNNING (or already FINISHED), by its REST API."""
+    try:
+        vertices = rest.job(job_id).get("vertices") or []
+    except ClusterError:
+        return False
+    return bool(vertices) and all(v.get("status") in ("RUNNING", "FINISHED") for v in vertices)
 
 
 class SavepointStop:
@@ -411,25 +438,104 @@ class Outcome:
     """Why it failed ('' unless FAILED, or ended otherwise than asked)."""
     stop_error: str | None
     """Why Flink refused the last stop-with-savepoint attempt, if a stop was asked and refused."""
+    drained: bool = False
+    """It ended with nothing left in flight: it finished by itself (a bounded input), or stopped with
+    a draining savepoint, whose final watermark makes every stage wait for every record it holds
+    before the savepoint is taken. A stop without a drain, a cancel or a failure leaves what the
+    stage held in the last snapshot, for the next run."""
+    held: int | None = None
+    """Records the stage held at the last count before the job ended (None: never counted)."""
 
 
-def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress: GroupProgress | None = None,
-          targets: dict[TopicPartition, int] | None = None, figures: RunFigures | None = None,
-          progress_every_s: float = 0.0, stop_timeout_s: float = 60.0, cancel_on_timeout: bool = True,
-          on_stop: Callable[[], None] | None = None, report: Callable[[str], None] = print) -> Outcome:
+Held = Callable[[], "tuple[int, int] | None"]
+"""Reads what the stage holds: (records, seconds the oldest has been held), or None when unknown."""
+
+HELD_READ_EVERY_S = 2.0
+"""How often a backfill's drain asks how many records the stage still holds."""
+
+
+class Backfill:
+    """The end of a backfill (``--until-end``), phase by phase: until the group has committed the
+    input present at start (`targets`), the job runs; then it keeps running, checkpoints and all,
+    while the stage still holds records, for at most `bound_s` (`JobConfig.longest_record_s`: what
+    one record may take); then it is stopped with a draining savepoint, which waits for what is
+    left, again for at most `bound_s`. Waiting before the stop keeps output flowing and the
+    savepoint short; the drain is what makes the end complete."""
+
+    def __init__(self, progress: GroupProgress, targets: dict[TopicPartition, int], bound_s: float,
+                 held: Held | None) -> None:
+        self._progress = progress
+        self._targets = targets
+        self.bound_s = bound_s
+        self._held = held
+        self.committed_at: float | None = None
+        self._last_check = 0.0
+        self.last_held: tuple[int, int] | None = None
+
+    def read_held(self) -> tuple[int, int] | None:
+        if self._held is not None:
+            with contextlib.suppress(Exception):
+                self.last_held = self._held()
+        return self.last_held
+
+    def ready_to_drain(self, now: float, report: Callable[[str], None], job: JobDriver) -> bool:
+        """Whether to stop with a draining savepoint now; says why when it starts waiting and stopping.
+        Not before every task of the job runs: a resumed backfill whose input was committed by the
+        run before must not spend its bound on the job's start, which Flink's refusals would."""
+        if now - self._last_check < (0.5 if self.committed_at is None else HELD_READ_EVERY_S):
+            return False
+        self._last_check = now
+        if self.committed_at is None:
+            with contextlib.suppress(Exception):
+                if self._progress.reached(self._targets) and job.tasks_running():
+                    self.committed_at = now
+            if self.committed_at is None:
+                return False
+            held = self.read_held()
+            if held is None or held[0] == 0:
+                report("llmstream: backfill input committed; stopping with a draining savepoint")
+                return True
+            report(f"llmstream: backfill input committed; waiting for the {held[0]} records the stage still "
+                   f"holds (up to {self.bound_s:g} s) before the draining savepoint")
+            return False
+        held = self.read_held()
+        if held is None or held[0] == 0:
+            report("llmstream: the stage holds no more records; stopping with a draining savepoint")
+            return True
+        if now - self.committed_at >= self.bound_s:
+            report(f"llmstream: the stage still holds {held[0]} records after {self.bound_s:g} s; stopping with a "
+                   f"draining savepoint, which waits for them up to {self.bound_s:g} s more")
+            return True
+        return False
+
+    def waiting_line(self, now: float) -> str | None:
+        """The progress line while the stage's last records are waited for."""
+        if self.committed_at is None or self.last_held is None:
+            return None
+        count, oldest_s = self.last_held
+        return (f"draining: {count} records held by the stage, longest {oldest_s} s "
+                f"({now - self.committed_at:.0f} of up to {self.bound_s:g} s)")
+
+
+def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, backfill: Backfill | None = None,
+          figures: RunFigures | None = None, progress_every_s: float = 0.0, stop_timeout_s: float = 60.0,
+          cancel_on_timeout: bool = True, on_stop: Callable[[], None] | None = None,
+          report: Callable[[str], None] = print) -> Outcome:
     """Watches the job until it ends.
 
-    ``stop.savepoint`` set: stop with a savepoint; ``stop.cancel`` set: cancel. With ``targets`` the
-    group's committed offsets are checked against them and, once reached, the job is stopped with a
-    draining savepoint. A stop without a savepoint after ``stop_timeout_s`` cancels the job, or with
-    ``cancel_on_timeout`` false raises a `ClusterError` (the job left running). Every
-    ``progress_every_s`` (0: never) a progress line: the compact status (``figures``), or
-    "starting" until there are figures. ``on_stop`` is called once, as a stop with a savepoint
-    starts (`jobs.graph.gate_operator.open_for_stop`).
+    ``stop.savepoint`` set: stop with a savepoint; ``stop.cancel`` set: cancel. With ``backfill``
+    the job is stopped with a draining savepoint once its input is committed and its records are out
+    (`Backfill`), the stop waiting up to the backfill's bound rather than ``stop_timeout_s``. A stop
+    without a savepoint in time cancels the job, or with ``cancel_on_timeout`` false raises a
+    `ClusterError` (the job left running). Every ``progress_every_s`` (0: never) a progress line:
+    the compact status (``figures``), or "starting" until there are figures. ``on_stop`` is called
+    once, as a stop with a savepoint starts (`jobs.graph.gate_operator.open_for_stop`).
     """
     stopper = SavepointStop(driver, savepoints_uri)
-    started, last_report, last_check, last_failures = time.monotonic(), 0.0, 0.0, 0.0
+    started, last_report, last_failures = time.monotonic(), 0.0, 0.0
     failures: list[str] = []
+    draining = False
+    timeout_s = stop_timeout_s
     while not driver.ended():
         now = time.monotonic()
         if now - last_failures >= 2.0:
@@ -442,19 +548,17 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
             if on_stop is not None:
                 on_stop()
             stopper.start(drain=False, timeout_s=stop_timeout_s)
-        elif targets is not None and progress is not None and not stopper.started and now - last_check >= 0.5:
-            last_check = now
-            with contextlib.suppress(Exception):
-                if progress.reached(targets):
-                    report("llmstream: backfill input committed; stopping with a draining savepoint")
-                    _final_figures(figures, now)
-                    if on_stop is not None:
-                        on_stop()
-                    stopper.start(drain=True, timeout_s=stop_timeout_s)
+        elif backfill is not None and not stopper.started and backfill.ready_to_drain(now, report, driver):
+            _final_figures(figures, now)
+            if on_stop is not None:
+                on_stop()
+            draining = True
+            timeout_s = backfill.bound_s
+            stopper.start(drain=True, timeout_s=timeout_s)
         stopper.poll()
         if stopper.timed_out:
             if not cancel_on_timeout:
-                raise ClusterError(stopper.error or f"timed out after {stop_timeout_s:g} s waiting for the "
+                raise ClusterError(stopper.error or f"timed out after {timeout_s:g} s waiting for the "
                                                      f"savepoint of job {driver.job_id}")
             report("llmstream: no savepoint in time; cancelling (the next run resumes from the last checkpoint)")
             stopper.cancel()
@@ -462,7 +566,10 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
         latest = figures.refresh(now, force=due) if figures is not None else None
         if due:
             last_report = now
-            if latest is not None:
+            waiting = backfill.waiting_line(now) if backfill is not None and not stopper.started else None
+            if waiting is not None:
+                report(f"llmstream: {now - started:6.0f}s  {waiting}")
+            elif latest is not None:
                 report(f"llmstream: {now - started:6.0f}s  {status_line(latest)}")
             else:
                 report(f"llmstream: {now - started:6.0f}s  {driver.status():<9} starting")
@@ -475,8 +582,10 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, progress
     if state != "FINISHED":
         failures = driver.failure_history() or failures  # one more look: a mini cluster's API may still answer
         cause = _first_and_last(failures, driver.failure())
+    drained = state == "FINISHED" and (draining or not stopper.started)
+    held = backfill.last_held[0] if backfill is not None and backfill.last_held is not None else None
     return Outcome(state=state, savepoint=stopper.savepoint, cause=cause,
-                   stop_error=stopper.error if stopper.started else None)
+                   stop_error=stopper.error if stopper.started else None, drained=drained, held=held)
 
 
 def _final_figures(figures: RunFigures | None, now: float) -> None:

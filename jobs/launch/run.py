@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 from jobs.clients.flink_cli import flink_conf_dir
@@ -33,6 +34,8 @@ from jobs.clients.kafka_admin import GroupProgress
 from jobs.graph import gate_operator as gate
 from jobs.graph.pipeline import build_pipeline, create_environment
 from jobs.launch.driver import (
+    Backfill,
+    BackfillIncomplete,
     FlinkLog,
     MiniClusterDriver,
     Outcome,
@@ -41,7 +44,7 @@ from jobs.launch.driver import (
     stop_on_signals,
 )
 from jobs.launch.plan import LaunchPlan, RunOptions, prepare
-from jobs.observe.figures import Observer, RunFigures
+from jobs.observe.figures import Observer, RunFigures, held_of
 from jobs.runtime import jars
 from jobs.runtime.jvm_archive import GatewayArchive
 from jobs.runtime.ports import free_port, port_in_use
@@ -61,10 +64,14 @@ def run_job(
     report: Callable[[str], None] = print,
     stop: StopRequest | None = None,
     stop_timeout_s: float = 60.0,
+    drain_timeout_s: float | None = None,
     class_archive: bool = False,
 ) -> str:
     """Runs the job until it ends; returns FINISHED (a backfill done, or stopped with a
-    savepoint), CANCELED or FAILED. `options` names the state directory and how to resume. What is
+    savepoint), CANCELED, FAILED or `INCOMPLETE` (a backfill that ended before its records were out).
+    `options` names the state directory and how to resume. `drain_timeout_s`: how long a backfill's
+    end waits for the records the stage holds, then for its draining savepoint (default:
+    `JobConfig.longest_record_s`). What is
     checked and decided before the JVM starts is the launch sequence `llmstream submit` shares
     (`jobs.launch.plan.prepare`), with this process's mini cluster as its site; it raises as that does.
 
@@ -79,7 +86,7 @@ def run_job(
             jars.ensure("metrics")
         archive = GatewayArchive.find() if class_archive else None
         state_name = _run(config, options, plan, archive, progress_every_s=progress_every_s, report=report,
-                          stop=stop, stop_timeout_s=stop_timeout_s)
+                          stop=stop, stop_timeout_s=stop_timeout_s, drain_timeout_s=drain_timeout_s)
     if archive is not None:
         archive.save(report)
     return state_name
@@ -112,7 +119,8 @@ def check_local_ports(config: JobConfig) -> None:
 
 
 def _run(config: JobConfig, options: RunOptions, plan: LaunchPlan, archive: GatewayArchive | None, *,
-         progress_every_s: float, report: Callable[[str], None], stop: StopRequest, stop_timeout_s: float) -> str:
+         progress_every_s: float, report: Callable[[str], None], stop: StopRequest, stop_timeout_s: float,
+         drain_timeout_s: float | None) -> str:
     state, restore, targets = plan.build.state, plan.restore, plan.end_offsets
     with contextlib.ExitStack() as stack:
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
@@ -152,11 +160,17 @@ def _run(config: JobConfig, options: RunOptions, plan: LaunchPlan, archive: Gate
         observer = Observer(config, local_run.rest_url, job_id=local_run.job_id, progress=progress,
                             local_run=local_run)
         driver = MiniClusterDriver(job_client, FlinkRest(local_run.rest_url), flink_log)
-        outcome = drive(driver, stop, savepoints_uri=state.savepoints_uri, progress=progress,
-                        targets=targets, figures=RunFigures(observer, local_run, state),
+        figures = RunFigures(observer, local_run, state)
+        backfill = None
+        if targets is not None:
+            backfill = Backfill(progress, targets, drain_timeout_s or config.longest_record_s(),
+                                held=lambda: held_of(figures.refresh(time.monotonic(), force=True)))
+        outcome = drive(driver, stop, savepoints_uri=state.savepoints_uri, backfill=backfill, figures=figures,
                         progress_every_s=progress_every_s, stop_timeout_s=stop_timeout_s,
                         on_stop=lambda: gate.open_for_stop(gate_dir), report=report)
-        state_name = _conclude(outcome, progress, state, report)
+        state_name = _conclude(outcome, progress, state, report, backfill=targets is not None)
+        if local_run.last:  # recorded as the run ends (`LocalRun.ended`), for `llmstream status`
+            local_run.last["job"]["ended"] = ended_line(state_name, outcome, state)
         if outcome.state == "FAILED" and flink_log is not None:
             report(f"llmstream: Flink's log of this run: {flink_log.path}")
         state.prune()
@@ -225,22 +239,57 @@ def _environ(name: str, value: str | None) -> Iterator[None]:
                 os.environ[name] = before
 
 
-def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report: Callable[[str], None]) -> str:
-    """Says how the run ended and where the next one resumes from; returns the job's final state."""
-    if outcome.state == "CANCELED":
-        report(f"llmstream: job cancelled; the next run resumes from the last checkpoint in {state.location}")
-    elif outcome.state == "FAILED":
+INCOMPLETE = "INCOMPLETE"
+"""A backfill (`--until-end`) that ended before every record present at start was out: stopped,
+cancelled or cut short while the stage still held records. Its exit code is 3."""
+
+
+def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report: Callable[[str], None], *,
+              backfill: bool = False) -> str:
+    """Says how the run ended, what it left and where the next one resumes from; returns the job's
+    final state (`INCOMPLETE` for a backfill that ended before its records were out)."""
+    where = f"savepoint {outcome.savepoint}" if outcome.savepoint else f"the last checkpoint in {state.location}"
+    if outcome.state == "FAILED":
         report(f"llmstream: job failed: {outcome.cause}")
-    else:
-        committed, end = progress.snapshot()
-        where = f"savepoint {outcome.savepoint}" if outcome.savepoint else f"the state in {state.location}"
-        report(f"llmstream: job finished; committed {committed}/{end} input records; the next run resumes from {where}")
+        if backfill:
+            report(f"llmstream: the backfill is not finished; the same command resumes it from {where}")
+        return outcome.state
+    if backfill and not outcome.drained:
+        report(f"llmstream: backfill not finished: {_left(outcome)} in the job's state, kept in {where}; "
+               "the same command finishes them")
+        return INCOMPLETE
+    if outcome.state == "CANCELED":
+        report(f"llmstream: job cancelled: {_left(outcome)} in the last checkpoint in {state.location}; "
+               "the next run resumes from it")
+        return outcome.state
+    committed, end = progress.snapshot()
+    done = "; every record present at start is in output or dead letters" if backfill else ""
+    report(f"llmstream: job finished; committed {committed}/{end} input records{done}; the next run resumes from {where}")
     return outcome.state
 
 
+def _left(outcome: Outcome) -> str:
+    """What the stage held when the job stopped, as far as it was counted."""
+    if outcome.held is None:
+        return "the records the stage held (not counted)"
+    return f"at most {outcome.held} records" if outcome.held else "the records the stage still held"
+
+
+def ended_line(state_name: str, outcome: Outcome, state: StateDir) -> str:
+    """How the run ended, for `llmstream status` once it is over."""
+    if state_name == INCOMPLETE:
+        return f"backfill not finished: {_left(outcome)} left in {state.location}; the same command finishes them"
+    if state_name == "FAILED":
+        return f"failed: {outcome.cause}"
+    if state_name == "CANCELED":
+        return f"cancelled: {_left(outcome)} left in the last checkpoint in {state.location}"
+    return "finished" + (f" with savepoint {outcome.savepoint}" if outcome.savepoint else "")
+
+
 def exit_code(state: str) -> int:
-    """0 for a finished, stopped or deliberately cancelled job, 1 for a failed one."""
-    return 1 if state == "FAILED" else 0
+    """0 for a finished, stopped or deliberately cancelled job, 1 for a failed one, 3 for a backfill
+    that ended before every record present at start was out (the same command finishes it)."""
+    return {"FAILED": 1, INCOMPLETE: BackfillIncomplete.exit_code}.get(state, 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,7 +22,13 @@ from jobs.clients.flink_cli import client_env, run_job_script
 from jobs.clients.flink_rest import ClusterError, FlinkRest
 from jobs.clients.kafka_admin import GroupProgress
 from jobs.graph import gate_operator as gate
-from jobs.launch.driver import RestDriver, StopRequest, drive
+from jobs.launch.driver import (
+    Backfill,
+    BackfillIncomplete,
+    RestDriver,
+    StopRequest,
+    drive,
+)
 from jobs.runtime import jars
 from jobs.state.location import checked_state_dir
 from jobs.state.snapshots import StateDir, check_identity
@@ -61,7 +67,8 @@ def _live_job(rest: FlinkRest, config: JobConfig) -> str:
     return str(live[0]["jid"])
 
 
-def submit(config_path: str | None, jobmanager: str | None = None, options: RunOptions | None = None) -> int:
+def submit(config_path: str | None, jobmanager: str | None = None, options: RunOptions | None = None, *,
+           drain_timeout_s: float | None = None) -> int:
     """``llmstream submit``: preflight, then submit to ``jobmanager`` (HOST:PORT; default the local
     cluster), resuming from the newest snapshot in the job's state directory (`jobs/state/snapshots.py`).
 
@@ -83,7 +90,8 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     print(f"llmstream: submitted job {config.name} as {job_id}")
     print(f"llmstream: web UI {cluster.rest.rest_url}/#/job/running/{job_id}/overview")
     if plan.end_offsets is not None:
-        return _finish_backfill(cluster.rest, job_id, config, state, plan.end_offsets)
+        return _finish_backfill(cluster.rest, job_id, config, state, plan.end_offsets,
+                                drain_timeout_s or config.longest_record_s())
     return 0
 
 
@@ -111,18 +119,30 @@ class _Cluster:
 
 
 def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: StateDir,
-                     targets: dict[TopicPartition, int]) -> int:
-    """Waits until the group has committed ``targets``, then stops the job with a draining savepoint
-    (`jobs.launch.driver.drive`, the loop `llmstream run` uses too)."""
+                     targets: dict[TopicPartition, int], drain_timeout_s: float) -> int:
+    """Waits until the group has committed ``targets`` and the stage holds no more records, then
+    stops the job with a draining savepoint (`jobs.launch.driver.drive`, the loop `llmstream run`
+    uses too). A drain that does not end in time cancels the job, whose last checkpoint the same
+    command resumes from; raises `BackfillIncomplete` then, `ClusterError` if the job failed."""
+    from jobs.observe.figures import JobMetrics, figures, held_of
+
     print(f"llmstream: backfill: waiting until the group has committed {sum(targets.values())} input records")
     with contextlib.closing(GroupProgress(config)) as progress:
+        backfill = Backfill(progress, targets, drain_timeout_s,
+                            held=lambda: held_of(figures(config, JobMetrics(rest, job_id).collect())))
         outcome = drive(RestDriver(rest, job_id), StopRequest.new(), savepoints_uri=state.savepoints_uri,
-                        progress=progress, targets=targets, stop_timeout_s=STOP_TIMEOUT_S, cancel_on_timeout=False)
-    if outcome.savepoint is None:
-        if outcome.stop_error:
-            raise ClusterError(outcome.stop_error)
-        raise ClusterError(f"job {job_id} ended {outcome.state} before the backfill was done: {outcome.cause}")
-    print(f"llmstream: backfill done; stopped with savepoint {outcome.savepoint}")
+                        backfill=backfill, stop_timeout_s=STOP_TIMEOUT_S)
+    if outcome.state == "FAILED":
+        raise ClusterError(f"job {job_id} failed before the backfill was done: {outcome.cause}; the same command "
+                           f"resumes it from the last checkpoint in {state.location}")
+    if not outcome.drained:
+        held = f"at most {outcome.held}" if outcome.held is not None else "the"
+        where = outcome.savepoint or f"the last checkpoint in {state.location}"
+        raise BackfillIncomplete(f"backfill not finished: job {job_id} ended {outcome.state} with {held} records "
+                                 f"the stage held still in its state ({where}); the same command finishes them"
+                                 + (f" (the draining savepoint: {outcome.stop_error})" if outcome.stop_error else ""))
+    print(f"llmstream: backfill done; every record present at submission is in output or dead letters; "
+          f"stopped with savepoint {outcome.savepoint}")
     return 0
 
 

@@ -3,13 +3,14 @@ stop request, a finished backfill, a refused or late savepoint, a cancel and a f
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from jobs.clients.flink_rest import ClusterError
-from jobs.launch.driver import JobDriver, StopRequest, drive
+from jobs.launch.driver import Backfill, JobDriver, StopRequest, drive
 
 SAVEPOINTS = "file:///state/savepoints"
 
@@ -110,13 +111,88 @@ def test_a_stop_request_ends_with_a_savepoint_after_refusals() -> None:
     assert outcome.stop_error == "not all tasks are running"
 
 
+@pytest.fixture(autouse=True)
+def _read_held_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's count read every 50 ms instead of every 2 s: the same steps, sooner."""
+    import jobs.launch.driver as driver_module
+
+    monkeypatch.setattr(driver_module, "HELD_READ_EVERY_S", 0.05)
+
+
+def backfill(*, reach_at: int = 2, bound_s: float = 60.0, held: Any = None) -> Backfill:
+    """A backfill whose targets are reached on the `reach_at`-th question and whose stage holds what
+    `held()` says (None: not counted)."""
+    return Backfill(Progress(reach_at), {"t:0": 10}, bound_s, held)  # type: ignore[arg-type, dict-item]
+
+
 def test_a_finished_backfill_stops_with_a_draining_savepoint() -> None:
     job, lines = FakeJob(), []
-    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, progress=Progress(reach_at=2),  # type: ignore[arg-type]
-                    targets={"t:0": 10}, report=lines.append)  # type: ignore[dict-item]
-    assert outcome.state == "FINISHED" and outcome.savepoint is not None
+    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, backfill=backfill(), report=lines.append)
+    assert outcome.state == "FINISHED" and outcome.savepoint is not None and outcome.drained
     assert job.stops == [True]
     assert "llmstream: backfill input committed; stopping with a draining savepoint" in lines
+
+
+def test_a_backfill_waits_while_the_stage_holds_records_and_says_so() -> None:
+    """Input committed, but the stage still holds calls: the job runs on (output keeps being
+    committed) until the stage holds none, with a progress line that says how many and how old,
+    and only then the draining savepoint."""
+    counts = iter([(3, 74), (3, 75), (1, 76), (0, 0)])
+    job, lines = FakeJob(), []
+    stops_when_read: list[int] = []
+
+    def held() -> tuple[int, int]:
+        stops_when_read.append(len(job.stops))
+        return next(counts)
+
+    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, backfill=backfill(held=held),
+                    progress_every_s=0.01, report=lines.append)
+    assert outcome.drained and job.stops == [True]
+    assert stops_when_read == [0, 0, 0, 0]  # every count read before the stop was asked for
+    assert any("waiting for the 3 records the stage still holds (up to 60 s)" in line for line in lines), lines
+    assert any("draining: 3 records held by the stage, longest 7" in line for line in lines), lines
+    assert "llmstream: the stage holds no more records; stopping with a draining savepoint" in lines
+
+
+def test_a_stage_that_holds_records_past_the_bound_is_drained_anyway() -> None:
+    job, lines = FakeJob(), []
+    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS,
+                    backfill=backfill(bound_s=0.3, held=lambda: (5, 9)), report=lines.append)
+    assert outcome.drained and job.stops == [True] and outcome.held == 5
+    assert any("still holds 5 records after 0.3 s" in line for line in lines), lines
+
+
+def test_a_drain_that_does_not_end_in_time_is_not_a_finished_backfill() -> None:
+    """The drain's savepoint never comes: the job is cancelled after the backfill's bound (not the
+    Ctrl-C stop timeout) and the outcome says it is not drained, with what the stage held."""
+    job, lines = FakeJob(never_stops=True), []
+    started = time.monotonic()
+    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, stop_timeout_s=0.1,
+                    backfill=backfill(bound_s=0.6, held=lambda: (2, 1)), report=lines.append)
+    assert outcome.state == "CANCELED" and not outcome.drained and outcome.held == 2
+    assert time.monotonic() - started >= 1.2  # the bound waiting for the stage, then the bound for the drain
+    assert any("no savepoint in time" in line for line in lines)
+
+
+def test_a_backfill_stopped_by_the_user_is_not_drained() -> None:
+    outcome = drive(FakeJob(), requested(savepoint=True), savepoints_uri=SAVEPOINTS,
+                    backfill=backfill(reach_at=10**6), report=lambda line: None)
+    assert outcome.state == "FINISHED" and outcome.savepoint is not None and not outcome.drained
+
+
+def test_a_job_that_finishes_by_itself_is_drained() -> None:
+    """A bounded input finishes the job by itself: its final watermark flushed every stage."""
+
+    @dataclass
+    class Bounded(FakeJob):
+        def ended(self) -> bool:
+            self.asked += 1
+            if self.asked > 2:
+                self.state = "FINISHED"
+            return super().ended()
+
+    outcome = drive(Bounded(), StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lambda line: None)
+    assert outcome.state == "FINISHED" and outcome.drained and outcome.savepoint is None
 
 
 def test_no_savepoint_in_time_cancels_the_job() -> None:
@@ -362,15 +438,75 @@ class CountedFigures:
             self.forced.append(len(self.job.stops))
 
 
-@pytest.mark.parametrize("backfill", [False, True])
-def test_the_figures_are_taken_once_more_as_a_stop_begins(backfill: bool) -> None:
+@pytest.mark.parametrize("until_end", [False, True])
+def test_the_figures_are_taken_once_more_as_a_stop_begins(until_end: bool) -> None:
     """An ended run's `llmstream status` shows the last figures recorded: without a refresh as the
     stop begins they could be a second or more older than the job's last counts."""
     job = FakeJob()
     figures = CountedFigures(job)
-    stop = StopRequest.new() if backfill else requested(savepoint=True)
-    outcome = drive(job, stop, savepoints_uri=SAVEPOINTS, progress=Progress(reach_at=2) if backfill else None,  # type: ignore[arg-type]
-                    targets={"t:0": 10} if backfill else None, figures=figures,  # type: ignore[arg-type, dict-item]
-                    progress_every_s=0, report=lambda line: None)
+    stop = StopRequest.new() if until_end else requested(savepoint=True)
+    backfill_end = backfill
+    outcome = drive(job, stop, savepoints_uri=SAVEPOINTS, backfill=backfill_end() if until_end else None,
+                    figures=figures, progress_every_s=0, report=lambda line: None)  # type: ignore[arg-type]
     assert outcome.state == "FINISHED"
     assert figures.forced == [0]  # once, before the stop was asked for
+
+
+def test_how_a_run_ends_is_its_exit_code_and_one_line_that_says_what_it_left(tmp_path: Any) -> None:
+    """`llmstream run`'s conclusion: a backfill is done (exit 0) only when drained; stopped, cancelled
+    or cut short it is INCOMPLETE (exit 3) and says how many records the state keeps, where, and that
+    the same command finishes them; a plain run stopped by the user exits 0 and says what it left."""
+    from jobs.launch.driver import Outcome
+    from jobs.launch.run import INCOMPLETE, _conclude, exit_code
+    from jobs.state.snapshots import StateDir
+
+    class Committed:
+        def snapshot(self) -> tuple[int, int]:
+            return 718, 718
+
+    state = StateDir(tmp_path)
+
+    def concluded(outcome: Outcome, *, until_end: bool) -> tuple[str, int, str]:
+        said: list[str] = []
+        name = _conclude(outcome, Committed(), state, said.append, backfill=until_end)  # type: ignore[arg-type]
+        return name, exit_code(name), " ".join(said)
+
+    done = Outcome("FINISHED", "file:///s/savepoint-1", "", None, drained=True, held=0)
+    name, code, said = concluded(done, until_end=True)
+    assert (name, code) == ("FINISHED", 0)
+    assert "committed 718/718 input records; every record present at start is in output or dead letters" in said
+
+    cut = Outcome("CANCELED", None, "", "timed out", drained=False, held=9)
+    name, code, said = concluded(cut, until_end=True)
+    assert (name, code) == (INCOMPLETE, 3)
+    assert "backfill not finished: at most 9 records in the job's state" in said
+    assert f"the last checkpoint in {state.location}" in said and "the same command finishes them" in said
+
+    stopped = Outcome("FINISHED", "file:///s/savepoint-2", "", None, drained=False, held=4)
+    name, code, said = concluded(stopped, until_end=True)
+    assert (name, code) == (INCOMPLETE, 3) and "savepoint file:///s/savepoint-2" in said
+
+    failed = Outcome("FAILED", None, "java.lang.RuntimeException: boom", None)
+    name, code, said = concluded(failed, until_end=True)
+    assert (name, code) == ("FAILED", 1) and "the same command resumes it from the last checkpoint" in said
+
+    name, code, said = concluded(cut, until_end=False)
+    assert (name, code) == ("CANCELED", 0) and "at most 9 records in the last checkpoint" in said
+    name, code, said = concluded(stopped, until_end=False)
+    assert (name, code) == ("FINISHED", 0) and "resumes from savepoint file:///s/savepoint-2" in said
+
+
+def test_a_drain_waits_as_long_as_one_record_may_take() -> None:
+    """The bound follows from the config: the longest Retry-After pause, the record deadline once for
+    the call and once for each user function; a provider batch adds its collection's wait and the
+    provider's completion window."""
+    from tests.support.configs import minimal_config
+    from udfs.config import with_overrides
+
+    config = minimal_config()
+    assert config.longest_record_s() == 60 + 120
+    shaped = with_overrides(config, async_={"record_deadline_s": 30}, retry={"max_retry_after_s": 5},
+                            model={"preprocess": "m:f"}, output={"postprocess": "m:g"})
+    assert shaped.longest_record_s() == 5 + 30 * 3
+    batch = with_overrides(config, model={"mode": "batch"}, provider_batch={"max_wait_s": 10})
+    assert batch.longest_record_s() == 60 + 120 + 10 + 24 * 3600

@@ -659,6 +659,9 @@ class ProviderBatchConfig:
                 f"{self.poll_max_s:g} is below poll_initial_s ({self.poll_initial_s:g})")
 
 
+COMPLETION_WINDOW_S = {"24h": 24 * 3600.0}
+"""`provider_batch.completion_window` in seconds."""
+
 Lane = Literal["keyed", "vectorized"]
 """An inference stage a job runs (`JobConfig.lane`): `stage` as written, `auto` resolved."""
 
@@ -721,6 +724,21 @@ class JobConfig:
                                       "the vectorized lane runs at parallelism.default (set that instead)"),
         }
         return {key: why for key, (present, why) in settings.items() if present}
+
+    def longest_record_s(self) -> float:
+        """The longest the stage may hold one record once it is taken in, as the config bounds it: a
+        `Retry-After` pause that held every call back before it was dispatched
+        (`retry.max_retry_after_s`), then the record deadline (every attempt and wait of its call,
+        `async.record_deadline_s`) and as much again for each user function around the call; in the
+        provider-batch lane also a collection's wait (`provider_batch.max_wait_s`) and the provider's
+        completion window. A backfill's drain waits this long (`jobs/launch/driver.py`). Waiting in
+        line for an adaptive-concurrency slot is not bounded by the config: a drain that outlasts
+        this is cut short, and the next run resumes the records it left."""
+        user_functions = sum(ref is not None for ref in (self.model.preprocess, self.output.postprocess))
+        longest = self.retry.max_retry_after_s + self.async_.record_deadline_s * (1 + user_functions)
+        if self.model.mode == "batch":
+            longest += self.provider_batch.max_wait_s + COMPLETION_WINDOW_S[self.provider_batch.completion_window]
+        return longest
 
     @property
     def lane(self) -> Lane:

@@ -132,6 +132,10 @@ class SpawnedSimulator:
     def configure(self, changes: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
         return self._post("/admin/config", changes, timeout)
 
+    def configure_batches(self, changes: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+        """Change the batch APIs' settings for batches made from now on (``POST /admin/batches``)."""
+        return self._post("/admin/batches", changes, timeout)
+
     def reset_stats(self, timeout: float = 5.0) -> dict[str, Any]:
         return self._post("/stats/reset", None, timeout)
 
@@ -282,6 +286,10 @@ class SpawnedFleet:
         total["since_reset_s"] = max(s["since_reset_s"] for s in each)
         total["endpoints"] = each
         return total
+
+    def configure_batches(self, changes: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+        """Change the batch APIs' settings for batches made from now on (``POST /admin/batches``)."""
+        return self._post("/admin/batches", changes, timeout)
 
     def reset_stats(self, timeout: float = 5.0) -> dict[str, Any]:
         return self._post("reset", None, timeout)
