@@ -32,12 +32,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 def report(fault_report: FaultReport, name: str, run: Run, result: Tally, *, recovery_s: float | None,
            notes: str, **extra: object) -> None:
-    fault_report.add(FaultResult(
-        scenario=name, records_in=result.records_in, out=result.out, dead=result.dead,
-        duplicates=result.duplicates, lost=result.lost, restarts=run.restarts(),
-        recovery_s=None if recovery_s is None else round(recovery_s, 1),
-        duration_s=round(time.monotonic() - run.started, 1), notes=notes,
-        extra={"dead_reasons": result.dead_reasons, **extra}))
+    fault_report.add(FaultResult.counted(
+        name, result, restarts=run.restarts(), recovery_s=None if recovery_s is None else round(recovery_s, 1),
+        duration_s=round(time.monotonic() - run.started, 1), notes=notes, extra=extra))
 
 
 def _since(t: float | None, origin: float) -> float | None:

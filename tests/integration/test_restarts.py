@@ -46,11 +46,9 @@ STARTED = "started in a local mini cluster"
 
 def _record(fault_report: FaultReport, name: str, result: Tally, *, started: float, restarts: int, notes: str,
             **extra: object) -> None:
-    fault_report.add(FaultResult(
-        scenario=name, records_in=result.records_in, out=result.out, dead=result.dead,
-        duplicates=result.duplicates, lost=result.lost, restarts=restarts, recovery_s=None,
-        duration_s=round(time.monotonic() - started, 1), notes=notes,
-        extra={"dead_reasons": result.dead_reasons, **extra}))
+    fault_report.add(FaultResult.counted(
+        name, result, restarts=restarts, recovery_s=None, duration_s=round(time.monotonic() - started, 1),
+        notes=notes, extra=extra))
 
 
 # ---------------------------------------------------------------------- llmstream run (mini cluster)
@@ -132,8 +130,8 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
                 assert "resuming from" in text or "no snapshot" in text, text[-2000:]
         code, out = _ran(setup.path, tmp_path / "run-final.log", "--until-end")
         assert code == 0, out[-3000:]
-        result = final_tally(setup, [k.decode() for k, _ in records])
         served = int(sim.stats()["served"])
+        result = final_tally(setup, [k.decode() for k, _ in records], model_calls=served)
     finally:
         sim.stop()
     resumed = sum(1 for _, r, _ in outcomes if r)
@@ -185,7 +183,7 @@ def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_withou
         served = int(sim.stats()["served"])
     finally:
         sim.stop()
-    result = final_tally(setup, [k.decode() for k, _ in records])
+    result = final_tally(setup, [k.decode() for k, _ in records], model_calls=served)
     _record(fault_report, "r5. llmstream run: Ctrl-C while the budget is paused, then a run without the budget",
             result, started=started, restarts=0, notes="stopped with a savepoint during the pause",
             calls_per_record=round(served / len(records), 3))
@@ -224,7 +222,7 @@ def test_a_drained_keyed_job_moves_to_the_vectorized_lane_with_fresh(
     finally:
         sim.stop()
     ids = [k.decode() for k, _ in first + second]
-    result = final_tally(setup, ids)
+    result = final_tally(setup, ids, model_calls=served)
     _record(fault_report, "r6. llmstream run: a keyed job drained, then moved to the vectorized lane with --fresh",
             result, started=started, restarts=0, notes=f"model calls per record {served / len(ids):.2f}",
             calls_per_record=round(served / len(ids), 3))
@@ -357,7 +355,7 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     capsys.readouterr()
     out = run.backfill(capsys, narrow)
     assert "resuming from savepoint" in out, out
-    result = final_tally(setup, run.ids)
+    result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
     _record(fault_report, "r2. cluster: cancel/stop -> submit resumes; upgrade capacity, parallelism 1->2->1", result,
             started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
@@ -391,7 +389,7 @@ def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
     capsys.readouterr()
     out = run.backfill(capsys, faster)
     assert "resuming from savepoint" in out, out
-    result = final_tally(setup, run.ids)
+    result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
     _record(fault_report, "r2v. vectorized lane, cluster: cancel/stop -> submit resumes; upgrade capacity", result,
             started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
@@ -436,7 +434,7 @@ def test_upgrades_that_add_and_remove_a_spend_budget_resume_from_state(
     capsys.readouterr()
     out = run.backfill(capsys)
     assert "resuming from savepoint" in out, out
-    result = final_tally(setup, run.ids)
+    result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
     _record(fault_report, "r4. cluster: upgrade to a spend budget and back (gate and ticks added, removed)", result,
             started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
@@ -464,7 +462,7 @@ def test_cluster_jobmanager_sigkill_then_a_new_cluster_resumes(
     heal(cluster)
     out = run.backfill(capsys)
     assert "resuming from checkpoint" in out, out
-    result = final_tally(setup, run.ids)
+    result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
     _record(fault_report, "r3. cluster: JobManager SIGKILL, new cluster, submit resumes", result,
             started=run.started, restarts=0, notes="resumed from the dead cluster's last retained checkpoint",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))

@@ -1,6 +1,7 @@
 """What a downstream consumer sees, for the integration tests: `CommittedReader` reads the output
-and dead-letter topics read_committed with arrival times during a run, and the exactly-once tally
-(`tally`, `final_tally`, `check_exactly_once`) counts every expected id in output or dead letters.
+and dead-letter topics read_committed with arrival times during a run; the exactly-once tally
+(`tally`, `final_tally`, `check_exactly_once`) is the history checker's verdict (`jobs/dev/history.py`):
+every expected id once in output or dead letters, and per-key order for ``ordering: per_key``.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Self
 
 from kafka import KafkaConsumer, TopicPartition
 
 from jobs.clients import kafka_admin
+from jobs.dev.history import History, Verdict, read_history
 from tests.support.job_setup import JobSetup
 from tests.support.waiting import wait_until
 
@@ -134,51 +135,29 @@ class CommittedReader(threading.Thread):
         return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
-@dataclass
-class Tally:
-    """Every expected id exactly once in output ∪ dead letters?"""
-
-    records_in: int
-    out: int
-    dead: int
-    duplicates: int
-    lost: int
-    unexpected: int
-    dead_reasons: dict[str, int] = field(default_factory=dict)
-    lost_sample: list[str] = field(default_factory=list)
-    cached: int = 0
-    duplicate_sample: list[str] = field(default_factory=list)
+Tally = Verdict
+"""A run's verdict (`jobs.dev.history.Verdict`): every test counts through the one history checker."""
 
 
 def tally(expected_ids: Iterable[str], out_ids: Iterable[str | None], dead: Iterable[dict[str, Any] | None]) -> Tally:
-    expected = set(expected_ids)
-    dead_bodies = [d or {} for d in dead]
-    outs = [i for i in out_ids]
-    seen = Counter([i for i in outs] + [d.get("id") for d in dead_bodies])
-    duplicates = sorted(i for i, c in seen.items() if c > 1 and i is not None)
-    lost = sorted(expected - set(seen))
-    return Tally(
-        records_in=len(expected), out=len(outs), dead=len(dead_bodies),
-        duplicates=sum(seen[i] - 1 for i in duplicates), lost=len(lost),
-        unexpected=len([i for i in seen if i not in expected]),
-        dead_reasons=dict(Counter(str(d.get("reason")) for d in dead_bodies)),
-        lost_sample=lost[:10], duplicate_sample=duplicates[:10],
-    )
+    """The verdict on bare output ids and dead-letter bodies (no keys or offsets: no order check)."""
+    return History.from_ids(out_ids, dead).check(expected_ids)
 
 
 def check_exactly_once(result: Tally) -> None:
-    """Every expected id exactly once in output ∪ dead letters, nothing else."""
+    """Every expected id exactly once in output ∪ dead letters, nothing else (and, for a job with
+    ``ordering: per_key`` counted by `final_tally`, each key's results in input order)."""
     assert result.lost == 0, f"lost {result.lost}: {result.lost_sample}"
     assert result.duplicates == 0, f"duplicates {result.duplicates}: {result.duplicate_sample}"
-    assert result.unexpected == 0
+    assert result.unexpected == 0, f"unexpected {result.unexpected}: {result.unexpected_sample}"
     assert result.out + result.dead == result.records_in
+    assert result.order_violations == 0, f"per-key order violated: {result.order_sample}"
 
 
-def final_tally(setup: JobSetup, expected_ids: Iterable[str], *, timeout_s: float = 60) -> Tally:
-    """An independent read_committed pass over both topics, to the last stable offset."""
-    out = kafka_admin.consume_committed(setup.bootstrap, setup.output_topic, timeout_s=timeout_s)
-    dead = kafka_admin.consume_committed(setup.bootstrap, setup.dead_letter_topic, timeout_s=timeout_s)
-    bodies = [json.loads(r.value) for r in out]
-    result = tally(expected_ids, [b.get("id") for b in bodies], [json.loads(r.value) for r in dead])
-    result.cached = sum(1 for b in bodies if b.get("cached") is True)
-    return result
+def final_tally(setup: JobSetup, expected_ids: Iterable[str], *, timeout_s: float = 60,
+                model_calls: int | None = None) -> Tally:
+    """An independent read_committed pass over both topics, to the last stable offset, judged by
+    the history checker (per-key order too when the job asks for it)."""
+    history = read_history(setup.bootstrap, setup.output_topic, setup.dead_letter_topic, timeout_s=timeout_s,
+                           model_calls=model_calls)
+    return history.check(expected_ids, ordering=setup.config.ordering)

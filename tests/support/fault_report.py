@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs.dev.history import Verdict
 from jobs.runtime import jars
 
 log = logging.getLogger("llmstream.tests.cluster")
@@ -36,6 +37,20 @@ class FaultResult:
     extra: dict[str, Any] = field(default_factory=dict)
     model_calls: int | None = None
     cache_hits: int | None = None
+
+    @classmethod
+    def counted(cls, scenario: str, verdict: Verdict, *, restarts: int, recovery_s: float | None,
+                duration_s: float, notes: str = "", extra: dict[str, Any] | None = None) -> FaultResult:
+        """A scenario's row with its counts from the history checker's verdict (`jobs/dev/history.py`),
+        the same for every fault run: ids in, out, dead, doubled, lost, model calls; the dead-letter
+        reasons and, for ``ordering: per_key``, the order violations among the details."""
+        details: dict[str, Any] = {"dead_reasons": verdict.dead_reasons}
+        if verdict.ordering == "per_key":
+            details["order_violations"] = verdict.order_violations
+        return cls(scenario=scenario, records_in=verdict.records_in, out=verdict.out, dead=verdict.dead,
+                   duplicates=verdict.duplicates, lost=verdict.lost, restarts=restarts, recovery_s=recovery_s,
+                   duration_s=duration_s, notes=notes, extra={**details, **(extra or {})},
+                   model_calls=verdict.model_calls)
 
     @property
     def calls_per_record(self) -> float | None:
