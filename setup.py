@@ -28,6 +28,9 @@ setup(
         "redis>=5,<6",
         # Structured output: every answer validated against model.response_format (a JSON Schema).
         "jsonschema>=4.18,<5",
+        # State on S3 (jobs/state/storage.py): snapshots found, run records and the run lease kept
+        # before and without a JVM, fed the same s3.* settings as Flink's own S3 file system.
+        "boto3>=1.34,<2",
     ],
     extras_require={
         # confluent-kafka: the Avro integration test's producer and consumer (AvroSerializer /

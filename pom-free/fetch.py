@@ -58,10 +58,17 @@ ROOTS: dict[str, tuple[str, ...]] = {
     # Apicurio's Quarkus distribution, one tar.gz with its own lib/. 3.0.9 because its runner jar
     # runs on Java 17, which is what a fresh machine has (3.x from 3.1 on needs Java 21).
     "registry": ("io.apicurio:apicurio-registry-app:3.0.9:all",),
+    # Flink's S3 file system (Hadoop's S3A shaded inside), for state on `s3://` (jobs/state/storage.py):
+    # on the mini cluster's classpath (jobs/graph/pipeline.py) and in a standalone cluster's
+    # plugins/s3-fs-hadoop/ (jobs/dev/local_cluster.py). The presto variant hung here.
+    "s3": ("org.apache.flink:flink-s3-fs-hadoop:2.3.0",),
+    # A real S3-compatible server for the tests and developers (jobs/dev/object_store.py), its
+    # filesystem backend keeping buckets as directories.
+    "objectstore": ("org.gaul:s3proxy:2.6.0",),
 }
 # Sets locked as their roots alone, without the roots' dependencies (nothing here runs them,
 # or the artifact carries its own).
-INTRANSITIVE: frozenset[str] = frozenset({"operator-crd", "registry"})
+INTRANSITIVE: frozenset[str] = frozenset({"operator-crd", "registry", "s3"})
 # Sets whose artifacts are archives of that type rather than jars; fetch_set unpacks each
 # beside itself (``cache/<set>/<archive name without the extension>/``).
 ARCHIVES: dict[str, str] = {"registry": "tar.gz"}

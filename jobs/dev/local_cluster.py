@@ -9,6 +9,10 @@ The apache-flink wheel is a complete FLINK_HOME (``<site-packages>/pyflink``: ``
   savepoint and tmp dirs). So what the tests run is ``flink-conf/`` itself.
 - ``lib/`` (``FLINK_LIB_DIR``): links to the package's ``lib/`` jars plus flink-python and the
   Kafka connector, so those load once per cluster, not in every job's classloader (`write_lib_dir`).
+- ``plugins/`` (``FLINK_PLUGINS_DIR``): ``s3-fs-hadoop/``, Flink's S3 file system, which loads
+  only as a plugin, for jobs whose state is on ``s3://`` (`write_plugins_dir`). Its ``s3.*``
+  settings are the cluster's (``llmstream cluster start --setting s3.endpoint=...``), its
+  credentials the daemons' environment (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``).
 - ``log/`` (``FLINK_LOG_DIR``), ``pid/`` (``FLINK_PID_DIR``: the daemons' pid files; one per
   cluster, so stopping one cluster never touches another's processes), ``tmp/``,
   ``checkpoints/`` and ``savepoints/``.
@@ -72,6 +76,27 @@ __all__ = [
     "render_config",
     "write_lib_dir",
 ]
+
+
+PLUGINS = {"s3-fs-hadoop": "s3"}
+"""Plugin folder -> pom-free jar set of each plugin the daemons load."""
+
+
+def write_plugins_dir(target: Path) -> Path:
+    """A ``FLINK_PLUGINS_DIR``: one folder per plugin (`PLUGINS`) linking its pinned jars. The S3
+    file system must be a plugin on a cluster: it is not loaded from ``lib/`` or ``pipeline.jars``."""
+    for folder, set_name in PLUGINS.items():
+        jars.ensure(set_name)
+        into = target / folder
+        into.mkdir(parents=True, exist_ok=True)
+        wanted = {p.name: p for p in jars.jars(set_name)}
+        for existing in into.iterdir():
+            if existing.name not in wanted or existing.resolve() != wanted[existing.name]:
+                existing.unlink()
+        for name, source in wanted.items():
+            if not (into / name).exists():
+                (into / name).symlink_to(source)
+    return target
 
 
 def write_lib_dir(target: Path) -> Path:
@@ -217,6 +242,11 @@ class LocalCluster(FlinkRest):
         return self.work_dir / "lib"
 
     @property
+    def plugins_dir(self) -> Path:
+        """``FLINK_PLUGINS_DIR`` of the daemons (`write_plugins_dir`)."""
+        return self.work_dir / "plugins"
+
+    @property
     def pid_dir(self) -> Path:
         return self.work_dir / "pid"
 
@@ -231,7 +261,8 @@ class LocalCluster(FlinkRest):
     def env(self) -> dict[str, str]:
         """Environment for Flink's bin scripts and CLI: this cluster's conf, lib, log and pid dirs."""
         env = client_env(self.conf_dir, self.log_dir)
-        env.update(FLINK_LIB_DIR=str(self.lib_dir), FLINK_PID_DIR=str(self.pid_dir), FLINK_IDENT_STRING=IDENT)
+        env.update(FLINK_LIB_DIR=str(self.lib_dir), FLINK_PLUGINS_DIR=str(self.plugins_dir),
+                   FLINK_PID_DIR=str(self.pid_dir), FLINK_IDENT_STRING=IDENT)
         return env
 
     def record_address(self) -> None:
@@ -252,6 +283,7 @@ class LocalCluster(FlinkRest):
         shutil.rmtree(self.conf_dir, ignore_errors=True)
         tmp.rename(self.conf_dir)
         write_lib_dir(self.lib_dir)
+        write_plugins_dir(self.plugins_dir)
         for sub in (self.log_dir, self.pid_dir, self.work_dir / "tmp",
                     self.config.checkpoint_dir, self.config.savepoint_dir):
             sub.mkdir(parents=True, exist_ok=True)
@@ -456,6 +488,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="conf, logs, pids, checkpoints (default <repo>/var/flink)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start (default 120)")
+    parser.add_argument("--setting", dest="cluster_settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="start: a Flink setting of the cluster, e.g. s3.endpoint=http://127.0.0.1:9300 for "
+                             "state on S3 (repeatable; credentials belong in the environment, not here)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -465,6 +500,7 @@ def run(args: argparse.Namespace) -> int:
         work_dir=existing.work_dir,
         rest_port=args.port if args.port is not None else existing.rest_port,
         rpc_port=args.rpc_port if args.rpc_port is not None else existing.rpc_port,
+        settings=dict(item.partition("=")[::2] for item in args.cluster_settings),
     )
     cluster = LocalCluster(config)
     try:

@@ -14,8 +14,10 @@ the output (`udfs/records/__init__.py`).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,6 +37,7 @@ from jobs.graph import key_groups
 from jobs.graph import pyflink_private as private
 from jobs.runtime import jars
 from jobs.state.snapshots import StateDir
+from jobs.state.storage import S3Settings, S3Store, is_secret_key
 from udfs.config import ADAPTIVE_MIN_BUNDLE, JobConfig, kafka_security
 from udfs.stage.batch_lane import BatchStage
 from udfs.stage.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
@@ -187,7 +190,8 @@ def flink_configuration(config: JobConfig, jar_urls: list[str], *, state: StateD
     for key, value in SMALL_NETWORK_BUFFERS.items():
         conf.set_string(key, value)
     for key, value in config.flink.items():
-        conf.set_string(key, value)
+        if not is_secret_key(key):  # credentials reach Flink through the environment (`_s3_on_the_gateway`)
+            conf.set_string(key, value)
     if state is not None:
         conf.set_string("execution.checkpointing.storage", "filesystem")
         conf.set_string("execution.checkpointing.dir", state.checkpoints_uri)
@@ -206,10 +210,17 @@ def create_environment(config: JobConfig, jar_urls: list[str], *, state: StateDi
                        local_rest_port: int | None = None,
                        python_files: Sequence[str] = ()) -> StreamExecutionEnvironment:
     """A stream environment configured for this job (mini cluster or cluster client), shipping
-    `udfs/` and `python_files` (the user functions' modules, `jobs.launch.plan.user_modules`)."""
-    env = StreamExecutionEnvironment.get_execution_environment(
-        flink_configuration(config, jar_urls, state=state, restore_from=restore_from,
-                            leave_behind=leave_behind, local_rest_port=local_rest_port))
+    `udfs/` and `python_files` (the user functions' modules, `jobs.launch.plan.user_modules`).
+
+    A mini cluster (`local_rest_port`) whose state is on S3 gets Flink's S3 file system on its
+    classpath and initialized with the job's configuration (`_s3_on_the_gateway`)."""
+    s3 = local_rest_port is not None and state is not None and isinstance(state.store, S3Store)
+    with _s3_on_the_gateway(config) if s3 else contextlib.nullcontext():
+        conf = flink_configuration(config, jar_urls, state=state, restore_from=restore_from,
+                                   leave_behind=leave_behind, local_rest_port=local_rest_port)
+        if s3:
+            private.initialize_file_systems(conf)
+    env = StreamExecutionEnvironment.get_execution_environment(conf)
     env.set_parallelism(config.parallelism.default)
     checkpoints = config.checkpointing
     env.enable_checkpointing(checkpoints.interval_ms, CheckpointingMode.EXACTLY_ONCE)
@@ -220,6 +231,35 @@ def create_environment(config: JobConfig, jar_urls: list[str], *, state: StateDi
     for path in python_files:
         env.add_python_file(path)
     return env
+
+
+@contextlib.contextmanager
+def _s3_on_the_gateway(config: JobConfig) -> Iterator[None]:
+    """While PyFlink starts its JVM (the first `Configuration` in a process): Flink's S3 file system
+    (pom-free set ``s3``) on its classpath, through ``HADOOP_CLASSPATH``, which PyFlink's launcher
+    appends to it (a mini cluster reads no plugins folder), and an explicit ``s3.access-key``/
+    ``s3.secret-key`` as ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, which S3A's default
+    credential chain reads: never in Flink's configuration, which its REST API shows.
+
+    The JVM must then be given the job's configuration with ``FileSystem.initialize`` before the
+    job runs: without it the S3 client never learns ``s3.endpoint`` and the first checkpoint hangs
+    (measured, docs/operations.md "State on object storage")."""
+    credentials = S3Settings.from_flink(config.flink).credentials()
+    wanted = {"HADOOP_CLASSPATH": os.pathsep.join(
+        [jars.classpath("s3"), *([os.environ["HADOOP_CLASSPATH"]] if os.environ.get("HADOOP_CLASSPATH") else [])])}
+    if credentials:
+        wanted.update(AWS_ACCESS_KEY_ID=credentials["aws_access_key_id"],
+                      AWS_SECRET_ACCESS_KEY=credentials["aws_secret_access_key"])
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 BUCKETS_PER_SUBTASK = 4
@@ -544,9 +584,9 @@ def keyed_stage(t_env: StreamTableEnvironment, env: StreamExecutionEnvironment, 
     gate_dir = gate.job_directory() if gate.gated(config) else None
     keyed = keyed_requests(t_env, env, inference_parallelism, with_headers=config.kafka.forward_headers != "none",
                            ordering=config.ordering, gate_dir=gate_dir, source=source, ids=ids,
-                           publish_durable=config.model.mode == "batch")
+                           publish_durable=config.lane == "provider-batch")
     stage: KeyedProcessFunction = (BatchStage(config, cache_file=cache_file, gate_dir=gate_dir)
-                                   if config.model.mode == "batch"
+                                   if config.lane == "provider-batch"
                                    else InferenceStage(config, gate_dir=gate_dir, cache_file=cache_file))
     outgoing = (
         inference(env, keyed, stage, config.python.bundle_target_ms)

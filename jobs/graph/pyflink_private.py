@@ -13,10 +13,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pyflink.common import Configuration
 from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
-__all__ = ["adaptive_process", "datagen_source", "gated_keyed", "key_by_first_field", "keyed_stream",
+__all__ = ["adaptive_process", "datagen_source", "gated_keyed", "initialize_file_systems", "key_by_first_field", "keyed_stream",
            "name_transformation", "one_jvm_thread", "pipeline_jars", "python_files", "set_output_type", "settings_kept", "sources_of",
            "transformation_of", "transformations_of", "upstream_of"]
 
@@ -249,3 +250,10 @@ def one_jvm_thread(env: StreamExecutionEnvironment) -> Iterator[None]:
         del _pins[me]
         if not pin.busy:  # a connection Py4J closed on an error is not given back
             client._give_back_connection(pin.connection)
+
+
+def initialize_file_systems(conf: Configuration) -> None:
+    """Flink's ``FileSystem.initialize`` in the gateway JVM with ``conf``: the file systems on its
+    classpath (S3) then take their settings (``s3.endpoint``...) from the job's configuration, which
+    a mini cluster does not hand them itself."""
+    get_gateway().jvm.org.apache.flink.core.fs.FileSystem.initialize(conf._j_configuration, None)

@@ -9,6 +9,7 @@ point (`jobs/inference_job.py`), and handed on as values: nothing rewrites the c
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from udfs.stage.user_functions import (
     search_path,
     shipped_paths,
 )
+
+log = logging.getLogger("llmstream.launch")
 
 __all__ = ["JobBuild", "LaunchPlan", "RunOptions", "Site", "job_build", "prepare", "result_cache_file", "user_modules"]
 
@@ -102,15 +105,21 @@ def result_cache_file(config: JobConfig, state: StateDir) -> str | None:
     the state directory the config alone names if that is local, else in the default one
     (`jobs.state.snapshots.default_state_dir`). None unless `cache.backend` is `local`.
 
+    A state directory that is not local says the job may run on several hosts, which a file does
+    not reach: the cache stays local (a cache, not state: a host without it calls the model again),
+    and one line says that `cache.backend: redis` is the shared choice.
+
     Decided where the job is launched: the stage's workers may run from another copy of the code
     (a cluster ships `udfs/` to a temporary directory), so they are given the path."""
     cache = config.cache
     if cache.backend != "local":
         return None
-    if cache.path:
-        return cache.path
-    directory = state.path or StateDir.for_job(config).path or default_state_dir(config.name)
-    return str((directory / CACHE_FILE).resolve())
+    chosen = cache.path or str(((state.path or StateDir.for_job(config).path or default_state_dir(config.name))
+                                / CACHE_FILE).resolve())
+    if not state.local:
+        log.warning("cache.backend: local keeps the result cache in %s on each host while the state is in %s; "
+                    "on a multi-host cluster `cache.backend: redis` is the shared choice", chosen, state.location)
+    return chosen
 
 
 def user_modules(config: JobConfig) -> tuple[str, ...]:
@@ -154,6 +163,8 @@ def prepare(config: JobConfig, options: RunOptions, site: Site, *,
     preflight.check(config)
     site.reach()
     jars.ensure("connector")
+    if state.searchable and not state.local:
+        jars.ensure("s3")  # the mini cluster's S3 file system (jobs/graph/pipeline.py)
     gate.ensure_for(config)
     site.claim(state)
     check_identity(state, config, fresh=options.fresh, explicit=options.from_savepoint is not None)

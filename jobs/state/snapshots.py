@@ -14,10 +14,11 @@ A local run also records where its mini cluster answers, and its last figures, i
 ``<state dir>/run.json`` (`LocalRun`), so ``llmstream status`` finds it.
 
 A snapshot is complete once its ``_metadata`` file exists: Flink writes it last, to a
-temporary name it renames on success. The default directory is ``var/state/<job name>``;
-``checkpointing.directory`` or ``--state-dir`` override it. Only local directories (a path
-or a ``file://`` URI) can be searched; for any other file system (``s3://``...) pass the
-snapshot to resume from explicitly.
+temporary name it renames on success (on S3 an object appears whole when its upload completes).
+The default directory is ``var/state/<job name>``; ``checkpointing.directory`` or ``--state-dir``
+override it. It may be local (a path or a ``file://`` URI) or on S3 (``s3://bucket/prefix``),
+read and written through `jobs.state.storage`; on any other file system Flink writes the
+snapshots but nothing here can read them: pass the snapshot to resume from explicitly.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ import json
 import logging
 import os
 import re
-import shutil
+import socket
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
-from urllib.parse import urlparse
 
 from jobs.runtime import jars
+from jobs.state.storage import StateStore, StoreError, local_path, store_for
 from udfs.config import JobConfig
 from udfs.errors import ConfigError, LLMStreamError
 
@@ -45,6 +48,9 @@ log = logging.getLogger("llmstream.state")
 METADATA = "_metadata"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
+__all__ = ["METADATA", "LocalRun", "Snapshot", "StateDir", "StateDirError", "check_identity", "default_state_dir",
+           "local_path", "restore_refused", "resume_point"]
+
 
 class StateDirError(LLMStreamError):
     """The state directory cannot be used (another run holds it, or it is not searchable)."""
@@ -52,19 +58,20 @@ class StateDirError(LLMStreamError):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One complete checkpoint or savepoint: the directory holding its ``_metadata``."""
+    """One complete checkpoint or savepoint: the directory holding its ``_metadata``, as a key in
+    its state directory (``checkpoints/<job id>/chk-7``), a URI Flink restores from, and for a
+    local one its path."""
 
-    path: Path
+    key: str
     kind: Literal["checkpoint", "savepoint"]
     completed_at: float
-
-    @property
-    def uri(self) -> str:
-        return self.path.as_uri()
+    uri: str
+    path: Path | None = None
 
     def describe(self, now: float | None = None) -> str:
         age = max(0.0, (now if now is not None else time.time()) - self.completed_at)
-        where = f"{self.path.parent.name}/{self.path.name}" if self.kind == "checkpoint" else self.path.name
+        parts = self.key.split("/")
+        where = "/".join(parts[-2:]) if self.kind == "checkpoint" else parts[-1]
         return f"{self.kind} {where} ({_age(age)} old)"
 
 
@@ -81,29 +88,22 @@ def default_state_dir(job_name: str) -> Path:
     return jars.repo_root() / "var" / "state" / (_UNSAFE.sub("_", job_name).strip("._") or "job")
 
 
-def local_path(location: str) -> Path | None:
-    """The local directory a path or ``file:`` URI names; None for another file system."""
-    parsed = urlparse(location)
-    if parsed.scheme == "file":
-        return Path(parsed.path)
-    if parsed.scheme == "" or (len(parsed.scheme) == 1 and location[1:3] in (":\\", ":/")):
-        return Path(location).expanduser().resolve()
-    return None
-
-
 class StateDir:
-    """One job's state directory. ``location`` is a path or a URI; only local ones are searched."""
+    """One job's state directory. ``location`` is a path or a URI; ``flink`` is the job's ``flink:``
+    section, whose ``s3.*`` keys reach an S3 one (`jobs.state.storage.S3Settings`). ``path`` is set
+    for a local directory only; ``store`` for any the commands can read (local or S3)."""
 
-    def __init__(self, location: str | Path) -> None:
+    def __init__(self, location: str | Path, flink: Mapping[str, str] | None = None) -> None:
         self.location = str(location)
         self.path = local_path(self.location)
-        self.uri = self.path.as_uri() if self.path is not None else self.location.rstrip("/")
+        self.store: StateStore | None = store_for(self.location, flink)
+        self.uri = self.store.uri if self.store is not None else self.location.rstrip("/")
 
     @classmethod
     def for_job(cls, config: JobConfig, override: str | Path | None = None) -> StateDir:
         """``override`` (``--state-dir``), else ``checkpointing.directory``, else the default."""
         chosen = override or config.checkpointing.directory or default_state_dir(config.name)
-        return cls(chosen)
+        return cls(chosen, config.flink)
 
     @property
     def checkpoints_uri(self) -> str:
@@ -115,18 +115,42 @@ class StateDir:
 
     @property
     def searchable(self) -> bool:
+        return self.store is not None
+
+    @property
+    def local(self) -> bool:
+        """On this machine's file system (a cluster's other hosts may not see it)."""
         return self.path is not None
+
+    def read_text(self, name: str) -> str | None:
+        """A record file of the state directory (``job.json``, ``run.json``), None if absent or unreadable."""
+        if self.store is None:
+            return None
+        try:
+            data = self.store.read(name)
+        except StoreError as err:
+            log.warning("state directory %s: %s", self.location, err)
+            return None
+        return data.decode("utf-8", errors="replace") if data is not None else None
+
+    def write_text(self, name: str, text: str) -> None:
+        if self.store is not None:
+            self.store.write(name, text.encode("utf-8"))
 
     def snapshots(self) -> list[Snapshot]:
         """Every complete snapshot here, newest first."""
-        if self.path is None:
+        store = self.store
+        if store is None:
             return []
         found: list[Snapshot] = []
-        for kind, pattern in (("checkpoint", "checkpoints/*/chk-*/" + METADATA),
-                              ("savepoint", "savepoints/*/" + METADATA)):
-            for metadata in self.path.glob(pattern):
-                with contextlib.suppress(OSError):
-                    found.append(Snapshot(metadata.parent, kind, metadata.stat().st_mtime))  # type: ignore[arg-type]
+        for kind, depth in (("checkpoint", 4), ("savepoint", 3)):
+            for stored in store.list(f"{kind}s/"):
+                parts = stored.key.split("/")
+                if len(parts) != depth or parts[-1] != METADATA or (kind == "checkpoint" and not parts[2].startswith("chk-")):
+                    continue
+                key = "/".join(parts[:-1])
+                found.append(Snapshot(key, kind, stored.modified, f"{self.uri}/{key}",  # type: ignore[arg-type]
+                                      self.path / key if self.path is not None else None))
         return sorted(found, key=lambda s: s.completed_at, reverse=True)
 
     def latest(self) -> Snapshot | None:
@@ -134,16 +158,20 @@ class StateDir:
         snapshots = self.snapshots()
         return snapshots[0] if snapshots else None
 
-    def prune(self, keep: int = 2) -> list[Path]:
+    def prune(self, keep: int = 2) -> list[str]:
         """Delete all but the ``keep`` newest snapshots (a job's own retained checkpoints are
-        also pruned by Flink; these are older runs' leftovers). Returns what was removed."""
+        also pruned by Flink; these are older runs' leftovers). Returns the URIs removed."""
+        store = self.store
+        if store is None:
+            return []
         removed = []
         for old in self.snapshots()[keep:]:
-            shutil.rmtree(old.path, ignore_errors=True)
-            removed.append(old.path)
-            parent = old.path.parent
-            if old.kind == "checkpoint" and not any(parent.glob("chk-*")):
-                shutil.rmtree(parent, ignore_errors=True)
+            store.delete(old.key + "/")
+            removed.append(old.uri)
+            parent = old.key.rpartition("/")[0]
+            if old.kind == "checkpoint" and not any(f.key.split("/")[2].startswith("chk-")
+                                                    for f in store.list(parent + "/")):
+                store.delete(parent + "/")
         if removed:
             log.info("pruned %d old snapshot(s) from %s", len(removed), self.location)
         return removed
@@ -151,7 +179,12 @@ class StateDir:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """Held by a local run for its whole life: two runs restoring and committing the same
-        state would write each other's output twice."""
+        state would write each other's output twice. A local directory is locked with ``flock``;
+        an object store, which has no locks, holds a `Lease` object instead."""
+        if self.store is not None and self.path is None:
+            with Lease(self.store, self.location).held():
+                yield
+            return
         if self.path is None:
             yield
             return
@@ -166,6 +199,78 @@ class StateDir:
             yield
         finally:
             handle.close()
+
+
+LEASE_FILE = "run.lease"
+LEASE_TTL_S = 30.0
+"""A lease whose heartbeat is older than this is free: its run was killed without releasing it."""
+LEASE_HEARTBEAT_S = 5.0
+LEASE_SETTLE_S = 1.0
+"""How long a new holder waits before reading its lease back (two runs starting together: the last writer wins)."""
+
+
+class Lease:
+    """Who runs the job on a state directory that has no locks (S3): the object ``run.lease``
+    holding ``{"owner": host:pid:random, "heartbeat": unix time}``.
+
+    A run takes it by reading it (refused while another owner's heartbeat is younger than
+    `LEASE_TTL_S`), writing its own, waiting `LEASE_SETTLE_S` and reading it back (refused if
+    another run's write came after its own: S3 keeps the last write, and s3proxy ignores
+    conditional writes, so last-writer-wins plus a read-back is what every store supports). A
+    thread rewrites the heartbeat every `LEASE_HEARTBEAT_S` while the run lives; the run deletes
+    the lease when it ends. A run killed outright leaves it behind: the next run is refused until
+    the heartbeat is `LEASE_TTL_S` old, and the message says so. Heartbeats are compared with this
+    machine's clock: hosts sharing a state directory need clocks within a few seconds."""
+
+    def __init__(self, store: StateStore, location: str) -> None:
+        self._store = store
+        self._location = location
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._stop = threading.Event()
+
+    def _current(self) -> dict[str, Any]:
+        data = self._store.read(LEASE_FILE)
+        try:
+            current = json.loads(data) if data else {}
+        except ValueError:
+            return {}
+        return current if isinstance(current, dict) else {}
+
+    def _refuse_if_held(self, current: dict[str, Any]) -> None:
+        age = time.time() - float(current.get("heartbeat", 0))
+        if current.get("owner") not in (None, self.owner) and age < LEASE_TTL_S:
+            owner = str(current["owner"]).rsplit(":", 1)[0]
+            raise StateDirError(f"another llmstream run ({owner}) is using the state directory {self._location} "
+                                f"(its lease was renewed {max(age, 0):.0f} s ago); stop it first, or give this run "
+                                f"another --state-dir; a run killed outright frees it {LEASE_TTL_S:.0f} s after its "
+                                "last renewal")
+
+    def _write(self) -> None:
+        self._store.write(LEASE_FILE, json.dumps({"owner": self.owner, "heartbeat": time.time()}).encode())
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LEASE_HEARTBEAT_S):
+            try:
+                self._write()
+            except StoreError as err:
+                log.warning("state directory %s: cannot renew the run's lease: %s", self._location, err)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._refuse_if_held(self._current())
+        self._write()
+        time.sleep(LEASE_SETTLE_S)
+        self._refuse_if_held(self._current())
+        beat = threading.Thread(target=self._beat, name="state-lease", daemon=True)
+        beat.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            beat.join(timeout=LEASE_HEARTBEAT_S + 5)
+            with contextlib.suppress(StoreError):
+                if self._current().get("owner") == self.owner:
+                    self._store.delete(LEASE_FILE)
 
 
 IDENTITY_FILE = "job.json"
@@ -186,32 +291,30 @@ def check_identity(state: StateDir, config: JobConfig, *, fresh: bool, explicit:
     hash, and for `llmstream upgrade` after the running job was stopped. Not with an explicit
     `--from-savepoint` (`explicit`), which need not come from this directory.
     """
-    if state.path is None:
+    if state.store is None:
         return
     # `input_topic` stands for the whole input (a topic, `a;b`, `pattern:<regex>`): the key keeps
     # its name so that state directories of single-topic jobs stay theirs.
     wanted = {key: getattr(config.kafka, key) for key in IDENTITY_KEYS if key != "input_topic"}
     wanted["input_topic"] = config.kafka.input_description()
     lane = config.lane  # `stage` with `auto` resolved
-    path = state.path / IDENTITY_FILE
     recorded: dict[str, str] = {}
-    with contextlib.suppress(OSError, ValueError):
-        recorded = json.loads(path.read_text())
+    with contextlib.suppress(ValueError):
+        recorded = json.loads(state.read_text(IDENTITY_FILE) or "{}")
     if recorded and not fresh and state.snapshots():
         differs = [key for key in IDENTITY_KEYS if recorded.get(key) != wanted[key]]
         if differs:
             key = differs[0]
-            raise ConfigError(f"kafka.{key}", f"is {wanted[key]!r}, but the state directory {state.path} holds the "
+            raise ConfigError(f"kafka.{key}", f"is {wanted[key]!r}, but the state directory {state.location} holds the "
                                              f"state of a job with {key} {recorded.get(key)!r}; give this job its "
                                              "own checkpointing.directory (or --state-dir), or pass --fresh")
         took = recorded.get(LANE_KEY)
         if took is not None and took != lane and not explicit:
-            raise ConfigError("stage", f"runs the {lane} lane, but the snapshots in {state.path} were taken "
+            raise ConfigError("stage", f"runs the {lane} lane, but the snapshots in {state.location} were taken "
                                        f"by the {took} lane, and a snapshot restores only into the lane that took it; "
                                        f"drain the job in the {took} lane first (`llmstream run --until-end`, or "
                                        "`llmstream submit --until-end` on a cluster), then start this config with --fresh")
-    state.path.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**wanted, LANE_KEY: lane}, indent=2) + "\n")
+    state.write_text(IDENTITY_FILE, json.dumps({**wanted, LANE_KEY: lane}, indent=2) + "\n")
 
 
 def resume_point(state: StateDir, *, fresh: bool, explicit: str | None = None) -> tuple[str | None, str]:
@@ -229,7 +332,7 @@ def resume_point(state: StateDir, *, fresh: bool, explicit: str | None = None) -
                       ": records since the group's last commit may be written again, or skipped, "
                       "because offsets and output are committed separately")
     if not state.searchable:
-        return None, (f"state directory {state.location} is not on a local file system and cannot be searched: "
+        return None, (f"state directory {state.location} is on a file system llmstream cannot read (local and s3:// are): "
                       "starting from the consumer group's committed offsets (pass --from-savepoint to resume)")
     if not snapshots:
         return None, f"no snapshot in {state.location} yet: first run, starting from the consumer group's offsets"
@@ -279,24 +382,17 @@ class LocalRun:
                    pid=os.getpid(), started_at=time.time())
 
     def record(self, state: StateDir) -> None:
-        if state.path is None:
-            return
-        state.path.mkdir(parents=True, exist_ok=True)
-        tmp = state.path / (RUN_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, state.path / RUN_FILE)
+        state.write_text(RUN_FILE, json.dumps(asdict(self), indent=2) + "\n")
 
     def ended(self, state: StateDir) -> None:
         self.ended_at = time.time()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, StoreError):
             self.record(state)
 
     @classmethod
     def load(cls, state: StateDir) -> LocalRun | None:
-        if state.path is None:
-            return None
         try:
-            data = json.loads((state.path / RUN_FILE).read_text())
-            return cls(**data)
-        except (OSError, ValueError, TypeError):
+            text = state.read_text(RUN_FILE)
+            return cls(**json.loads(text)) if text is not None else None
+        except (ValueError, TypeError):
             return None

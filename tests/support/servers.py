@@ -1,7 +1,8 @@
 """In-process model servers of the unit tests, on free loopback ports: the simulator in a thread
 (fixtures ``make_sim`` and ``sim``, a plugin listed in ``tests/conftest.py``), any aiohttp app
 (``serve_app``) for answers the simulator does not give, and ``FloodServer``, which answers with
-bodies as large as asked or without end and counts what it managed to send."""
+bodies as large as asked or without end and counts what it managed to send. And ``object_store``:
+a real S3-compatible server (s3proxy, `jobs/dev/object_store.py`), one per session and worker."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any, Literal, Self
 import pytest
 from aiohttp import web
 
+from jobs.dev.object_store import ObjectStore, ObjectStoreConfig
 from jobs.dev.simulator import SimulatorConfig, ThreadedSimulator, start_in_thread
+from jobs.runtime.ports import free_port
 
 
 @pytest.fixture
@@ -37,6 +40,17 @@ def make_sim() -> Iterator[Callable[..., ThreadedSimulator]]:
 @pytest.fixture
 def sim(make_sim: Callable[..., ThreadedSimulator]) -> ThreadedSimulator:
     return make_sim()
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectStore]:
+    """s3proxy on a free loopback port with the bucket ``llmstream``, for this session (and xdist worker)."""
+    store = ObjectStore(ObjectStoreConfig(port=free_port(), data_dir=tmp_path_factory.mktemp("object-store")))
+    store.start(timeout=90)
+    try:
+        yield store
+    finally:
+        store.stop()
 
 
 async def serve_app(routes: list[web.RouteDef]) -> tuple[web.AppRunner, str]:

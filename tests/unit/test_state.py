@@ -55,9 +55,12 @@ def test_first_run_fresh_and_explicit_snapshots_say_what_they_do(tmp_path: Path)
     assert resume_point(state, fresh=False, explicit="file:///sp/x") == ("file:///sp/x", "resuming from file:///sp/x (given)")
 
 
-def test_remote_state_directories_are_used_but_not_searched(tmp_path: Path) -> None:
-    state = StateDir("s3://bucket/llmstream/job")
-    assert state.checkpoints_uri == "s3://bucket/llmstream/job/checkpoints"
+def test_state_directories_llmstream_cannot_read_are_used_but_not_searched(tmp_path: Path) -> None:
+    s3 = StateDir("s3://bucket/llmstream/job/")
+    assert s3.checkpoints_uri == "s3://bucket/llmstream/job/checkpoints"
+    assert s3.searchable and not s3.local  # read through jobs/state/storage.py (tests/integration/test_s3_state.py)
+    state = StateDir("gs://bucket/llmstream/job")
+    assert state.checkpoints_uri == "gs://bucket/llmstream/job/checkpoints"
     assert not state.searchable
     restore, how = resume_point(state, fresh=False)
     assert restore is None and "--from-savepoint" in how
@@ -79,7 +82,7 @@ def test_prune_keeps_the_newest(tmp_path: Path) -> None:
     old = _snapshot(tmp_path, "checkpoints/job-a/chk-1", 300)
     middle = _snapshot(tmp_path, "savepoints/savepoint-1", 200)
     new = _snapshot(tmp_path, "checkpoints/job-b/chk-9", 100)
-    assert state.prune(keep=2) == [old]
+    assert state.prune(keep=2) == [old.as_uri()]
     assert not (tmp_path / "checkpoints" / "job-a").exists()
     assert middle.exists() and new.exists()
 

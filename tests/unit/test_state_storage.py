@@ -1,0 +1,78 @@
+"""The state directory's file-system seam (`jobs/state/storage.py`) on a local directory, and the run
+lease an object store gets instead of ``flock``. The S3 store against a real server:
+tests/integration/test_s3_state.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.state import snapshots
+from jobs.state.snapshots import Lease, StateDir, StateDirError
+from jobs.state.storage import LocalStore, S3Settings, S3Store, is_secret_key, store_for
+
+
+def test_the_local_store_lists_reads_writes_and_deletes(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    assert store.read("job.json") is None and not store.exists("checkpoints")
+    store.write("checkpoints/j/chk-1/_metadata", b"m1")
+    store.write("checkpoints/j/shared/x", b"x")
+    store.write("job.json", b"{}")
+    assert store.read("checkpoints/j/chk-1/_metadata") == b"m1"
+    assert sorted(f.key for f in store.list("checkpoints/")) == ["checkpoints/j/chk-1/_metadata", "checkpoints/j/shared/x"]
+    assert [f.key for f in store.list("job")] == ["job.json"]
+    store.delete("checkpoints/j/chk-1/")
+    assert not (tmp_path / "checkpoints" / "j" / "chk-1").exists() and store.exists("checkpoints/j/shared/x")
+    store.delete("job.json")
+    assert store.read("job.json") is None
+
+
+def test_the_store_is_chosen_by_scheme(tmp_path: Path) -> None:
+    assert isinstance(store_for(str(tmp_path)), LocalStore)
+    assert isinstance(store_for(tmp_path.as_uri()), LocalStore)
+    s3 = store_for("s3a://bucket/a/b/", {"s3.endpoint": "http://127.0.0.1:9300", "s3.path.style.access": "true"})
+    assert isinstance(s3, S3Store) and (s3.bucket, s3.prefix, s3.uri) == ("bucket", "a/b", "s3a://bucket/a/b")
+    assert s3.settings.path_style and s3.describe() == "s3a://bucket/a/b at s3.endpoint http://127.0.0.1:9300"
+    assert store_for("gs://bucket/x") is None
+
+
+def test_credentials_are_resolved_only_for_the_client_and_kept_out_of_flink(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("S3_SECRET", "canary-7d1e")
+    settings = S3Settings.from_flink({"s3.access-key": "dev", "s3.secret-key": "${env:S3_SECRET}"})
+    assert settings.secret_key == "${env:S3_SECRET}"  # what the config keeps and anything can print
+    assert settings.credentials() == {"aws_access_key_id": "dev", "aws_secret_access_key": "canary-7d1e"}
+    assert S3Settings.from_flink({}).credentials() == {}  # the AWS standard chain
+    assert is_secret_key("s3.secret-key") and is_secret_key("fs.s3a.access.key") and not is_secret_key("s3.endpoint")
+
+
+def test_the_state_directory_reads_its_snapshots_through_the_store(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.write("checkpoints/j/chk-3/_metadata", b"m")
+    store.write("checkpoints/j/chk-4/data", b"incomplete: no _metadata yet")
+    store.write("savepoints/savepoint-1/_metadata", b"m")
+    state = StateDir(tmp_path)
+    assert sorted(s.key for s in state.snapshots()) == ["checkpoints/j/chk-3", "savepoints/savepoint-1"]
+    assert {s.uri for s in state.snapshots()} == {f"{tmp_path.as_uri()}/checkpoints/j/chk-3",
+                                                  f"{tmp_path.as_uri()}/savepoints/savepoint-1"}
+
+
+@pytest.fixture
+def quick_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshots, "LEASE_SETTLE_S", 0.0)
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_lease_refuses_a_second_run_while_fresh_and_frees_when_released_or_stale(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    with Lease(store, "s3://b/job").held(), \
+            pytest.raises(StateDirError, match=r"another llmstream run .* is using the state directory s3://b/job"), \
+            Lease(store, "s3://b/job").held():
+        pass
+    assert store.read(snapshots.LEASE_FILE) is None  # released
+    stale = {"owner": "elsewhere:1:abcd", "heartbeat": time.time() - snapshots.LEASE_TTL_S - 1}
+    store.write(snapshots.LEASE_FILE, json.dumps(stale).encode())
+    with Lease(store, "s3://b/job").held():  # a run killed outright: its lease expired
+        assert json.loads(store.read(snapshots.LEASE_FILE) or b"{}")["owner"] != stale["owner"]
