@@ -66,11 +66,14 @@ def test_a_backfill_exits_0_only_with_every_record_out_and_the_same_command_fini
     else:
         # A third of the attempts hang (held open for ten minutes); in the keyed lane an attempt may
         # take two minutes, so a hung record stays in flight through the first run; in the
-        # vectorized lane attempts end after 2 s and records after 8 s, within the batch.
+        # vectorized lane attempts end after 2 s and records after 8 s, within their Arrow batch.
         sim = spawn_simulator(["--latency", "fixed:5", "--hang-rate", "0.3", "--hang-max-s", "600", "--seed", "7"])
         timeouts = {"request_timeout_s": 120, "record_deadline_s": 300} if lane == "keyed" else \
             {"request_timeout_s": 2, "record_deadline_s": 8}
-        sections = {"async_": timeouts, **lane_sections(lane)}
+        # Every record in flight at once, and no AIMD cut on a timed-out attempt: the hung calls
+        # wait beside the answered ones instead of holding every other record in line.
+        sections = {"async_": {"capacity": 256, **timeouts}, "rate_limit": {"adaptive_concurrency": False},
+                    **lane_sections(lane)}
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name=f"backfill-end-{lane}",
                      checkpointing={"interval_ms": 1000}, **sections)
     records = unique_records(RECORDS, "be")
