@@ -19,7 +19,7 @@ from kafka import TopicPartition  # type: ignore[import-untyped]
 
 from jobs.clients.cluster_address import target
 from jobs.clients.flink_cli import client_env, run_job_script
-from jobs.clients.flink_rest import ClusterError, FlinkRest
+from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.clients.kafka_admin import GroupProgress
 from jobs.graph import gate_operator as gate
 from jobs.launch.driver import (
@@ -148,9 +148,20 @@ def _finish_backfill(rest: FlinkRest, job_id: str, config: JobConfig, state: Sta
 
 def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: bool) -> str:
     """Stop-with-savepoint into the job's state directory, retried while Flink refuses it because
-    a task is still starting or restarting."""
-    return RestDriver(rest, job_id).stop_with_savepoint(drain=drain, directory=state.savepoints_uri,
-                                                        timeout_s=STOP_TIMEOUT_S)
+    a task is still starting or restarting. A stop that never completes leaves the job running,
+    and the error says so: no timeout reads as a stop."""
+    try:
+        return RestDriver(rest, job_id).stop_with_savepoint(drain=drain, directory=state.savepoints_uri,
+                                                            timeout_s=STOP_TIMEOUT_S)
+    except ClusterError as err:
+        try:
+            ended = rest.job_status(job_id) in TERMINAL_STATES
+        except ClusterError:
+            ended = False  # the cluster does not answer: say what the stop left, as far as known
+        if ended:
+            raise
+        raise ClusterError(f"{err}; job {job_id} is still running, unchanged (its checkpoints go on in "
+                           f"{state.location}): ask again, or cancel it, which keeps its last checkpoint") from None
 
 
 def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:

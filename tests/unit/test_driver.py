@@ -510,3 +510,28 @@ def test_a_drain_waits_as_long_as_one_record_may_take() -> None:
     assert shaped.longest_record_s() == 5 + 30 * 3
     batch = with_overrides(config, model={"mode": "batch"}, provider_batch={"max_wait_s": 10})
     assert batch.longest_record_s() == 60 + 120 + 10 + 24 * 3600
+
+
+def test_a_stop_that_never_completes_says_the_job_is_still_running(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Any) -> None:
+    """`llmstream stop` and `upgrade`: a savepoint Flink keeps declining is not a stop; the error says
+    the job runs on, unchanged, and where its checkpoints are."""
+    from jobs.launch import submit
+    from jobs.state.snapshots import StateDir
+
+    class DecliningRest:
+        def trigger_stop(self, job_id: str, directory: str, *, drain: bool) -> str:
+            return "trigger-1"
+
+        def stop_savepoint(self, job_id: str, trigger: str) -> str:
+            raise ClusterError("the savepoint was declined")
+
+        def job_status(self, job_id: str) -> str:
+            return "RUNNING"
+
+    monkeypatch.setattr(submit, "STOP_TIMEOUT_S", 0.3)
+    state = StateDir(tmp_path)
+    with pytest.raises(ClusterError) as err:
+        submit._stop_when_running(DecliningRest(), "job-9", state, drain=False)  # type: ignore[arg-type]
+    assert "the savepoint was declined" in str(err.value)
+    assert f"job job-9 is still running, unchanged (its checkpoints go on in {state.location})" in str(err.value)
