@@ -136,7 +136,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
     metrics: dict[str, dict[str, float]] = (raw or {}).get("metrics") or {}
     if raw:
         out["job"] = {k: raw[k] for k in ("id", "name", "state", "uptime_s", "restarts")}
-    out["job"]["lane"] = config.lane  # with `stage: auto`, the one it chose
+    out["job"]["lane"] = config.lane  # with `lane: auto`, the one it chose
 
     def llm(name: str) -> float | None:
         return _sum(metrics, LLMSTREAM_GROUP + name)
@@ -192,7 +192,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
     out["endpoints"] = _endpoints(metrics)
     out["checkpoint"] = _checkpoint(raw, now)
     out["cost"] = _cost(config, llm("prompt_tokens"), llm("completion_tokens"), raw, previous, now)
-    if config.model.mode == "batch":
+    if config.lane == "provider-batch":
         out["batch_lane"] = {
             "provider": config.model.provider, "records_waiting": _int(llm("batch_records_waiting")),
             "batches_open": _int(llm("batches_open")), "oldest_age_s": _int(max_of("batch_oldest_age_s")),

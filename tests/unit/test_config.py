@@ -160,3 +160,51 @@ def test_every_number_and_name_in_the_config_states_its_rule_in_its_type() -> No
                 if typing.get_origin(tp) is typing.Annotated:
                     assert any(isinstance(r, (Rule, Loaded)) for r in typing.get_args(tp)[1:]), f"{section.__name__}.{f.name}"
     assert unruled == []
+
+
+@pytest.mark.parametrize(("written", "lane"), [
+    ({}, "keyed"),
+    ({"lane": "vectorized"}, "vectorized"),
+    ({"lane": "provider-batch"}, "provider-batch"),
+    ({"lane": "auto", "model": {"api": "embeddings"}}, "vectorized"),
+    ({"lane": "auto"}, "keyed"),
+    ({"stage": "vectorized"}, "vectorized"),
+    ({"model": {"mode": "batch"}}, "provider-batch"),
+    ({"stage": "keyed", "model": {"mode": "batch"}}, "provider-batch"),
+])
+def test_one_lane_key_and_its_old_names(written: dict[str, Any], lane: str) -> None:
+    data = _base()
+    data.pop("stage", None)
+    for key, value in written.items():
+        data[key] = {**data[key], **value} if key == "model" else value
+    config = config_from_dict(data)
+    assert config.lane == lane
+    assert (config.model.mode == "batch") == (lane == "provider-batch")  # still true for whoever reads it
+    assert config_from_dict(to_dict(config)).lane == lane  # and a written-out config reads back the same
+
+
+def test_an_old_lane_key_warns_once_naming_lane(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from udfs.config import sections
+
+    monkeypatch.setattr(sections, "_deprecations_said", set())
+    for _ in range(3):
+        config_from_dict({**_base(), "stage": "vectorized"})
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert said == ["config: stage: vectorized is deprecated; write lane: vectorized instead"]
+    config_from_dict({**_base(), "model": {**_base()["model"], "mode": "batch"}})
+    assert "config: model.mode: batch is deprecated; write lane: provider-batch instead" in caplog.text
+
+
+@pytest.mark.parametrize(("written", "key"), [
+    ({"lane": "keyed", "stage": "vectorized"}, "stage"),
+    ({"lane": "keyed", "model": {"mode": "batch"}}, "model.mode"),
+    ({"lane": "provider-batch", "model": {"mode": "realtime"}}, "model.mode"),
+    ({"stage": "vectorized", "model": {"mode": "batch"}}, "stage"),
+])
+def test_an_old_lane_key_that_disagrees_is_one_line_naming_it(written: dict[str, Any], key: str) -> None:
+    data = _base()
+    data.pop("stage", None)
+    for name, value in written.items():
+        data[name] = {**data[name], **value} if name == "model" else value
+    err = _error(data)
+    assert err.key == key and "lane" in err.problem and "\n" not in str(err)

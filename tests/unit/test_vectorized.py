@@ -25,8 +25,8 @@ def _vectorized(**overrides: Any) -> dict[str, Any]:
 
 def test_the_vectorized_lane_loads_with_its_batch_size() -> None:
     config = config_from_dict(_vectorized(vectorized={"batch_size": 500}))
-    assert config.stage == "vectorized" and config.vectorized.batch_size == 500
-    assert config_from_dict(yaml.safe_load(DEFAULT_CONFIG.read_text())).stage == "keyed"
+    assert config.lane == "vectorized" and config.vectorized.batch_size == 500
+    assert config_from_dict(yaml.safe_load(DEFAULT_CONFIG.read_text())).lane == "keyed"
 
 
 @pytest.mark.parametrize(("overrides", "key"), [
@@ -63,9 +63,9 @@ def test_auto_keeps_the_keyed_stage_for_what_only_it_does_instead_of_refusing(ov
     assert config.lane_choice() == ("keyed", f"stage: auto, keyed: {key} needs it")
 
 
-def test_auto_keeps_the_keyed_stage_for_the_provider_batch_lane() -> None:
+def test_the_old_batch_mode_chooses_the_provider_batch_lane_over_an_old_auto_stage() -> None:
     config = config_from_dict(_vectorized(stage="auto", model={"api": "embeddings", "mode": "batch"}))
-    assert config.lane_choice() == ("keyed", "stage: auto, keyed: model.mode: batch is a keyed stage")
+    assert config.lane_choice() == ("provider-batch", "model.mode: batch")
     with pytest.raises(ConfigError) as info:  # as written, the lanes still refuse each other
         config_from_dict(_vectorized(model={"api": "embeddings", "mode": "batch"}))
     assert info.value.key == "stage"
@@ -75,6 +75,9 @@ def test_an_unknown_stage_names_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict(_vectorized(stage="batched"))
     assert info.value.key == "stage"
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(_vectorized(stage=None, lane="batched"))
+    assert info.value.key == "lane"
 
 
 def test_a_batch_reads_back_into_records() -> None:
@@ -103,7 +106,7 @@ def test_the_bench_runs_the_vectorized_lane_as_an_approach_of_its_own(tmp_path: 
     data = llmstream_config(Topics("i", "o", "d", "g"), "127.0.0.1:9", "http://127.0.0.1:9/v1",
                             LlmstreamSettings.recommended(scenario, 1), scenario, tmp_path, vectorized=True)
     config = config_from_dict(data)
-    assert config.stage == "vectorized" and config.vectorized.batch_size == 1000
+    assert config.lane == "vectorized" and config.vectorized.batch_size == 1000
     tuned = llmstream_config(Topics("i", "o", "d", "g"), "127.0.0.1:9", "http://127.0.0.1:9/v1",
                              dataclasses.replace(LlmstreamSettings.recommended(scenario, 1), vectorized_batch_size=5000),
                              scenario, tmp_path, vectorized=True)

@@ -60,10 +60,10 @@ def _formats(config: JobConfig) -> None:
              "which would time out and restart the job")
 
 
-def _stage(config: JobConfig) -> None:
+def _vectorized_lane(config: JobConfig) -> None:
     """What the vectorized lane does not do (yet), refused at load rather than half done
-    (`stage: auto` never refuses: it keeps the keyed stage for these)."""
-    if config.stage != "vectorized":
+    (`lane: auto` never refuses: it keeps the keyed lane for these)."""
+    if config.written_lane()[0] != "vectorized":
         return
     refused = config.keyed_only()
     if refused:
@@ -90,7 +90,7 @@ def validate_job(config: JobConfig) -> None:
              "(PEMJA) every record and timer waits for that thread to let go of the GIL (measured: fewer than "
              "45 records/s; PEMJA also crashed the JVM once); use process, the default")
     _formats(config)
-    _stage(config)
+    _vectorized_lane(config)
     _batch_lane(config)
     size = config.kafka.properties.get("max.request.size", str(PRODUCER_MAX_REQUEST_BYTES))
     try:
@@ -103,14 +103,13 @@ def validate_job(config: JobConfig) -> None:
 
 
 def _batch_lane(config: JobConfig) -> None:
-    """What the provider-batch lane (`model.mode: batch`) does not do (yet), refused at load rather
+    """What the provider-batch lane (`lane: provider-batch`) does not do (yet), refused at load rather
     than half done; and what Anthropic's Message Batches cannot take."""
-    if config.model.mode != "batch":
+    if config.lane != "provider-batch":
         return
-    batch_lane = "not with model.mode: batch: "
+    batch_lane = "not with lane: provider-batch: "
     model = config.model
     unsupported = {
-        "stage": (config.lane != "keyed", batch_lane + "the batch lane is a keyed stage (stage: keyed)"),
         "model.endpoints": (model.endpoints is not None or model.fallback is not None,
                             batch_lane + "a batch goes to one provider (model.endpoint)"),
         "ordering": (config.ordering == "per_key", batch_lane + "a batch answers in any order"),

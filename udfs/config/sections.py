@@ -8,6 +8,8 @@ that use them, so they live in `udfs/`.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -305,9 +307,10 @@ class ModelConfig:
     # a record the function returns None for becomes (nothing, or the record itself on the output).
     preprocess: Annotated[str, FUNCTION] | None = None
     skipped: Literal["drop", "forward"] = "drop"
-    # realtime: a call per record; batch: the provider's batch API at its batch price (`provider_batch`,
-    # docs/cost.md), `provider` saying whose: OpenAI's /v1/batches (and compatible hosts) or Anthropic's.
-    mode: Literal["realtime", "batch"] = "realtime"
+    # Deprecated: `lane: provider-batch` (batch) or any other lane (realtime). Reads "batch" in a
+    # provider-batch job whichever key chose it. `provider`: whose batch API that lane speaks,
+    # OpenAI's /v1/batches (and compatible hosts) or Anthropic's (docs/cost.md).
+    mode: Literal["realtime", "batch"] | None = None
     provider: Literal["openai", "anthropic"] = "openai"
     max_input_tokens: PositiveInt = 8192
     on_context_overflow: Literal["dead-letter", "truncate"] = "dead-letter"
@@ -475,7 +478,7 @@ ADAPTIVE_MIN_BUNDLE = 10
 
 @dataclass(frozen=True)
 class VectorizedConfig:
-    """The vectorized lane (`stage: vectorized`, `udfs/stage/vectorized.py`): Flink hands the
+    """The vectorized lane (`lane: vectorized`, `udfs/stage/vectorized.py`): Flink hands the
     Python function `batch_size` records at once (`python.fn-execution.arrow.batch.size`), and
     the Python bundle is the same size, so a checkpoint waits for about one batch, not for
     Flink's default 100,000 rows (docs/tuning.md, "Which lane")."""
@@ -630,7 +633,7 @@ class SchemaRegistryConfig:
 
 @dataclass(frozen=True)
 class ProviderBatchConfig:
-    """The provider-batch lane (`model.mode: batch`, `udfs/stage/batch_lane.py`, docs/cost.md): records
+    """The provider-batch lane (`lane: provider-batch`, `udfs/stage/batch_lane.py`, docs/cost.md): records
     are collected into a provider's batch (OpenAI `/v1/batches`, Anthropic Message Batches), sold
     at about half the price of the same calls, answered within `completion_window`.
 
@@ -662,8 +665,20 @@ class ProviderBatchConfig:
 COMPLETION_WINDOW_S = {"24h": 24 * 3600.0}
 """`provider_batch.completion_window` in seconds."""
 
-Lane = Literal["keyed", "vectorized"]
-"""An inference stage a job runs (`JobConfig.lane`): `stage` as written, `auto` resolved."""
+LaneSetting = Literal["keyed", "vectorized", "provider-batch", "auto"]
+"""The `lane` key: which lane runs the inference, or `auto` (`JobConfig.lane_choice` says how it picks)."""
+Lane = Literal["keyed", "vectorized", "provider-batch"]
+"""The lane a job runs (`JobConfig.lane`): `lane` as written, `auto` resolved."""
+
+log = logging.getLogger("llmstream.config")
+_deprecations_said: set[str] = set()
+
+
+def _deprecated(old: str, new: str) -> None:
+    """One warning line per process for a deprecated key, naming the key that replaces it."""
+    if old not in _deprecations_said:
+        _deprecations_said.add(old)
+        log.warning("config: %s is deprecated; write %s instead", old, new)
 
 
 @dataclass(frozen=True)
@@ -688,10 +703,37 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     schema_registry: SchemaRegistryConfig | None = None
     ordering: Literal["none", "per_key"] = "none"
-    stage: Literal["keyed", "vectorized", "auto"] = "keyed"
+    lane_setting: LaneSetting | None = field(default=None, metadata={"key": "lane"})
+    stage: Literal["keyed", "vectorized", "auto"] | None = None  # deprecated: `lane`
     vectorized: VectorizedConfig = field(default_factory=VectorizedConfig)
     provider_batch: ProviderBatchConfig = field(default_factory=ProviderBatchConfig)
     flink: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # `model.mode` keeps its meaning for whoever still reads it: "batch" in a provider-batch job.
+        if self.lane_setting == "provider-batch" and self.model.mode is None:
+            object.__setattr__(self, "model", dataclasses.replace(self.model, mode="batch"))
+
+    def validate(self, path: str) -> None:
+        """The old keys for the lane (`stage`, `model.mode`) still work, each with one warning line
+        naming `lane`; given beside `lane` (or each other) they must agree with it."""
+        lane, stage, mode = self.lane_setting, self.stage, self.model.mode
+        if lane is not None:
+            require(stage is None or stage == lane, join_key(path, "stage"),
+                    f"is the old name of lane; give only lane (lane: {lane}, stage: {stage})")
+            require(mode is None or (mode == "batch") == (lane == "provider-batch"), join_key(path, "model.mode"),
+                    f"is the old way to choose the provider-batch lane; give only lane (lane: {lane}, "
+                    f"model.mode: {mode})")
+            return
+        if mode == "batch":
+            require(stage != "vectorized", join_key(path, "stage"),
+                    "not with model.mode: batch: that is the provider-batch lane (lane: provider-batch); "
+                    "give only lane")
+            _deprecated("model.mode: batch", "lane: provider-batch")
+        elif mode is not None:
+            _deprecated(f"model.mode: {mode}", "lane (keyed, vectorized or auto; keyed by default)")
+        if stage is not None and mode != "batch":
+            _deprecated(f"stage: {stage}", f"lane: {stage}")
 
     def fleet(self) -> tuple[list[EndpointConfig], list[EndpointConfig]]:
         """The primary and fallback endpoints; `model.endpoint` is a fleet of one whose
@@ -712,7 +754,7 @@ class JobConfig:
         """The settings of this config that only the keyed stage serves, each with why: the
         vectorized lane refuses them at load (`udfs/config/rules.py`), and `stage: auto` keeps
         the keyed stage for them."""
-        keyed = "needs the keyed stage (stage: keyed): "
+        keyed = "needs the keyed lane (lane: keyed): "
         settings = {
             "ordering": (self.ordering == "per_key",
                          keyed + "the vectorized lane does not route a key's records to one subtask"),
@@ -736,35 +778,45 @@ class JobConfig:
         this is cut short, and the next run resumes the records it left."""
         user_functions = sum(ref is not None for ref in (self.model.preprocess, self.output.postprocess))
         longest = self.retry.max_retry_after_s + self.async_.record_deadline_s * (1 + user_functions)
-        if self.model.mode == "batch":
+        if self.lane == "provider-batch":
             longest += self.provider_batch.max_wait_s + COMPLETION_WINDOW_S[self.provider_batch.completion_window]
         return longest
 
     @property
     def lane(self) -> Lane:
-        """The inference stage this job runs: `stage`, with `auto` resolved (`lane_choice`)."""
+        """The lane this job runs: `lane`, with `auto` resolved (`lane_choice`)."""
         return self.lane_choice()[0]
 
-    def lane_choice(self) -> tuple[Lane, str]:
-        """The inference stage this job runs, and why, in words for the start-up line.
-
-        `stage: auto` decides from the config alone, by what kind of call the model answers:
-        the vectorized lane for embeddings (an input takes milliseconds, about what its crossing
-        into Python costs, and a batch has no heavy tail), the keyed stage for chat (calls take
-        tens of milliseconds to minutes, with tails that would hold a vectorized batch and every
-        checkpoint behind it) and whenever a setting needs it (`keyed_only`, the provider-batch
-        lane). Not by a latency measured at start: the lane is fixed for a job's life (a savepoint
-        restores only into the lane that took it), and what the first few calls of a cold server
-        take says little about the rest. docs/tuning.md, "Which lane", has the measured rows."""
-        if self.stage != "auto":
-            return self.stage, f"stage: {self.stage}"
+    def written_lane(self) -> tuple[LaneSetting, str]:
+        """The `lane` as written, or as an old key stands for it (`model.mode: batch`, `stage`), and
+        those words; `keyed` when none is given."""
+        if self.lane_setting is not None:
+            return self.lane_setting, f"lane: {self.lane_setting}"
         if self.model.mode == "batch":
-            return "keyed", "stage: auto, keyed: model.mode: batch is a keyed stage"
+            return "provider-batch", "model.mode: batch"
+        if self.stage is not None:
+            return self.stage, f"stage: {self.stage}"
+        return "keyed", "lane: keyed"
+
+    def lane_choice(self) -> tuple[Lane, str]:
+        """The lane this job runs, and why, in words for the start-up line.
+
+        `lane: auto` decides from the config alone, by what kind of call the model answers: the
+        vectorized lane for embeddings (an input takes milliseconds, about what its crossing into
+        Python costs, and a batch has no heavy tail), the keyed lane for chat and completions (calls
+        take tens of milliseconds to minutes, with tails that would hold a vectorized batch and every
+        checkpoint behind it) and whenever a setting needs it (`keyed_only`). Never the
+        provider-batch lane: answers within hours at half the price is a choice about the job, not a
+        speed, so only `lane: provider-batch` makes it. Not by a latency measured at start: the lane
+        is fixed for a job's life (a savepoint restores only into the lane that took it), and what
+        the first few calls of a cold server take says little about the rest. docs/tuning.md, "Which
+        lane", has the measured rows."""
+        written, words = self.written_lane()
+        if written != "auto":
+            return written, words
         held = self.keyed_only()
         if held:
-            return "keyed", f"stage: auto, keyed: {', '.join(held)} {'needs' if len(held) == 1 else 'need'} it"
+            return "keyed", f"{words}, keyed: {', '.join(held)} {'needs' if len(held) == 1 else 'need'} it"
         if self.model.api == "embeddings":
-            return "vectorized", "stage: auto, vectorized: model.api is embeddings"
-        return "keyed", f"stage: auto, keyed: model.api is {self.model.api}"
-
-
+            return "vectorized", f"{words}, vectorized: model.api is embeddings"
+        return "keyed", f"{words}, keyed: model.api is {self.model.api}"

@@ -259,7 +259,7 @@ class InferenceClient:
         job with a provider-batch lane the answer says it came from a call of its own (`lane`)."""
         try:
             completion = await self._complete(request)
-            return dataclasses.replace(completion, lane="realtime") if self._config.model.mode == "batch" else completion
+            return dataclasses.replace(completion, lane="realtime") if self._config.lane == "provider-batch" else completion
         except InferenceError as err:
             log.debug("request %s failed after %d attempt(s): %s", request.id, err.attempts, err.reason)
             raise self._redacted(err) from None

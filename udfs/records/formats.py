@@ -102,7 +102,7 @@ def result_fields(config: JobConfig) -> tuple[ResultField, ...]:
     kinds: set[str] = {"embeddings" if config.model.api == "embeddings" else "text"}
     if config.model.response_format is not None:
         kinds.add("structured")
-    if config.model.mode == "batch":
+    if config.lane == "provider-batch":
         kinds.add("batch")
     declared = tuple(f for f in RESULT_FIELDS if f.only is None or f.only in kinds)
     return declared + tuple(carried_field(name) for name in config.output.carry_fields or [])
