@@ -19,6 +19,7 @@ import requests
 
 from jobs.clients import kafka_admin
 from jobs.dev import simulator
+from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.local_kafka import LocalBroker
 from jobs.dev.object_store import DEFAULT_BUCKET, ObjectStore
 from jobs.runtime.ports import free_port
@@ -81,9 +82,9 @@ def _checkpoint_summary(log: str) -> dict[str, Any]:
     return {"completed": stats["counts"]["completed"], **stats["summary"]["end_to_end_duration"]}
 
 
-def _llmstream(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _llmstream(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True,
-                          env={**SHELL_ENV, **env}, timeout=180, check=False)
+                          env={**SHELL_ENV, **env}, timeout=timeout, check=False)
 
 
 def test_a_run_on_s3_stops_resumes_and_refuses_a_second_run(
@@ -103,8 +104,6 @@ def test_a_run_on_s3_stops_resumes_and_refuses_a_second_run(
         reader.start()
         first = LocalRun(setup.path, tmp_path / "first.log", env=env)
         assert reader.wait_for(len(ids) // 10, 300, check=lambda: first.process.poll() is None), first.output()[-3000:]
-        summary = _checkpoint_summary(first.output())
-        print(f"\ncheckpoints with state on {STATE_ON}: {json.dumps(summary)}")
 
         second = _llmstream("run", "--config", str(setup.path), env=env)
         assert second.returncode != 0 and "another llmstream run" in second.stderr, second.stderr[-2000:]
@@ -114,6 +113,8 @@ def test_a_run_on_s3_stops_resumes_and_refuses_a_second_run(
         assert status.returncode == 0, status.stderr[-2000:]
         assert json.loads(status.stdout)["job"]["state"] == "RUNNING"
 
+        summary = _checkpoint_summary(first.output())
+        print(f"\ncheckpoints with state on {STATE_ON}: {json.dumps(summary)}")
         first.process.send_signal(signal.SIGTERM)  # as `kill PID` does (to the group it would stop the JVM too)
         assert first.wait(timeout=240) == 0, first.output()[-3000:]
         stopped = first.output()
@@ -132,6 +133,29 @@ def test_a_run_on_s3_stops_resumes_and_refuses_a_second_run(
     result = final_tally(setup, ids)
     check_exactly_once(result)
     assert result.dead == 0, result.dead_reasons
+
+
+def test_a_cluster_job_on_s3_backfills_and_stops_with_a_savepoint_there(
+        kafka_broker: LocalBroker, object_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`llmstream submit --until-end` to a standalone cluster whose S3 settings are its own
+    (`llmstream cluster start --setting`) and whose daemons have the credentials in their environment."""
+    for name, value in object_store.credentials_env().items():
+        monkeypatch.setenv(name, value)
+    cluster = LocalCluster(ClusterConfig.ephemeral(tmp_path / "flink", settings=object_store.flink_settings()))
+    cluster.start(taskmanagers=1, timeout=180)
+    sim = simulator.spawn(SIM_ARGS)
+    try:
+        setup, env = _s3_job(tmp_path, kafka_broker, object_store, sim.url, "s3-cluster")
+        records = unique_records(300, "s3c")
+        kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+        done = _llmstream("submit", "--config", str(setup.path), "--jobmanager", cluster.address, "--until-end",
+                          env=env, timeout=400)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert f"stopped with savepoint {setup.config.checkpointing.directory}/savepoints/" in done.stdout, done.stdout
+    finally:
+        sim.stop()
+        cluster.stop()
+    check_exactly_once(final_tally(setup, [k.decode() for k, _ in records]))
 
 
 def test_an_unreachable_store_is_one_line_naming_the_setting(kafka_broker: LocalBroker, object_store: ObjectStore,
