@@ -70,6 +70,13 @@ class JobMetrics:
                 {k: float(v) for k, v in m.items() if k != "id" and _number(v) is not None}
                 for m in values or []}
 
+    def _taskmanagers(self) -> int | None:
+        """TaskManagers registered with the job's cluster (0: none, the job cannot run)."""
+        try:
+            return len((self.rest.rest("/taskmanagers") or {}).get("taskmanagers") or [])
+        except ClusterError:
+            return None
+
     def collect(self) -> dict[str, Any]:
         job = self.rest.job(self.job_id)
         now_ms = int(job.get("now") or time.time() * 1000)
@@ -79,6 +86,7 @@ class JobMetrics:
             "id": self.job_id, "name": job.get("name"), "state": job.get("state"),
             "uptime_s": round(((end if end > 0 else now_ms) - start) / 1000, 1),
             "restarts": self.rest.num_restarts(self.job_id),
+            "taskmanagers": self._taskmanagers(),
         }
         metrics: dict[str, dict[str, float]] = {}
         parallelism: dict[str, int] = {}
@@ -135,7 +143,7 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
     out: dict[str, Any] = {"job": {"name": config.name, "state": "UNKNOWN"}, "at": now}
     metrics: dict[str, dict[str, float]] = (raw or {}).get("metrics") or {}
     if raw:
-        out["job"] = {k: raw[k] for k in ("id", "name", "state", "uptime_s", "restarts")}
+        out["job"] = {k: raw.get(k) for k in ("id", "name", "state", "uptime_s", "restarts", "taskmanagers")}
     out["job"]["lane"] = config.lane  # with `lane: auto`, the one it chose
 
     def llm(name: str) -> float | None:

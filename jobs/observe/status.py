@@ -64,6 +64,8 @@ def line(fig: dict[str, Any]) -> str:
     """The compact one-line form (`llmstream run`'s progress line)."""
     job, rec, calls, inp, chk = fig["job"], fig["records"], fig["calls"], fig["input"], fig["checkpoint"]
     state = str(job.get("state", "UNKNOWN"))
+    if job.get("taskmanagers") == 0:
+        return f"{state:<9} no TaskManager is registered: the job cannot run until one starts"
     if not started(fig):
         return f"{state:<9} starting (nothing processed yet; lag {_fmt(inp['lag_records'])})"
     dead = rec.get("dead_letters")
@@ -101,6 +103,8 @@ def render(fig: dict[str, Any]) -> Any:
                   "before now; lag and dead letters are current[/dim]"
     if job.get("ended"):
         header += f"\n[bold]{job['ended']}[/bold]"
+    if job.get("taskmanagers") == 0 and state not in ("ENDED", "FINISHED", "CANCELED", "FAILED"):
+        header += "\n[red]no TaskManager is registered: the job cannot run until one starts[/red]"
 
     def table(title: str, rows: list[tuple[str, str]]) -> Table:
         t = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 1))

@@ -67,9 +67,10 @@ NOW_MS = 1_800_000_000_000
 class FakeRest(FlinkRest):
     """Answers the REST paths `JobMetrics` asks for, from canned JSON."""
 
-    def __init__(self) -> None:
+    def __init__(self, taskmanagers: int = 1) -> None:
         super().__init__("http://fake:8081")
         self.paths: list[str] = []
+        self.taskmanagers = taskmanagers
 
     def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
         self.paths.append(path)
@@ -85,6 +86,8 @@ class FakeRest(FlinkRest):
                                   "parallelism": 2}]}
         if path.startswith(f"/jobs/{JOB}/metrics"):
             return [{"id": "numRestarts", "value": "1"}]
+        if path == "/taskmanagers":
+            return {"taskmanagers": [{"id": f"tm-{i}"} for i in range(self.taskmanagers)]}
         if path == f"/jobs/{JOB}/checkpoints":
             return {"counts": {"completed": 12, "failed": 0},
                     "latest": {"completed": {"latest_ack_timestamp": NOW_MS - 3_000, "end_to_end_duration": 240,
@@ -108,7 +111,7 @@ def test_figures_from_the_rest_api() -> None:
     fig = figures(config(model={"prices": {"prompt_per_1k": 0.5, "completion_per_1k": 1.0}}), raw,
                   lag={"committed": 100, "end": 2100, "partitions": {"llm-requests:0": [0, 1500], "llm-requests:1": [100, 600]}})
     assert fig["job"] == {"id": JOB, "name": "llmstream-inference", "state": "RUNNING", "uptime_s": 60.0,
-                          "restarts": 1, "lane": "keyed"}
+                          "restarts": 1, "taskmanagers": 1, "lane": "keyed"}
     # Per partition: end - (last emitted + 1), or - the group's offset before the first emitted record:
     # (1500 - 500) + (600 - 100); not pendingRecords (800), which counts from the fetch position.
     assert fig["input"]["lag_records"] == 1500 and fig["input"]["drain_s"] == 37.5   # at 40 records/s
@@ -124,6 +127,17 @@ def test_figures_from_the_rest_api() -> None:
     # 180,000 tokens over the 60 s uptime: 180,000 a minute; (30 + 120) a minute = 9,000 an hour
     assert fig["cost"]["tokens_per_min"] == 180000.0
     assert fig["cost"]["cost_per_hour"] == 9000.0
+
+
+def test_a_job_without_a_taskmanager_is_said_so_plainly() -> None:
+    """A job RESTARTING with no TaskManager registered looks like any restart; status says why it
+    cannot run, in the progress line and on the screen."""
+    fig = figures(config(), JobMetrics(FakeRest(taskmanagers=0), JOB).collect())
+    assert fig["job"]["taskmanagers"] == 0
+    assert "no TaskManager is registered: the job cannot run until one starts" in line(fig)
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(fig))
+    assert "no TaskManager is registered" in out.getvalue()
 
 
 def test_lag_without_partition_offsets_is_the_sources_pending_records() -> None:
