@@ -1,0 +1,276 @@
+"""The fault table on the estate: one scenario = fresh topics, records with unique ids, the job
+submitted as a user does (``llmstream submit --jobmanager <JM host>:8081 --until-end``), one fault
+injected mid-stream, then the history checker's verdict (`jobs/dev/history.py`) on what a
+read_committed consumer sees.
+
+``llmstream estate fault --table`` runs every scenario (`SCENARIOS`) and prints one row each; the
+integration test runs one. The results are written to ``var/estate/fault-table.json`` too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jobs.clients import kafka_admin
+from jobs.dev.estate.estate import Estate
+from jobs.dev.history import Verdict, read_history
+from jobs.runtime import jars
+
+log = logging.getLogger("llmstream.estate")
+
+__all__ = ["SCENARIOS", "Row", "Scenario", "render", "run_scenario"]
+
+RECORDS = 4000
+"""Records of one scenario: ~30 s of work at ~40 ms a call and 6 calls in flight."""
+CAPACITY = 6
+CHECKPOINT_INTERVAL_MS = 2000
+BROKERS = ["kafka1", "kafka2", "kafka3"]
+
+
+@dataclass
+class Run:
+    """A scenario in progress: its job's name and id, its topics, when it started."""
+
+    estate: Estate
+    name: str
+    config_path: Path
+    output_topic: str
+    job_id: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+Fault = Callable[[Run], None]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: Fault
+    about: str
+
+
+def _partition_from_brokers(seconds: float) -> Fault:
+    def fault(run: Run) -> None:
+        hosts = run.estate.job_hosts(run.job_id)
+        run.notes.append(f"{'+'.join(hosts)} cut off from the 3 brokers for {seconds:g} s")
+        with run.estate.partitioned(hosts, BROKERS):
+            time.sleep(seconds)
+
+    return fault
+
+
+def _kill_taskmanager_host(run: Run) -> None:
+    host = run.estate.job_hosts(run.job_id)[0]
+    pids = run.estate.kill_host(host)
+    run.notes.append(f"{host} killed ({len(pids)} processes), started again at once")
+    run.estate.restart_host(host)
+
+
+def _kill_leader(run: Run) -> None:
+    host = run.estate.kill_leader(run.output_topic, 0)
+    run.notes.append(f"{host} (leader of the output's partition 0) killed, back after 20 s")
+    time.sleep(20)
+    run.estate.restart_host(host)
+
+
+def _kill_jobmanager_host(run: Run) -> None:
+    run.estate.kill_host("jm")
+    run.notes.append("jm killed (no HA: the job is gone), started again, the job resubmitted")
+    run.estate.restart_host("jm")
+
+
+def _no_fault(run: Run) -> None:
+    run.notes.append("no fault")
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("baseline", _no_fault, "no fault: what the estate does undisturbed"),
+    Scenario("partition-60", _partition_from_brokers(60), "the job's TaskManager host ↔ every broker, 60 s"),
+    Scenario("partition-200", _partition_from_brokers(200), "the job's TaskManager host ↔ every broker, 200 s"),
+    Scenario("tm-host-kill", _kill_taskmanager_host, "the job's TaskManager host killed (SIGKILL to all), restarted"),
+    Scenario("leader-kill", _kill_leader, "the broker host leading the output partition killed, back after 20 s"),
+    Scenario("jm-host-kill", _kill_jobmanager_host, "the JobManager host killed, restarted, the job resubmitted"),
+)}
+
+
+@dataclass
+class Row:
+    """One scenario's result, as the table shows it."""
+
+    scenario: str
+    records_in: int
+    out: int
+    dead: int
+    duplicates: int
+    lost: int
+    restarts: int | None
+    exit_code: int | None
+    seconds: float
+    calls_per_record: float | None
+    notes: str
+    verdict: str
+
+    @classmethod
+    def of(cls, name: str, verdict: Verdict, *, restarts: int | None, exit_code: int | None, seconds: float,
+           notes: str) -> Row:
+        return cls(name, verdict.records_in, verdict.out, verdict.dead, verdict.duplicates, verdict.lost, restarts,
+                   exit_code, round(seconds, 1), None if verdict.calls_per_record is None
+                   else round(verdict.calls_per_record, 3), notes, "ok" if verdict.ok else "; ".join(verdict.problems()))
+
+
+def job_config(estate: Estate, tag: str, **sections: Any) -> dict[str, Any]:
+    """The default job (jobs/inference.yaml) on the estate: its brokers, model server and shared
+    state directory, fresh topics (2 partitions, replication 3, created here), a checkpoint every 2 s."""
+    from udfs.config import config_from_dict, load_config, to_dict
+
+    data = to_dict(load_config())
+    data["name"] = f"llmstream-estate-{tag}"
+    data["kafka"].update(bootstrap_servers=estate.bootstrap_servers, input_topic=f"{tag}-in",
+                         output_topic=f"{tag}-out", dead_letter_topic=f"{tag}-dead", group_id=f"{tag}-group",
+                         transactional_id_prefix=f"{tag}-tx", create_topics=False, topic_partitions=2)
+    data["model"]["endpoint"] = estate.model.url
+    data["async"]["capacity"] = CAPACITY
+    data["checkpointing"]["interval_ms"] = CHECKPOINT_INTERVAL_MS
+    data["checkpointing"]["directory"] = str(estate.state_root / tag)
+    for section, values in sections.items():
+        data[section] = {**(data.get(section) or {}), **values} if isinstance(values, dict) else values
+    config_from_dict(data)  # refuse a bad config here, not in the submit
+    kafka = data["kafka"]
+    estate.kafka.create_topics([kafka["input_topic"], kafka["output_topic"], kafka["dead_letter_topic"]],
+                               partitions=2)
+    return data
+
+
+def unique_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
+    out = []
+    for i in range(n):
+        rid = f"{prefix}-{i:06d}"
+        out.append((rid.encode(), json.dumps({"id": rid, "prompt": f"Summarise item {i} in one line.",
+                                              "params": {"max_tokens": 16}}).encode()))
+    return out
+
+
+def _committed(bootstrap: str, topic: str) -> int:
+    try:
+        return sum(kafka_admin.end_offsets(bootstrap, topic, committed_only=True, timeout_s=10).values())
+    except Exception:  # noqa: BLE001 - a broker may be down on purpose
+        return -1
+
+
+def _submit(config_path: Path, estate: Estate, log_path: Path) -> subprocess.Popen[bytes]:
+    """``llmstream submit --until-end`` as a user runs it, in its own process group."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYFLINK_", "_PYFLINK"))}
+    with log_path.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "jobs.cli", "submit", "--config", str(config_path), "--jobmanager",
+             estate.jobmanager_address, "--until-end"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            cwd=jars.repo_root(), env=env)
+
+
+def _wait(check: Callable[[], bool], timeout: float, interval: float = 1.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(interval)
+    return check()
+
+
+def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, timeout: float = 900.0,
+                 fraction: float = 0.2) -> tuple[Row, Verdict]:
+    """One scenario start to end; the row and the history checker's verdict."""
+    tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
+    directory = estate.work_dir / "runs"
+    directory.mkdir(parents=True, exist_ok=True)
+    data = job_config(estate, tag)
+    config_path = directory / f"{tag}.yaml"
+    config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    bootstrap = estate.bootstrap_servers
+    batch = unique_records(records, tag)
+    kafka_admin.produce(bootstrap, data["kafka"]["input_topic"], batch)
+    estate.model.configure("/stats/reset", {})
+    run = Run(estate, data["name"], config_path, data["kafka"]["output_topic"])
+    started = time.monotonic()
+    log_path = directory / f"{tag}.log"
+    process = _submit(config_path, estate, log_path)
+    code: int | None = None
+    try:
+        def live() -> bool:
+            jobs = estate.rest.live_jobs(run.name)
+            run.job_id = str(jobs[0]["jid"]) if jobs else run.job_id
+            return bool(run.job_id) and estate.rest.job_status(run.job_id) == "RUNNING"
+
+        if not _wait(lambda: live() or process.poll() is not None, 240):
+            raise TimeoutError(f"{scenario.name}: the job was not RUNNING within 240 s (log {log_path})")
+        if not run.job_id:
+            code = process.wait()
+            last = log_path.read_text(errors="replace").strip().splitlines()[-1:]
+            run.notes.append(f"submit exited {code} before the job ran, no fault injected: {' '.join(last)}")
+        else:
+            mid = _wait(lambda: _committed(bootstrap, run.output_topic) >= records * fraction
+                        or process.poll() is not None, 300)
+            if process.poll() is not None or not mid:
+                run.notes.append("the fault came late: the run had ended or not reached mid-stream")
+            scenario.fault(run)
+        if scenario.name == "jm-host-kill":
+            # The JobManager took the job with it; the submit's wait fails, so the user submits again.
+            process.wait(timeout=120)
+            process = _submit(config_path, estate, log_path)
+        remaining = max(30.0, timeout - (time.monotonic() - started))
+        try:
+            code = process.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            run.notes.append(f"submit --until-end had not ended after {timeout:g} s")
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        for job in estate.rest.live_jobs(run.name) if estate.rest.overview() else []:
+            estate.rest.cancel(str(job["jid"]))
+    seconds = time.monotonic() - started
+    served = int(estate.model.stats()["served"])
+    restarts = estate.rest.num_restarts(run.job_id, settle_s=3) if run.job_id else None
+    verdict = read_history(bootstrap, run.output_topic, data["kafka"]["dead_letter_topic"],
+                           model_calls=served).check([k.decode() for k, _ in batch])
+    row = Row.of(scenario.name, verdict, restarts=restarts, exit_code=code, seconds=seconds,
+                 notes="; ".join(run.notes))
+    log.info("estate: %s: %s", scenario.name, verdict.summary())
+    return row, verdict
+
+
+def render(rows: list[Row]) -> str:
+    lines = ["| scenario | in | out | dead | dup | lost | restarts | submit exit | s | calls/record | verdict | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        calls = "-" if r.calls_per_record is None else f"{r.calls_per_record:.3f}"
+        lines.append(f"| {r.scenario} | {r.records_in} | {r.out} | {r.dead} | {r.duplicates} | {r.lost} "
+                     f"| {'-' if r.restarts is None else r.restarts} | {'-' if r.exit_code is None else r.exit_code} "
+                     f"| {r.seconds:.0f} | {calls} | {r.verdict} | {r.notes} |")
+    return "\n".join(lines)
+
+
+def save(rows: list[Row], path: Path) -> None:
+    """Add the rows to the JSON results at ``path`` (a scenario's newest row replaces its older one)."""
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    for row in rows:
+        data[row.scenario] = {**asdict(row), "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
