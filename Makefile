@@ -20,7 +20,7 @@ export LLMSTREAM_FAULT_LANES ?= keyed
 # install compiles llama.cpp, ~10 min) or sim (the simulator).
 MODEL ?= embeddings
 
-.PHONY: all venv jars redis docker docker-image demo models test unit integration lint typecheck fault fuzz bench bench-smoke cluster-start cluster-stop clean
+.PHONY: all venv jars redis docker docker-image demo models test unit integration lint typecheck fault fuzz bench bench-smoke cluster-start cluster-stop estate fault-estate clean
 
 all: test
 
@@ -112,6 +112,18 @@ cluster-start: venv jars
 
 cluster-stop: venv
 	$(BIN)/llmstream cluster stop
+
+# The estate (jobs/dev/estate/): JobManager, TaskManagers, brokers and model server as network
+# namespaces on one bridge (10.77.0.0/24). Needs root and iproute2 (CI runs as root); stop it with
+# `llmstream estate stop`.
+estate: venv jars
+	command -v ip >/dev/null || (apt-get update && apt-get install -y iproute2)
+	$(BIN)/llmstream estate start
+
+# The fault table on the estate (docs/operations.md, "Faults on a real estate"): partitions of 60 and
+# 200 s, a TaskManager host, a broker leader and the JobManager host killed; ~20 min. Not in `make test`.
+fault-estate: estate
+	$(BIN)/llmstream estate fault --table
 
 clean:
 	rm -rf $(VENV) pom-free/cache var build *.egg-info
