@@ -88,9 +88,10 @@ test: venv jars redis docker lint typecheck
 		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The documented full fault run: the 5-minute memory test, 15 interrupted runs, the cost test's control,
-# the outage tests in both lanes.
+# the outage tests in both lanes, a broker frozen long enough that Flink stops a mini cluster's TaskManager.
 fault: venv jars redis docker
 	LLMSTREAM_MEMORY_TEST_SECONDS=300 LLMSTREAM_INTERRUPTED_RUNS=15 LLMSTREAM_COST_CONTROL=1 LLMSTREAM_FAULT_LANES=both \
+		LLMSTREAM_LONG_FAULTS=1 \
 		$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
 
 # The generated-input tests (Hypothesis) with the `fuzz` profile: 5,000 examples a test instead of

@@ -100,6 +100,14 @@ class JobDriver(ABC):
         """Whether every task of the job runs (Flink refuses a savepoint before); True if unknown."""
         return True
 
+    def taskmanagers(self) -> int | None:
+        """How many TaskManagers the job's cluster has registered; None if unknown."""
+        return None
+
+    taskmanagers_return: bool = True
+    """Whether a lost TaskManager can come back: on a cluster a supervisor (or a person) starts
+    another; a mini cluster's one TaskManager, once Flink has stopped it, never does."""
+
     @abstractmethod
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         """Ask Flink to stop the job with a savepoint into ``directory`` (raises if refused at once)."""
@@ -242,6 +250,11 @@ class MiniClusterDriver(JobDriver):
     def tasks_running(self) -> bool:
         return _all_running(self._rest, self.job_id) if self._rest else True
 
+    taskmanagers_return = False
+
+    def taskmanagers(self) -> int | None:
+        return _taskmanagers(self._rest) if self._rest else None
+
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         """`JobClient.stop_with_savepoint` in the Flink 2 signature, which wants a format type: PyFlink's
         wrapper calls the 2-argument form Flink 2 no longer has."""
@@ -307,6 +320,9 @@ class RestDriver(JobDriver):
     def tasks_running(self) -> bool:
         return _all_running(self._rest, self.job_id)
 
+    def taskmanagers(self) -> int | None:
+        return _taskmanagers(self._rest)
+
     def trigger_stop(self, *, drain: bool, directory: str) -> StopAttempt:
         return _RestStop(self._rest, self.job_id, self._rest.trigger_stop(self.job_id, directory, drain=drain))
 
@@ -322,6 +338,18 @@ def _all_running(rest: FlinkRest, job_id: str) -> bool:
     except ClusterError:
         return False
     return bool(vertices) and all(v.get("status") in ("RUNNING", "FINISHED") for v in vertices)
+
+
+def _taskmanagers(rest: FlinkRest) -> int | None:
+    try:
+        return len((rest.rest("/taskmanagers") or {}).get("taskmanagers") or [])
+    except ClusterError:
+        return None
+
+
+NO_TASKMANAGER_S = 20.0
+"""How long a job may have no TaskManager at all before `drive` says so (and, in a mini cluster,
+whose TaskManager never comes back, cancels it: its restarts would fail forever)."""
 
 
 class SavepointStop:
@@ -445,6 +473,9 @@ class Outcome:
     stage held in the last snapshot, for the next run."""
     held: int | None = None
     """Records the stage held at the last count before the job ended (None: never counted)."""
+    lost_taskmanager: bool = False
+    """Cancelled because its mini cluster's TaskManager was gone (Flink stops it after a task's
+    clean-up fails too): its last checkpoint is retained; a new mini cluster resumes from it."""
 
 
 Held = Callable[[], "tuple[int, int] | None"]
@@ -534,13 +565,28 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, backfill
     stopper = SavepointStop(driver, savepoints_uri)
     started, last_report, last_failures = time.monotonic(), 0.0, 0.0
     failures: list[str] = []
-    draining = False
+    draining = lost_taskmanager = False
+    no_taskmanager_since: float | None = None
     timeout_s = stop_timeout_s
     while not driver.ended():
         now = time.monotonic()
         if now - last_failures >= 2.0:
             last_failures = now
             failures = driver.failure_history() or failures
+            if driver.taskmanagers() == 0:
+                no_taskmanager_since = no_taskmanager_since or now
+                if now - no_taskmanager_since >= NO_TASKMANAGER_S and not lost_taskmanager:
+                    lost_taskmanager = True
+                    cause = _first_and_last(failures, "")
+                    report(f"llmstream: no TaskManager has been registered for {NO_TASKMANAGER_S:g} s"
+                           + (f" (the first failure: {cause})" if cause else "")
+                           + ("; the job waits for one" if driver.taskmanagers_return else
+                              "; Flink stopped the mini cluster's only TaskManager: cancelling the job"))
+                    if not driver.taskmanagers_return:
+                        stopper.cancel()
+            else:
+                no_taskmanager_since = None
+                lost_taskmanager = False
         if stop.cancel.is_set():
             stopper.cancel()
         elif stop.savepoint.is_set() and not stopper.started:
@@ -585,7 +631,8 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, backfill
     drained = state == "FINISHED" and (draining or not stopper.started)
     held = backfill.last_held[0] if backfill is not None and backfill.last_held is not None else None
     return Outcome(state=state, savepoint=stopper.savepoint, cause=cause,
-                   stop_error=stopper.error if stopper.started else None, drained=drained, held=held)
+                   stop_error=stopper.error if stopper.started else None, drained=drained, held=held,
+                   lost_taskmanager=lost_taskmanager and not driver.taskmanagers_return and state == "CANCELED")
 
 
 def _final_figures(figures: RunFigures | None, now: float) -> None:

@@ -23,6 +23,7 @@ source's offset commits wait for its blocked fetcher), lag, calls, latency and c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -80,16 +81,37 @@ def run_job(
     nothing in this process may use PyFlink after this returns."""
     options = options or RunOptions()
     stop = stop or StopRequest.new()
+    archive = GatewayArchive.find() if class_archive else None
+    state_name = "FAILED"
     with contextlib.ExitStack() as held:
-        plan = prepare(config, options, _MiniCluster(config, held), report=report)
-        if config.metrics.prometheus_port is not None:
-            jars.ensure("metrics")
-        archive = GatewayArchive.find() if class_archive else None
-        state_name = _run(config, options, plan, archive, progress_every_s=progress_every_s, report=report,
-                          stop=stop, stop_timeout_s=stop_timeout_s, drain_timeout_s=drain_timeout_s)
+        site = _MiniCluster(config, held)
+        for attempt in range(1 + NEW_MINI_CLUSTERS):
+            plan = prepare(config, options, site, report=report)
+            if config.metrics.prometheus_port is not None:
+                jars.ensure("metrics")
+            state_name, outcome = _run(config, options, plan, archive if attempt == 0 else None,
+                                       progress_every_s=progress_every_s,
+                                       report=report, stop=stop, stop_timeout_s=stop_timeout_s,
+                                       drain_timeout_s=drain_timeout_s)
+            if not outcome.lost_taskmanager or stop.savepoint.is_set() or stop.cancel.is_set():
+                break
+            if attempt == NEW_MINI_CLUSTERS:
+                report(f"llmstream: the mini cluster lost its TaskManager {attempt + 1} times; stopping here: "
+                       f"the same command resumes from the last checkpoint in {plan.build.state.location}")
+                state_name = "FAILED"
+                break
+            report("llmstream: starting a new mini cluster; it resumes from the last checkpoint")
+            # The same run, resumed: from the newest snapshot, whatever this one was started with.
+            options = dataclasses.replace(options, fresh=False, from_savepoint=None)
     if archive is not None:
         archive.save(report)
     return state_name
+
+
+NEW_MINI_CLUSTERS = 3
+"""How many times `llmstream run` starts a new mini cluster after Flink stopped its TaskManager (a
+task failure whose clean-up failed too, e.g. a sink transaction that could not be aborted while
+the broker was unreachable): each resumes from the last checkpoint."""
 
 
 class _MiniCluster:
@@ -99,12 +121,16 @@ class _MiniCluster:
     def __init__(self, config: JobConfig, held: contextlib.ExitStack) -> None:
         self._config = config
         self._held = held
+        self._claimed = False
 
     def reach(self) -> None:
-        check_local_ports(self._config)
+        if not self._claimed:  # a new mini cluster of the same run takes the ports its predecessor freed
+            check_local_ports(self._config)
 
     def claim(self, state: StateDir) -> None:
-        self._held.enter_context(state.exclusive())
+        if not self._claimed:
+            self._held.enter_context(state.exclusive())
+            self._claimed = True
 
 
 def check_local_ports(config: JobConfig) -> None:
@@ -120,7 +146,7 @@ def check_local_ports(config: JobConfig) -> None:
 
 def _run(config: JobConfig, options: RunOptions, plan: LaunchPlan, archive: GatewayArchive | None, *,
          progress_every_s: float, report: Callable[[str], None], stop: StopRequest, stop_timeout_s: float,
-         drain_timeout_s: float | None) -> str:
+         drain_timeout_s: float | None) -> tuple[str, Outcome]:
     state, restore, targets = plan.build.state, plan.restore, plan.end_offsets
     with contextlib.ExitStack() as stack:
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
@@ -174,7 +200,7 @@ def _run(config: JobConfig, options: RunOptions, plan: LaunchPlan, archive: Gate
         if outcome.state == "FAILED" and flink_log is not None:
             report(f"llmstream: Flink's log of this run: {flink_log.path}")
         state.prune()
-        return state_name
+        return state_name, outcome
 
 
 PYFLINK_WORKER_MODE = "_python_worker_execution_mode"
@@ -249,6 +275,10 @@ def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report
     """Says how the run ended, what it left and where the next one resumes from; returns the job's
     final state (`INCOMPLETE` for a backfill that ended before its records were out)."""
     where = f"savepoint {outcome.savepoint}" if outcome.savepoint else f"the last checkpoint in {state.location}"
+    if outcome.lost_taskmanager:
+        report(f"llmstream: job cancelled without a TaskManager; {_left(outcome)} kept in the last checkpoint in "
+               f"{state.location}")
+        return outcome.state
     if outcome.state == "FAILED":
         report(f"llmstream: job failed: {outcome.cause}")
         if backfill:

@@ -535,3 +535,89 @@ def test_a_stop_that_never_completes_says_the_job_is_still_running(monkeypatch: 
         submit._stop_when_running(DecliningRest(), "job-9", state, drain=False)  # type: ignore[arg-type]
     assert "the savepoint was declined" in str(err.value)
     assert f"job job-9 is still running, unchanged (its checkpoints go on in {state.location})" in str(err.value)
+
+
+@pytest.mark.parametrize("come_back", [False, True])
+def test_a_job_with_no_taskmanager_left_is_said_so_and_in_a_mini_cluster_cancelled(
+        monkeypatch: pytest.MonkeyPatch, come_back: bool) -> None:
+    """The 200 s broker partition: Flink stopped a mini cluster's only TaskManager, and the job
+    restarted forever ("Could not acquire the minimum required resources"). Now `drive` says so
+    after `NO_TASKMANAGER_S` and, where no TaskManager can come back, cancels the job (its last
+    checkpoint is kept; `llmstream run` starts a new mini cluster from it). On a cluster it says so
+    and waits."""
+    import jobs.launch.driver as driver_module
+
+    monkeypatch.setattr(driver_module, "NO_TASKMANAGER_S", 0.0)
+
+    @dataclass
+    class Orphaned(FakeJob):
+        taskmanagers_return: bool = come_back
+
+        def taskmanagers(self) -> int | None:
+            if self.come_back_after is not None and self.asked > self.come_back_after:
+                self.state = "FINISHED"  # a cluster: a TaskManager came back, the job ran to its end
+            return 0
+
+        come_back_after: int | None = 12 if come_back else None
+
+    denied = "org.apache.kafka.common.errors.TimeoutException: Timeout expired after 60000ms while awaiting EndTxn(false)"
+    job, lines = Orphaned(state="RESTARTING", history=[denied]), []
+    outcome = drive(job, StopRequest.new(), savepoints_uri=SAVEPOINTS, report=lines.append)
+    said = [line for line in lines if "no TaskManager has been registered" in line]
+    assert said and denied in said[0], lines
+    if come_back:
+        assert "the job waits for one" in said[0] and not job.cancelled and not outcome.lost_taskmanager
+    else:
+        assert "cancelling the job" in said[0] and job.cancelled
+        assert outcome.state == "CANCELED" and outcome.lost_taskmanager
+
+
+def test_a_run_whose_mini_cluster_lost_its_taskmanager_starts_a_new_one_from_the_last_checkpoint(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """`llmstream run`: a job cancelled for want of a TaskManager is started again in a new mini
+    cluster, from the newest snapshot (not `--fresh` or the first run's `--from-savepoint` again),
+    holding the state directory once; after `NEW_MINI_CLUSTERS` losses it ends FAILED, saying that
+    the same command resumes."""
+    from types import SimpleNamespace
+
+    from jobs.launch import run
+    from jobs.launch.driver import Outcome
+    from jobs.launch.plan import RunOptions
+    from jobs.state.snapshots import StateDir
+
+    lost = Outcome("CANCELED", None, "", None, lost_taskmanager=True, held=3)
+    finished = Outcome("FINISHED", None, "", None, drained=True)
+    prepared: list[RunOptions] = []
+    claims: list[str] = []
+
+    def prepare(config: Any, options: RunOptions, site: Any, *, report: Any) -> Any:
+        prepared.append(options)
+        site.claim(SimpleNamespace(exclusive=lambda: _claimed(claims)))
+        return SimpleNamespace(build=SimpleNamespace(state=StateDir(tmp_path)))
+
+    def _claimed(claims: list[str]) -> Any:
+        import contextlib
+
+        claims.append("claimed")
+        return contextlib.nullcontext()
+
+    outcomes = iter([lost, finished])
+    monkeypatch.setattr(run, "prepare", prepare)
+    monkeypatch.setattr(run, "_run", lambda *args, **kwargs: ("FINISHED" if (o := next(outcomes)).drained
+                                                               else "CANCELED", o))
+    said: list[str] = []
+    state = run.run_job(SimpleNamespace(metrics=SimpleNamespace(prometheus_port=None)),  # type: ignore[arg-type]
+                        RunOptions(until_end=True, fresh=True, from_savepoint="file:///old"), report=said.append)
+    assert state == "FINISHED" and claims == ["claimed"]
+    assert [(o.fresh, o.from_savepoint, o.until_end) for o in prepared] == [(True, "file:///old", True),
+                                                                             (False, None, True)]
+    assert "llmstream: starting a new mini cluster; it resumes from the last checkpoint" in said
+
+    always_lost = iter([lost] * (run.NEW_MINI_CLUSTERS + 1))
+    monkeypatch.setattr(run, "_run", lambda *args, **kwargs: ("CANCELED", next(always_lost)))
+    said.clear()
+    state = run.run_job(SimpleNamespace(metrics=SimpleNamespace(prometheus_port=None)),  # type: ignore[arg-type]
+                        RunOptions(), report=said.append)
+    assert state == "FAILED" and run.exit_code(state) == 1
+    assert any(f"lost its TaskManager {run.NEW_MINI_CLUSTERS + 1} times" in line and "the same command resumes"
+               in line for line in said), said
