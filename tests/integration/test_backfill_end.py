@@ -33,7 +33,7 @@ from tests.support.job_setup import (
     unique_records,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 RECORDS = 200
 DRAIN_S = "15"
