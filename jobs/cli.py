@@ -45,6 +45,7 @@ SERVICES: dict[str, tuple[str, str]] = {
     "estate": ("jobs.dev.estate.cli", "hosts as network namespaces (JobManager, TaskManagers, brokers, model) and faults"),
     "bench": ("jobs.dev.bench.main", "benchmark llmstream against hand-written consumers"),
     "status": ("jobs.observe.status", "one screen: lag, records/s, calls and latency, checkpoints, dead letters, cost"),
+    "scale": ("jobs.launch.scale", "change the running job's parallelism in place (adaptive scheduler), or --auto"),
 }
 
 

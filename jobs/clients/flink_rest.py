@@ -179,6 +179,32 @@ class FlinkRest:
         time.sleep(settle_s)
         return max(first, ask())
 
+    def jobmanager_config(self) -> dict[str, str]:
+        """``/jobmanager/config``: the JobManager's effective settings, key -> value."""
+        return {str(item["key"]): str(item["value"]) for item in self.rest("/jobmanager/config") or []}
+
+    def scheduler(self) -> str:
+        """The cluster's ``jobmanager.scheduler`` in lower case (``default`` when unset); only
+        ``adaptive`` rescales a running job (`set_resource_requirements`)."""
+        settings = self.jobmanager_config()
+        if settings.get("scheduler-mode", "").lower() == "reactive":
+            return "reactive"
+        return settings.get("jobmanager.scheduler", "default").lower()
+
+    def resource_requirements(self, job_id: str) -> dict[str, tuple[int, int]]:
+        """``GET /jobs/<id>/resource-requirements`` (FLIP-291): vertex id -> (lower, upper) parallelism."""
+        body = self.rest(f"/jobs/{job_id}/resource-requirements") or {}
+        return {vertex: (int(req["parallelism"]["lowerBound"]), int(req["parallelism"]["upperBound"]))
+                for vertex, req in body.items()}
+
+    def set_resource_requirements(self, job_id: str, requirements: dict[str, tuple[int, int]]) -> None:
+        """``PUT /jobs/<id>/resource-requirements``: every vertex's (lower, upper) parallelism. The
+        adaptive scheduler rescales the running job to the upper bounds when it has the slots (at the
+        next completed checkpoint, from that checkpoint), else to what it has, down to the lower bounds."""
+        self.rest(f"/jobs/{job_id}/resource-requirements", method="PUT",
+                  body={vertex: {"parallelism": {"lowerBound": low, "upperBound": high}}
+                        for vertex, (low, high) in requirements.items()})
+
     def checkpoint_stats(self, job_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self.rest(f"/jobs/{job_id}/checkpoints")
         return result

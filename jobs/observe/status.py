@@ -19,6 +19,7 @@ from typing import Any
 
 from jobs.clients.cluster_address import target
 from jobs.observe.figures import DeadLetterTally, Observer
+from jobs.observe.verdict import scaling_verdict
 from jobs.state.location import checked_state_dir
 from jobs.state.snapshots import LocalRun, StateDir
 from udfs.config import JobConfig
@@ -149,11 +150,22 @@ def render(fig: dict[str, Any]) -> Any:
     grid.add_row(flow, model)
     grid.add_row(health, spend)
     parts: list[Any] = [header, "", grid]
+    if fig.get("scaling"):
+        parts += ["", _scaling_text(fig["scaling"])]
     if fig.get("endpoints"):
         parts += ["", _endpoint_table(fig["endpoints"])]
     if fig.get("batch_lane"):
         parts += ["", _batch_table(fig["batch_lane"])]
     return Panel(Group(*parts), title=title, title_align="left")
+
+
+def _scaling_text(scaling: dict[str, Any]) -> str:
+    """The scaling verdict (`jobs/observe/verdict.py`): its one line, then the evidence behind it."""
+    colour = {"pipeline-bound": "green", "model-bound": "yellow"}.get(scaling["verdict"], "default")
+    text = f"[bold]Scaling?[/bold] [{colour}]{scaling['verdict']}[/{colour}]: {scaling['summary']}"
+    for evidence in scaling.get("evidence") or []:
+        text += f"\n[dim]  {evidence}[/dim]"
+    return text
 
 
 def _batch_table(lane: dict[str, Any]) -> Any:
@@ -243,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         observer = Observer(config, rest_url, job_id=run.job_id if run else None, progress=progress,
                             dead_letters=tally, local_run=run)
         if args.json and not args.watch:
-            print(json.dumps(observer.collect(), indent=2))
+            print(json.dumps(_collect(observer), indent=2))
             return 0
         if args.json:
             return _watch_json(observer, args.watch)
@@ -251,10 +263,21 @@ def run(args: argparse.Namespace) -> int:
     return 0  # pragma: no cover
 
 
+def _collect(observer: Observer) -> dict[str, Any]:
+    """The figures with the scaling verdict (`scaling`), against the oldest figures of the last 30 s
+    (`--watch`; a single refresh has no trend: lag growth and recent 429s are then unknown)."""
+    fig = observer.collect()
+    previous = observer.history[0] if len(observer.history) > 1 else None
+    per_subtask = observer.config.async_.capacity
+    subtasks = max(1, int(fig["calls"].get("capacity") or per_subtask) // per_subtask)
+    fig["scaling"] = scaling_verdict(fig, previous if previous is not fig else None, subtasks=subtasks).to_dict()
+    return fig
+
+
 def _watch_json(observer: Observer, every: float) -> int:
     try:
         while True:
-            print(json.dumps(observer.collect()), flush=True)
+            print(json.dumps(_collect(observer)), flush=True)
             time.sleep(every)
     except KeyboardInterrupt:
         return 0
@@ -266,14 +289,14 @@ def _show(observer: Observer, every: float | None, *, svg: str | None = None) ->
 
     console = Console(record=svg is not None, width=110 if svg else None)
     if not every:
-        console.print(render(observer.collect()))
+        console.print(render(_collect(observer)))
         if svg:
             console.save_svg(svg, title="llmstream status")
         return 0
     try:
-        with Live(render(observer.collect()), console=console, refresh_per_second=1, screen=False) as live:
+        with Live(render(_collect(observer)), console=console, refresh_per_second=1, screen=False) as live:
             while True:
                 time.sleep(every)
-                live.update(render(observer.collect()))
+                live.update(render(_collect(observer)))
     except KeyboardInterrupt:
         return 0
