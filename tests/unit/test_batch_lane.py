@@ -76,11 +76,8 @@ REFUSED = {
                                                                   {"url": "http://127.0.0.1:10/v1"}]}},
     "ordering": {"ordering": "per_key"},
     "budget": {"budget": {"max_tokens_per_hour": 1000}},
-    "model.response_format": {"model": {"response_format": {"type": "object"}}},
-    "model.batch.max_size": {"model": {"api": "embeddings", "batch": {"max_size": 8}}},
-    "model.preprocess": {"model": {"preprocess": "mine.prompts:build"}},
-    "output.postprocess": {"output": {"postprocess": "mine.results:shape"}},
     "model.provider": {"model": {"provider": "anthropic", "api": "embeddings"}},
+    "model.response_format_mode": {"model": {"provider": "anthropic", "response_format": {"type": "object"}}},
     "provider_batch.on_expired": {"model": {"provider": "anthropic"}, "provider_batch": {"on_expired": "realtime"}},
     "provider_batch.on_cancelled": {"model": {"provider": "anthropic"},
                                     "provider_batch": {"on_cancelled": "realtime"}},
@@ -109,6 +106,10 @@ def test_the_combinations_the_lane_does_take_load() -> None:
     fallback for expired and cancelled batches, Anthropic with batches made again."""
     base = to_dict(lane_config("http://127.0.0.1:9/v1"))
     for changes in ({"cache": {"backend": "local"}}, {"model": {"api": "embeddings"}},
+                    {"model": {"response_format": {"type": "object"}}},
+                    {"model": {"provider": "anthropic", "response_format": {"type": "object"},
+                               "response_format_mode": "prompt"}},
+                    {"model": {"api": "embeddings", "batch": {"max_size": 8}}},
                     {"provider_batch": {"on_expired": "realtime", "on_cancelled": "realtime"}},
                     {"model": {"provider": "anthropic"}, "provider_batch": {"on_cancelled": "resubmit"}}):
         assert config_from_dict(_merged(base, changes)).model.mode == "batch"

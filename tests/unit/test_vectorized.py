@@ -130,6 +130,8 @@ def test_a_batchs_calls_keep_to_capacity_and_a_call_that_fails_or_outlives_the_b
 
     from udfs.metrics import InferenceMetrics
     from udfs.records import PendingRecord, Request
+    from udfs.stage.lane import LaneParts
+    from udfs.stage.record_path import Settled
 
     config = config_from_dict(_vectorized(**{"async": {"capacity": 3}}))
     function = VectorizedInference(config)
@@ -147,22 +149,23 @@ def test_a_batchs_calls_keep_to_capacity_and_a_call_that_fails_or_outlives_the_b
                 if request.id == "hang":
                     await asyncio.Event().wait()  # never set
                 await asyncio.sleep(0)
-                return f"answer {request.id}", None
+                return Settled(f"answer {request.id}")  # type: ignore[arg-type]  # a row stands in
             finally:
                 running.pop()
 
         def dead_letter(self, err: Any, record: PendingRecord, request_id: str | None = None) -> Any:
-            return f"dead {request_id}: {err.reason}"
+            return Settled(f"dead {request_id}: {err.reason}", err.reason)  # type: ignore[arg-type]
 
     function._path = Path()  # type: ignore[assignment]
     function._metrics = InferenceMetrics(None)
+    function._parts = LaneParts(config, function._metrics, None, None, function._path, None)  # type: ignore[arg-type]
     ids = [f"r{i}" for i in range(10)] + ["boom", "hang"] + [f"s{i}" for i in range(5)]
     calls = []
     for i, rid in enumerate(ids):
         record = PendingRecord(None, b"{}", "in", 0, i)
         calls.append((i, Request(id=rid, key=None, source=record.source), record))
     answers = asyncio.run(function._batch(calls, timeout_s=2.0))
-    assert [a[0] for a in answers] == [
+    assert [a.row for a in answers] == [
         f"dead {rid}: internal_error" if rid in ("boom", "hang") else f"answer {rid}" for rid in ids]
-    assert [a[1] for a in answers].count("internal_error") == 2
+    assert [a.dead_letter_reason for a in answers].count("internal_error") == 2
     assert peak == 3 and function._metrics.admitted == 0

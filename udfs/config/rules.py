@@ -103,25 +103,29 @@ def validate_job(config: JobConfig) -> None:
 
 
 def _batch_lane(config: JobConfig) -> None:
-    """What the provider-batch lane (`lane: provider-batch`) does not do (yet), refused at load rather
-    than half done; and what Anthropic's Message Batches cannot take."""
+    """What a provider's batch cannot do, refused at load with why; and what Anthropic's Message
+    Batches cannot take. Everything else (structured output, user functions, embeddings batching
+    for the realtime calls, the cache) goes through the same record path and client as the other
+    lanes."""
     if config.lane != "provider-batch":
         return
     batch_lane = "not with lane: provider-batch: "
     model = config.model
     unsupported = {
         "model.endpoints": (model.endpoints is not None or model.fallback is not None,
-                            batch_lane + "a batch goes to one provider (model.endpoint)"),
-        "ordering": (config.ordering == "per_key", batch_lane + "a batch answers in any order"),
-        "budget": (config.budget.enabled, batch_lane + "a batch is priced when it ends, not admitted per call"),
-        "model.response_format": (model.response_format is not None,
-                                  batch_lane + "batch answers are not validated against a schema yet"),
-        "model.batch.max_size": (model.batch.max_size > 1, batch_lane + "each request line is one input"),
-        "model.preprocess": (model.preprocess is not None, batch_lane + "user functions run in the realtime lane"),
-        "output.postprocess": (config.output.postprocess is not None,
-                               batch_lane + "user functions run in the realtime lane"),
+                            batch_lane + "a batch is made at one provider and read back from it (model.endpoint); "
+                                         "a fleet's routing, circuits and fallback act per call"),
+        "ordering": (config.ordering == "per_key", batch_lane + "a provider answers a batch's lines in any order "
+                                                                "and ends batches in any order"),
+        "budget": (config.budget.enabled, batch_lane + "a batch is priced when it ends, hours after its calls were "
+                                                       "made, so no call can be admitted against a window"),
         "model.provider": (model.provider == "anthropic" and model.api != "chat",
                            f"anthropic batches take chat messages only (model.api is {model.api!r})"),
+        "model.response_format_mode": (
+            model.provider == "anthropic" and model.response_format is not None
+            and model.response_format_mode != "prompt",
+            ("anthropic batches take no response_format parameter; with model.provider: anthropic use "
+             "response_format_mode: prompt (the answers are still validated)")),
     }
     for policy in ("on_expired", "on_cancelled"):  # a realtime call speaks OpenAI's API, not Anthropic's
         unsupported[f"provider_batch.{policy}"] = (

@@ -54,7 +54,12 @@ from udfs.config import EndpointConfig, JobConfig, RateLimitConfig
 from udfs.cost import pricing
 from udfs.cost.budget import SpendBudget
 from udfs.cost.cache import cache_key, cacheable, open_cache
-from udfs.cost.single_flight import SingleFlightCache, Stored, cached_completion
+from udfs.cost.single_flight import (
+    SingleFlightCache,
+    Stored,
+    cached_completion,
+    stored_answer,
+)
 from udfs.errors import InferenceError, InternalError, InvalidModelOutput, RecordError
 from udfs.inference import responses
 from udfs.inference.batching import (
@@ -72,7 +77,7 @@ from udfs.inference.statuses import Outcome, of_error
 from udfs.inference.structured import Invalid, StructuredOutput
 from udfs.inference.transport import Transport
 from udfs.metrics import InferenceMetrics
-from udfs.records import Completion, Request
+from udfs.records import Completion, Request, now_ms
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +92,6 @@ PAUSE_AFTER_S = 1.0
 records behind the admission gate instead of waiting for a slot in its bundle. Shorter waits are
 pacing, as the stage's own backpressure has always been. (A Retry-After is a pause while calls
 wait for it: `Fleet.stalled`.)"""
-
-
-def _epoch_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class _Attempts:
         """Notes an attempt being sent now; returns its `time.perf_counter()`."""
         now = time.perf_counter()
         if self.count == 0:
-            self.started_ms, self._first_sent = _epoch_ms(), now
+            self.started_ms, self._first_sent = now_ms(), now
         self.count += 1
         return now
 
@@ -313,12 +314,65 @@ class InferenceClient:
         that covers the schema; a structured one is parsed again."""
         completion = cached_completion(stored, model=str(payload["model"]), endpoint=self.url,
                                        priced=self._config.model.prices is not None, looked_up=looked_up)
+        return self.validated(completion, "cached answer: ")
+
+    def validated(self, completion: Completion, said: str = "") -> Completion:
+        """`completion` with its `output_json`, when `model.response_format` asks for one; an answer
+        that does not validate is `InvalidModelOutput` (`said` begins its detail)."""
         if self.structured is None:
             return completion
         checked = self.structured.check(completion.output)
         if isinstance(checked, Invalid):
-            raise InvalidModelOutput(f"cached answer: {checked.message}", last_output=completion.output, attempts=0)
+            raise InvalidModelOutput(f"{said}{checked.message}", last_output=completion.output,
+                                     attempts=completion.attempts)
         return dataclasses.replace(completion, output_json=checked, structured=True)
+
+    # ------------------------------------------------------------------ for a lane that calls elsewhere
+
+    def payload(self, request: Request) -> dict[str, Any]:
+        """The request body of `request`, as every call of it is made (`build_payload`): the one
+        builder, for the realtime calls and a provider's batch lines alike."""
+        return build_payload(request, self._config.model)
+
+    async def cached(self, payload: dict[str, Any]) -> Completion | None:
+        """The result cache's answer to `payload`, validated, or None (no cache, not cacheable, a miss);
+        counts the hit or the miss."""
+        api = self._config.model.api
+        if self.cache is None or not cacheable(self._config.cache, api, payload):
+            return None
+        looked_up = time.perf_counter()
+        stored = await self.cache.get(cache_key(api, payload))
+        if stored is None:
+            self.metrics.cache_misses.inc()
+            return None
+        self.metrics.cache_hits.inc()
+        return self._from_cache(payload, stored, looked_up)
+
+    async def remember(self, payload: dict[str, Any], completion: Completion) -> None:
+        """`completion` into the result cache under `payload`, when the cache takes it."""
+        api = self._config.model.api
+        if self.cache is not None and cacheable(self._config.cache, api, payload):
+            await self.cache.put(cache_key(api, payload), stored_answer(completion))
+
+    def completion_from(self, body: dict[str, Any], payload: dict[str, Any], *, attempts: int, started_ms: int,
+                        latency_ms: float, endpoint: str, sent: dict[str, Any] | None = None,
+                        price_factor: float = 1.0) -> Completion:
+        """The `Completion` of a 2xx `body` answering `payload` (`sent`: the body as the answering
+        endpoint was asked, when a fleet endpoint names its own model): the output (checked as
+        `model.api` and `model.embedding_dim` say), usage, cost (times `price_factor`, a provider's
+        batch price) and timings. The one reader of an answer, for realtime calls and a provider's
+        batch alike; an unusable answer is an `InferenceError` counting `attempts`."""
+        api = self._config.model.api
+        sent = sent if sent is not None else payload
+        with _counted(attempts):
+            answer = responses.answer(api, body, self._config.model.embedding_dim)
+        usage = responses.usage(api, body, payload, answer.output)
+        cost = pricing.cost_or_none(self._config.model.prices, usage.prompt_tokens, usage.completion_tokens)
+        return Completion(
+            output=answer.output, model=responses.model_name(body, sent), finish_reason=answer.finish_reason,
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, latency_ms=latency_ms,
+            attempts=attempts, endpoint=endpoint, started_ms=started_ms, completed_ms=now_ms(),
+            cost=cost * price_factor if cost is not None else None, requested_model=str(sent["model"]))
 
     async def _answer(self, request: Request, payload: dict[str, Any]) -> Completion:
         """The model's answer; with `model.response_format`, a valid one (`StructuredOutput.until_valid`
@@ -341,19 +395,12 @@ class InferenceClient:
         budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
         estimated = sum(budgeted)
         attempt = await self._attempts(payload, request.id, estimated, budgeted)
-        api = self._config.model.api
-        with _counted(attempt.attempts):
-            answer = responses.answer(api, attempt.body, self._config.model.embedding_dim)
-        usage = responses.usage(api, attempt.body, payload, answer.output)
-        self._settle(estimated, usage, budgeted)
+        completion = self.completion_from(attempt.body, payload, attempts=attempt.attempts,
+                                          started_ms=attempt.started_ms, latency_ms=attempt.latency_ms,
+                                          endpoint=attempt.endpoint, sent=attempt.payload)
+        self._settle(estimated, responses.Usage(completion.prompt_tokens, completion.completion_tokens), budgeted)
         self.metrics.latency_ms.update(int(attempt.latency_ms))
-        return Completion(
-            output=answer.output, model=responses.model_name(attempt.body, attempt.payload),
-            finish_reason=answer.finish_reason, prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens, latency_ms=attempt.latency_ms, attempts=attempt.attempts,
-            endpoint=attempt.endpoint, started_ms=attempt.started_ms, completed_ms=_epoch_ms(),
-            cost=pricing.cost_or_none(self._config.model.prices, usage.prompt_tokens, usage.completion_tokens),
-            requested_model=str(attempt.payload["model"]))
+        return completion
 
     async def _call_batch(self, entries: list[Entry]) -> list[Completion | BaseException]:
         """One embeddings request for `entries` (same `batch_group`), retried as a batch; one
@@ -369,7 +416,7 @@ class InferenceClient:
         total = responses.batch_prompt_tokens(attempt.body, estimated)
         self._settle(estimated, responses.Usage(total, 0), (estimated, 0))
         model = responses.model_name(attempt.body, attempt.payload)
-        completed_ms = _epoch_ms()
+        completed_ms = now_ms()
         out: list[Completion | BaseException] = []
         for vector, share in zip(vectors, share_usage(total, estimates), strict=True):
             self.metrics.latency_ms.update(int(attempt.latency_ms))

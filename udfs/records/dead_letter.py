@@ -16,11 +16,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import time
 from typing import Any
 
 from udfs.errors import InvalidModelOutput, RecordError
-from udfs.records import SinkHeaders, SinkRow, SourceRef
+from udfs.records import SinkHeaders, SinkRow, SourceRef, now_ms
 
 ORIGINAL_LIMIT_BYTES = 256 * 1024
 REASON_HEADER = "llmstream-reason"
@@ -63,7 +62,7 @@ def dead_letter_value(
         "last_status": last_status,
         "source": source.as_json(),
         "original": _original(original),
-        "dead_lettered_at": int(time.time() * 1000),
+        "dead_lettered_at": now_ms(),
         "job": job,
     }
     if last_output is not None:

@@ -1,13 +1,17 @@
-"""The provider-batch lane (`model.mode: batch`, docs/cost.md): the same input, record rules and
-exactly-once sink as the keyed stage, with the calls made through a provider's batch API at its
-batch price instead of one at a time.
+"""The provider-batch lane (`lane: provider-batch`, docs/cost.md): the same input, record rules,
+client and exactly-once sink as the keyed lane, with the calls made through a provider's batch API
+at its batch price instead of one at a time.
 
-`BatchStage` is a keyed function over the same buckets and ticks as `InferenceStage`
-(`udfs/stage/operators.py`). Per bucket:
+`BatchStage` is a `KeyedLane` (`udfs/stage/lane.py`) over the same buckets and ticks as the keyed
+lane; what it decides is how records are grouped (a provider's batch) and when their calls are
+made (once a checkpoint holds the batch). A record is decoded once by the same `RecordPath`, its
+request body made once by the client's one builder (`InferenceClient.payload`), an answer read by
+the client's one reader (`InferenceClient.completion_from`: the same checks, `model.embedding_dim`
+and `model.response_format` included) and cached in the client's one cache. Per bucket:
 
-1. A record is read by the same `RecordPath` (bad input and tombstones are settled at once), kept in
-   keyed state (`RECORDS`) and, when the result cache may hold its answer, looked up there first: a
-   hit is emitted at once and never enters a batch.
+1. A record is read by the record path (bad input and tombstones are settled at once), shaped by
+   the preprocess when there is one, kept in keyed state (`RECORDS`) and, when the result cache may
+   hold its answer, looked up there first: a hit is emitted at once and never enters a batch.
 2. The bucket's records wait in a collection (in memory; rebuilt from state after a restore) until it
    holds `provider_batch.max_requests` records or `max_bytes` of requests, or its oldest record has
    waited `max_wait_s`; then it becomes a batch: a `BatchEntry` (`udfs/provider_batch/entries.py`) in
@@ -17,7 +21,9 @@ batch price instead of one at a time.
    reading its results. The task thread hands work to the loop and takes what came back on its next
    element, tick or timer, so a checkpoint never waits for a batch: it holds records and batch ids.
 4. An ended batch's results are matched to records by line (`r<index>`), whatever their order: an
-   answer becomes the output record (`cost` at the batch price, `lane: batch`) and fills the cache; a
+   answer becomes the output record (`cost` at the batch price, `lane: batch`, through the
+   postprocess when there is one) and fills the cache; an answer that does not validate against
+   `model.response_format` goes to a later batch while `model.max_invalid_retries` allows; a
    refused request goes to a later batch while it is retryable and `retry.max_attempts` allows, else it
    is dead-lettered with the provider's code; records an expired or cancelled batch did not answer are
    resubmitted, called now (`realtime`) or dead-lettered, as `provider_batch.on_expired` /
@@ -51,14 +57,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from pyflink.common import Row, Types
-from pyflink.datastream import KeyedProcessFunction, RuntimeContext
+from pyflink.datastream import RuntimeContext
 from pyflink.datastream.state import MapStateDescriptor
 
-from udfs.config import JobConfig
-from udfs.errors import BadInput, InternalError, ProviderBatchError, RecordError
-from udfs.records import Completion, PendingRecord, Request
-from udfs.stage.operators import FLUSH_AT, _row, _salvage, pending_record
-from udfs.stage.record_path import SKIP, Outcome, RecordPath
+from udfs.errors import BadInput, InvalidModelOutput, ProviderBatchError, RecordError
+from udfs.records import PendingRecord, Request, now_ms
+from udfs.stage.lane import KeyedLane, salvage
+from udfs.stage.record_path import SKIP, Settled
 
 log = logging.getLogger("llmstream.udfs")
 
@@ -84,6 +89,9 @@ TAKE_UP_CHUNK = 50
 UNREAD_WAKE_MS = 250
 """How soon a bucket with results left unread wakes again (PyFlink delivers timers at bundle ends,
 so in practice at the next one), instead of after a whole `WAKE_MS`."""
+RUN_SLACK_S = 30.0
+"""How long past `async.record_deadline_s` the task thread waits for a user function it runs on the
+loop (after a restore, or a postprocess): the function's own deadline ends it first."""
 DURABLE_READ_S = 0.2
 """How often the gate's `.durable` file is read while a sealed batch waits for a checkpoint."""
 LINE_OVERHEAD_BYTES = 96
@@ -97,43 +105,39 @@ class _Collection:
     oldest_ms: int = 0
 
 
-class BatchStage(KeyedProcessFunction):
-    """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick). Output: `SINK_ROW_TYPE` rows."""
+Shaped = tuple[Request, dict[str, Any]]
+"""A record's request, as the preprocess made it when there is one, and the body made of it."""
 
-    def __init__(self, config: JobConfig, cache_file: str | None = None, gate_dir: str | None = None) -> None:
-        """`gate_dir`: where the admission gate in front says which checkpoint completed (a job always
-        has it in this lane; without it, as on the fake runtime of the unit tests, a batch is made
-        as soon as it is sealed)."""
-        self._config = config
-        self._cache_file = cache_file
-        self._gate_dir = gate_dir
+
+class BatchStage(KeyedLane):
+    """The provider-batch lane (`KeyedLane`: input rows keyed by bucket or ticks, output sink rows).
+
+    `gate_dir`: where the admission gate in front says which checkpoint completed (a job always
+    has it in this lane; without it, as on the fake runtime of the unit tests, a batch is made as
+    soon as it is sealed)."""
+
+    RUNNER_NAME = "llmstream-batch-lane"
+
+    def __init__(self, config: Any, cache_file: str | None = None, gate_dir: str | None = None) -> None:
+        super().__init__(config, gate_dir=gate_dir, cache_file=cache_file)
+
+    def _capacity(self) -> int:
+        return OPERATIONS
 
     # ------------------------------------------------------------------ lifecycle
-    def open(self, runtime_context: RuntimeContext) -> None:
-        from udfs.inference.client import InferenceClient
-        from udfs.metrics import InferenceMetrics
+    def _opened(self, runtime_context: RuntimeContext) -> None:
         from udfs.provider_batch.providers import provider_for
-        from udfs.records.formats import JobFormats
-        from udfs.stage.inflight import CallRunner
 
-        group = runtime_context.get_metrics_group()
-        self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
         self._records = runtime_context.get_map_state(RECORDS)
         self._assigned = runtime_context.get_map_state(ASSIGNED)
         self._batches = runtime_context.get_map_state(BATCHES)
-        self._runner = CallRunner(OPERATIONS, name="llmstream-batch-lane")
-        # The realtime route (`on_expired: realtime`) and the result cache, as the keyed stage has them.
-        self._client = InferenceClient(self._config, subtasks=runtime_context.get_number_of_parallel_subtasks(),
-                                       metrics=self._metrics, cache_file=self._cache_file)
+        # The client is the realtime lane's (`on_expired: realtime`), its result cache and its answer reader.
         self._provider = provider_for(self._config)
-        self._formats = JobFormats.open(self._config)
-        self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
         self._collections: dict[Any, _Collection] = {}
         self._entries: dict[Any, dict[str, Any]] = {}
         self._held: dict[Any, int] = {}
         self._busy: set[str] = set()
         self._maybe_created: set[str] = set()
-        self._timer_at: dict[Any, int] = {}
         self._durable: set[str] = set()
         # bucket -> batch key -> (entry, its results, how many taken up, its records still in state)
         self._unread: dict[Any, dict[str, tuple[Any, list[Any], int, dict[str, Any]]]] = {}
@@ -143,6 +147,10 @@ class BatchStage(KeyedProcessFunction):
         # 10,000 read them from state one by one (a round trip to the JVM each), 2-5 s of the task
         # thread that held checkpoint barriers as long. State stays what a checkpoint holds.
         self._unbatched: dict[str, Any] = {}
+        # Each held record's request and body, made once when it came in (after a restore, once
+        # again when first needed): a record is decoded and shaped once, not for its line and again
+        # for its answer.
+        self._shaped: dict[str, Shaped] = {}
         self._flushing = False
         self._durable_file = (Path(self._gate_dir) / f"{runtime_context.get_index_of_this_subtask()}.durable"
                               if self._gate_dir is not None else None)
@@ -153,17 +161,10 @@ class BatchStage(KeyedProcessFunction):
                  self._provider.name, self._provider.base, settings.max_requests, settings.max_bytes,
                  settings.max_wait_s)
 
-    def close(self) -> None:
-        runner = getattr(self, "_runner", None)
-        if runner is not None:
-            async def shut() -> None:
-                await self._provider.close()
-                await self._client.close()
-            runner.close(before_stop=shut)
-        for name in ("_formats", "_path"):
-            held = getattr(self, name, None)
-            if held is not None:
-                held.close()
+    async def _before_stop(self) -> None:
+        await self._provider.close()
+
+    def _closed(self) -> None:
         durable = getattr(self, "_durable_file", None)
         if durable is not None:  # the gate's note to this subtask, and the job's directory once empty
             for path in (durable, durable.with_name(durable.name + ".partial")):
@@ -171,45 +172,15 @@ class BatchStage(KeyedProcessFunction):
             with contextlib.suppress(OSError):
                 durable.parent.rmdir()
 
-    # ------------------------------------------------------------------ Flink callbacks
-    def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
-        bucket = ctx.get_current_key()
-        if bucket not in self._held:
-            self._adopt(bucket, ctx)
-        if value is not None:
-            self._metrics.records_in.inc()
-            try:
-                record = pending_record(value)
-            except Exception as err:
-                log.exception("unexpected error reading an input row")
-                yield from self._emit((self._path.dead_letter(InternalError.from_exception(err), _salvage(value)),
-                                       "internal_error"))
-                record = None
-            if record is not None:
-                yield from self._admit(bucket, record)
-        yield from self._wake(bucket, ctx)
-
-    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
-        bucket = ctx.get_current_key()
-        if bucket not in self._held:
-            self._adopt(bucket, ctx)
-        if timestamp >= FLUSH_AT:
-            yield from self._flush(bucket, ctx)
-            return
-        if self._timer_at.get(bucket) == timestamp:
-            del self._timer_at[bucket]
-        yield from self._wake(bucket, ctx)
-
     # ------------------------------------------------------------------ records in
-    def _adopt(self, bucket: Any, ctx: Any) -> None:
+    def _adopt(self, bucket: Any, ctx: Any) -> Iterator[Row]:
         """First sight of `bucket` in this instance: what its state holds (after a restore) is taken
         up again: unassigned records into the collection, batches to be viewed (or found or made)."""
         from udfs.provider_batch.entries import BatchEntry
 
-        ctx.timer_service().register_event_time_timer(FLUSH_AT)
         entries: dict[str, BatchEntry] = {key: entry for key, entry in self._batches.items()}
         assigned = {handle for handle, _ in self._assigned.items()}
-        collection = self._collections[bucket] = _Collection(oldest_ms=_now_ms())
+        collection = self._collections[bucket] = _Collection(oldest_ms=now_ms())
         unmade = {handle for entry in entries.values() if entry.provider_id is None for handle in entry.handles}
         held = 0
         for handle, value in self._records.items():  # one pass, read in pages, not one get a record
@@ -227,52 +198,69 @@ class BatchStage(KeyedProcessFunction):
         if held:
             log.info("batch lane: bucket %r took up %d record(s) and %d batch(es) from its state",
                      bucket, held, len(entries))
+        yield from ()
 
-    def _admit(self, bucket: Any, record: PendingRecord) -> Iterator[Row]:
-        from udfs.cost.cache import cache_key, cacheable
-        from udfs.inference.prompts import build_payload
+    def _take_in(self, bucket: Any, record: PendingRecord) -> Iterator[Row]:
+        """A record read (bad input and tombstones settled at once) and held; then shaped by the
+        preprocess and looked up in the cache on the loop when either applies, else its body made
+        and into the collection at once."""
         from udfs.provider_batch.entries import Held
 
         prepared = self._path.prepare(record)
         if prepared is SKIP:
             return
         if not isinstance(prepared, Request):  # bad input, a forwarded tombstone
-            yield from self._emit(prepared)
-            return
-        try:
-            payload = build_payload(prepared, self._config.model)
-        except BadInput as err:
-            self._metrics.bad_input.inc()
-            yield from self._emit((self._path.dead_letter(err, record, prepared.id), err.reason))
+            yield from self._parts.emit(prepared)
             return
         handle = record.handle
+        if not (self._path.shapes or self._client.cache is not None):
+            try:
+                payload = self._client.payload(prepared)
+            except BadInput as err:
+                self._metrics.bad_input.inc()
+                yield from self._parts.emit(self._path.dead_letter(err, record, prepared.id))
+                return
         held = Held(record)
         self._records.put(handle, held)
         self._unbatched[handle] = held
         self._held[bucket] += 1
-        cache = self._client.cache
-        api = self._config.model.api
-        if cache is not None and cacheable(self._config.cache, api, payload):
-            key = cache_key(api, payload)
-            looked_up = time.perf_counter()
-            yield from self._submit(bucket, ("lookup", handle), lambda: self._lookup(key, looked_up))
+        if self._path.shapes or self._client.cache is not None:
+            yield from self._submit(bucket, ("admit", handle), functools.partial(self._shape, prepared, record))
             return
+        self._shaped[handle] = (prepared, payload)
         self._collect(bucket, handle, payload)
+
+    async def _shape(self, request: Request, record: PendingRecord) -> Any:
+        """On the loop: the preprocess's request, its body and the cache's answer. A `Settled` when
+        the record needs no batch (skipped, a dead letter), `(request, payload, completion)` for a
+        cache hit, `(request, payload, None)` for a batch."""
+        shaped = await self._path.shape(request, record)
+        if isinstance(shaped, Settled):
+            return shaped
+        try:
+            payload = self._client.payload(shaped)
+        except BadInput as err:
+            self._metrics.bad_input.inc()
+            return self._path.dead_letter(err, record, shaped.id)
+        try:
+            cached = await self._client.cached(payload)
+        except RecordError:  # a cached answer that no longer validates: asked of the provider again
+            cached = None
+        except Exception as err:  # noqa: BLE001 - a cache that fails is a miss, not a dead letter
+            log.warning("batch lane: a cache lookup failed (%r); the record goes to a batch", err)
+            cached = None
+        if cached is not None:
+            return shaped, payload, await self._path.answered(shaped, dataclasses.replace(cached, lane="batch"), record)
+        return shaped, payload, None
 
     def _collect(self, bucket: Any, handle: str, payload: dict[str, Any] | None = None) -> None:
         from udfs.records import fastjson
 
         collection = self._collections[bucket]
         if not collection.handles:
-            collection.oldest_ms = _now_ms()
+            collection.oldest_ms = now_ms()
         collection.handles.append(handle)
         collection.size += (len(fastjson.dumps(payload)) if payload is not None else 0) + LINE_OVERHEAD_BYTES
-
-    async def _lookup(self, key: str, looked_up: float) -> Any:
-        cache = self._client.cache
-        assert cache is not None
-        stored = await cache.get(key)
-        return (stored, looked_up) if stored is not None else None
 
     # ------------------------------------------------------------------ the bucket's work
     def _wake(self, bucket: Any, ctx: Any) -> Iterator[Row]:
@@ -281,13 +269,8 @@ class BatchStage(KeyedProcessFunction):
         self._seal(bucket)
         yield from self._drive(bucket)
         self._gauges()
-        if not self._held.get(bucket):
-            return
-        now = ctx.timer_service().current_processing_time()
-        at = now + (UNREAD_WAKE_MS + 1 if self._unread.get(bucket) else WAKE_MS)
-        if at < self._timer_at.get(bucket, at + 1):
-            ctx.timer_service().register_processing_time_timer(at)
-            self._timer_at[bucket] = at
+        if self._held.get(bucket):
+            self._wake_in(bucket, ctx, UNREAD_WAKE_MS + 1 if self._unread.get(bucket) else WAKE_MS)
 
     def _seal(self, bucket: Any, *, force: bool = False) -> None:
         """The collection as a new batch, when it is full or its oldest record has waited long enough."""
@@ -297,7 +280,7 @@ class BatchStage(KeyedProcessFunction):
         if not collection.handles:
             return
         settings = self._config.provider_batch
-        now = _now_ms()
+        now = now_ms()
         due = (len(collection.handles) >= settings.max_requests or collection.size >= settings.max_bytes
                or now - collection.oldest_ms >= settings.max_wait_s * 1000)
         if not (due or force):
@@ -316,7 +299,7 @@ class BatchStage(KeyedProcessFunction):
 
     def _drive(self, bucket: Any) -> Iterator[Row]:
         """Each batch's next step with the provider, when it is due and none is under way."""
-        now = _now_ms()
+        now = now_ms()
         for key in list(self._entries[bucket]):
             # Read again for each: `_submit` takes up events while it waits for a slot, which may
             # have answered, changed or dropped this entry since the loop began (a stale entry once
@@ -355,7 +338,7 @@ class BatchStage(KeyedProcessFunction):
         while not self._runner.has_slot():
             self._runner.wait_for_slot(0.05)
             yield from self._events(bucket)
-        if op[0] != "lookup":
+        if op[0] != "admit":
             self._busy.add(op[1])
 
         async def guarded() -> Any:
@@ -366,9 +349,8 @@ class BatchStage(KeyedProcessFunction):
         self._runner.submit(bucket, op, guarded)
 
     def _creator(self, entry: Any) -> Callable[[], Coroutine[Any, Any, Any]]:
-        from udfs.inference.prompts import build_payload
-
-        records = [self._unbatched.pop(handle, None) or self._stored(handle) for handle in entry.handles]
+        records = [(handle, self._unbatched.pop(handle, None) or self._stored(handle)) for handle in entry.handles]
+        known = {handle: self._shaped[handle] for handle in entry.handles if handle in self._shaped}
         find = entry.key in self._maybe_created
         provider = self._provider
 
@@ -378,14 +360,41 @@ class BatchStage(KeyedProcessFunction):
                 if found is not None:
                     return ("found", found)
             lines = []
-            for i, held in enumerate(records):
-                request = self._path.prepare(held.record)
-                payload = build_payload(request, self._config.model) if isinstance(request, Request) else {}
-                lines.append(provider.line(i, payload))
+            for i, (handle, held) in enumerate(records):
+                shaped = known.get(handle) or await self._reshaped(held.record)
+                lines.append(provider.line(i, shaped[1] if not isinstance(shaped, Settled) else {}))
             batch_id = await provider.create(entry.key, lines)
             self._metrics.batch_requests.inc(len(lines))
             return ("created", batch_id)
         return create
+
+    async def _reshaped(self, record: PendingRecord) -> Shaped | Settled:
+        """A held record's request and body made again (after a restore), or what it comes to
+        without a call; never raises."""
+        prepared = self._path.prepare(record)
+        if not isinstance(prepared, Request):
+            return prepared if prepared is not None else Settled(None)
+        shaped = await self._path.shape(prepared, record)
+        if isinstance(shaped, Settled):
+            return shaped
+        try:
+            return shaped, self._client.payload(shaped)
+        except BadInput as err:
+            return self._path.dead_letter(err, record, shaped.id)
+
+    def _shaped_now(self, handle: str, record: PendingRecord) -> Shaped | Settled:
+        """`_reshaped` from the task thread, through the loop only when a preprocess must run."""
+        known = self._shaped.get(handle)
+        if known is not None:
+            return known
+        coroutine = self._reshaped(record)
+        if self._path.shapes:
+            found = self._runner.run_sync(coroutine, self._config.async_.record_deadline_s + RUN_SLACK_S)
+        else:
+            found = _without_loop(coroutine)
+        if not isinstance(found, Settled):
+            self._shaped[handle] = found
+        return cast("Shaped | Settled", found)
 
     async def _view(self, provider_id: str) -> Any:
         return await self._provider.view(provider_id)
@@ -396,10 +405,10 @@ class BatchStage(KeyedProcessFunction):
 
         for op, value in self._runner.take(bucket):
             kind, name = cast(tuple[str, str], op)
-            if kind != "lookup":
+            if kind != "admit":
                 self._busy.discard(name)
-            if kind == "lookup":
-                yield from self._looked_up(bucket, name, value)
+            if kind == "admit":
+                yield from self._admitted(bucket, name, value)
                 continue
             if kind == "realtime":
                 yield from self._settle(bucket, name, value if value is not None else self._internal(name))
@@ -448,27 +457,22 @@ class BatchStage(KeyedProcessFunction):
                 break
         self._take_up_spent += time.monotonic() - started
 
-    def _looked_up(self, bucket: Any, handle: str, value: Any) -> Iterator[Row]:
-        from udfs.cost.single_flight import cached_completion
-
+    def _admitted(self, bucket: Any, handle: str, value: Any) -> Iterator[Row]:
+        """What `_shape` came to for a held record: a batch's, a cache hit's or no call's."""
+        if isinstance(value, Settled):
+            yield from self._settle(bucket, handle, value)
+            return
         if isinstance(value, BaseException) or value is None:
-            if isinstance(value, BaseException):
-                log.warning("batch lane: a cache lookup failed (%r); the record goes to a batch", value)
-            else:
-                self._metrics.cache_misses.inc()
-            self._collect(bucket, handle)
+            log.error("batch lane: shaping a record failed: %r", value)
+            failure = value if isinstance(value, BaseException) else "shaping the record gave nothing"
+            yield from self._settle(bucket, handle, self._parts.internal(failure, self._stored(handle).record))
             return
-        self._metrics.cache_hits.inc()
-        stored, looked_up = value
-        held = self._stored(handle)
-        request = self._path.prepare(held.record)
-        if not isinstance(request, Request):
-            yield from self._settle(bucket, handle, request if request is not None else (None, None))
+        request, payload, settled = value
+        if settled is not None:
+            yield from self._settle(bucket, handle, settled)
             return
-        completion = cached_completion(stored, model=self._config.model.model, endpoint=self._provider.base,
-                                       priced=self._config.model.prices is not None, looked_up=looked_up)
-        yield from self._settle(bucket, handle, self._path.answered(request, dataclasses.replace(
-            completion, lane="batch"), held.record))
+        self._shaped[handle] = (request, payload)
+        self._collect(bucket, handle, payload)
 
     def _created(self, bucket: Any, entry: Any, value: tuple[str, str]) -> None:
         how, provider_id = value
@@ -479,7 +483,7 @@ class BatchStage(KeyedProcessFunction):
             loop = self._runner.loop
             loop.call_soon_threadsafe(lambda: loop.create_task(self._provider.cancel(provider_id)))
             return
-        now = _now_ms()
+        now = now_ms()
         settings = self._config.provider_batch
         entry = entry.created(provider_id, now, now + int(settings.poll_initial_s * 1000))
         self._maybe_created.discard(entry.key)
@@ -492,12 +496,12 @@ class BatchStage(KeyedProcessFunction):
 
         settings = self._config.provider_batch
         if view.phase == "running":
-            age_s = (_now_ms() - (entry.created_ms or entry.sealed_ms)) / 1000
+            age_s = (now_ms() - (entry.created_ms or entry.sealed_ms)) / 1000
             if age_s > settings.stale_after_s and entry.polls % 10 == 0:
                 log.warning("batch lane: batch %s (%s) is %.0f s old and still %s", entry.key, entry.provider_id,
                             age_s, view.status)
             delay = poll_delay_s(entry.polls, settings.poll_initial_s, settings.poll_max_s)
-            self._put(bucket, entry.polled(_now_ms() + int(delay * 1000)))
+            self._put(bucket, entry.polled(now_ms() + int(delay * 1000)))
             return
         if view.phase == "ended":
             count = len(entry.handles)
@@ -546,7 +550,9 @@ class BatchStage(KeyedProcessFunction):
             if held is None:  # settled before (results read again after a restore)
                 continue
             if isinstance(result, Answered):
-                yield from self._settle(bucket, handle, self._result(entry, held, result.body), in_batch=True)
+                settled = self._result(bucket, entry, handle, held, result.body)
+                if settled is not None:
+                    yield from self._settle(bucket, handle, settled, in_batch=True)
             elif isinstance(result, Refused):
                 tries = held.tries + 1
                 if result.retryable and tries < self._config.retry.max_attempts:
@@ -587,50 +593,42 @@ class BatchStage(KeyedProcessFunction):
 
         settings = self._config.provider_batch
         delay = poll_delay_s(entry.polls, settings.poll_initial_s, settings.poll_max_s)
-        self._put(bucket, entry.polled(_now_ms() + int(delay * 1000)))
+        self._put(bucket, entry.polled(now_ms() + int(delay * 1000)))
 
     # ------------------------------------------------------------------ records out
-    def _result(self, entry: Any, held: Any, body: dict[str, Any]) -> Outcome:
-        from udfs.cost.pricing import cost_or_none
-        from udfs.inference import responses
-        from udfs.inference.prompts import build_payload
-
-        request = self._path.prepare(held.record)
-        if not isinstance(request, Request):
-            return request if request is not None else (None, None)
-        try:
-            payload = build_payload(request, self._config.model)
-            api = self._config.model.api
-            answer = responses.answer(api, body)
-            usage = responses.usage(api, body, payload, answer.output)
-        except RecordError as err:
-            err.attempts = held.tries + 1
-            return self._path.dead_letter(err, held.record, request.id), err.reason
-        cost = cost_or_none(self._config.model.prices, usage.prompt_tokens, usage.completion_tokens)
-        now = _now_ms()
+    def _result(self, bucket: Any, entry: Any, handle: str, held: Any, body: dict[str, Any]) -> Settled | None:
+        """What an answer of a provider's batch comes to: through the client's one reader and the
+        record path, as a realtime answer does. None: it did not validate and goes to a later batch."""
+        shaped = self._shaped_now(handle, held.record)
+        if isinstance(shaped, Settled):
+            return shaped
+        request, payload = shaped
+        tries = held.tries + 1
         started = entry.created_ms or entry.sealed_ms
-        completion = Completion(
-            output=answer.output, model=responses.model_name(body, payload), finish_reason=answer.finish_reason,
-            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-            latency_ms=float(now - started), attempts=held.tries + 1, endpoint=self._provider.base,
-            started_ms=started, completed_ms=now,
-            cost=cost * self._config.provider_batch.price_factor if cost is not None else None, lane="batch")
-        self._metrics.prompt_tokens.inc(usage.prompt_tokens)
-        self._metrics.completion_tokens.inc(usage.completion_tokens)
-        self._store(request, payload, completion)
-        return self._path.answered(request, completion, held.record)
-
-    def _store(self, request: Request, payload: dict[str, Any], completion: Completion) -> None:
-        """The answer into the result cache, on the lane's loop, not waited for."""
-        from udfs.cost.cache import cache_key, cacheable
-        from udfs.cost.single_flight import stored_answer
-
-        cache = self._client.cache
-        api = self._config.model.api
-        if cache is None or not cacheable(self._config.cache, api, payload):
-            return
-        key, value = cache_key(api, payload), stored_answer(completion)
-        self._runner.loop.call_soon_threadsafe(lambda: self._runner.loop.create_task(cache.put(key, value)))
+        try:
+            completion = self._client.completion_from(
+                body, payload, attempts=tries, started_ms=started, latency_ms=float(now_ms() - started),
+                endpoint=self._provider.base, price_factor=self._config.provider_batch.price_factor)
+            self._metrics.prompt_tokens.inc(completion.prompt_tokens)
+            self._metrics.completion_tokens.inc(completion.completion_tokens)
+            completion = self._client.validated(dataclasses.replace(completion, lane="batch"))
+        except InvalidModelOutput as err:
+            self._metrics.invalid_answers.inc()
+            if tries <= self._config.model.max_invalid_retries:
+                self._again(bucket, handle, held, tries)
+                return None
+            err.attempts = tries
+            return self._path.dead_letter(err, held.record, request.id)
+        except RecordError as err:
+            err.attempts = tries
+            return self._path.dead_letter(err, held.record, request.id)
+        if self._client.cache is not None:  # the answer into the cache, on the loop, not waited for
+            loop = self._runner.loop
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._client.remember(payload, completion)))
+        answered = self._path.answered(request, completion, held.record)
+        if self._path.postprocesses:
+            return cast(Settled, self._runner.run_sync(answered, self._config.async_.record_deadline_s + RUN_SLACK_S))
+        return cast(Settled, _without_loop(answered))
 
     def _realtime(self, held: Any) -> Callable[[], Coroutine[Any, Any, Any]]:
         record = held.record
@@ -638,7 +636,7 @@ class BatchStage(KeyedProcessFunction):
 
         async def call() -> Any:
             if not isinstance(request, Request):
-                return request if request is not None else (None, None)
+                return request if request is not None else Settled(None)
             return await self._path.call(request, record)
         return call
 
@@ -649,30 +647,25 @@ class BatchStage(KeyedProcessFunction):
         self._assigned.remove(handle)
         self._collect(bucket, handle)
 
-    def _dead(self, handle: str, err: RecordError, held: Any = None) -> Outcome:
+    def _dead(self, handle: str, err: RecordError, held: Any = None) -> Settled:
         held = held if held is not None else self._stored(handle)
-        return self._path.dead_letter(err, held.record), err.reason
+        return self._path.dead_letter(err, held.record)
 
-    def _internal(self, handle: str) -> Outcome:
-        return self._dead(handle, InternalError("the realtime call of an unanswered batch request raised"))
+    def _internal(self, handle: str) -> Settled:
+        return self._parts.internal("the realtime call of an unanswered batch request raised",
+                                    self._stored(handle).record)
 
-    def _settle(self, bucket: Any, handle: str, outcome: Outcome, *, in_batch: bool = False) -> Iterator[Row]:
+    def _settle(self, bucket: Any, handle: str, settled: Settled, *, in_batch: bool = False) -> Iterator[Row]:
         """`handle`'s outcome out, and the record out of state in the same call. `in_batch`: the
         caller knows it is in state and in a batch (from `_load`), so state is not asked again."""
         self._unbatched.pop(handle, None)
+        self._shaped.pop(handle, None)
         if in_batch or self._records.get(handle) is not None:
             self._records.remove(handle)
             self._held[bucket] -= 1
         if in_batch or self._assigned.get(handle) is not None:
             self._assigned.remove(handle)
-        yield from self._emit(outcome)
-
-    def _emit(self, outcome: Outcome) -> Iterator[Row]:
-        row, reason = outcome
-        if reason is not None:
-            self._metrics.dead_letter(reason)
-        if row is not None:
-            yield _row(row)
+        yield from self._parts.emit(settled)
 
     def _flush(self, bucket: Any, ctx: Any) -> Iterator[Row]:
         """End of input: every record into a batch, and every batch of the bucket waited for."""
@@ -699,7 +692,7 @@ class BatchStage(KeyedProcessFunction):
         value = self._records.get(handle)
         if isinstance(value, Held):
             return value
-        return Held(_salvage(None))
+        return Held(salvage(None))
 
     def _put(self, bucket: Any, entry: Any) -> None:
         self._batches.put(entry.key, entry)
@@ -716,12 +709,20 @@ class BatchStage(KeyedProcessFunction):
         entries = [e for bucket in self._entries.values() for e in bucket.values()]
         metrics.batches_open = len(entries)
         oldest = min((e.created_ms or e.sealed_ms for e in entries), default=None)
-        now_ms = _now_ms()
-        metrics.batch_oldest_age_s = int((now_ms - oldest) / 1000) if oldest is not None else 0
-        waiting_since = min((c.oldest_ms for c in self._collections.values() if c.handles), default=now_ms)
+        now = now_ms()
+        metrics.batch_oldest_age_s = int((now - oldest) / 1000) if oldest is not None else 0
+        waiting_since = min((c.oldest_ms for c in self._collections.values() if c.handles), default=now)
         metrics.holding.set(sum(self._held.values()),
-                            max(metrics.batch_oldest_age_s, (now_ms - waiting_since) / 1000))
+                            max(metrics.batch_oldest_age_s, (now - waiting_since) / 1000))
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
+def _without_loop(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """The value of a coroutine that awaits nothing (the record path without a user function), run
+    on the task thread: a trip to the loop for each of a batch's answers would cost more than the
+    answer."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the coroutine waited for something; run it on the loop")

@@ -1,4 +1,4 @@
-"""The Python function Flink runs: decode, inference and dead letters in one keyed operator.
+"""The keyed lane (`lane: keyed`): decode, inference and dead letters in one keyed operator.
 
 `InferenceStage` keeps every request it has started in keyed `MapState` until its answer
 (or dead letter) is emitted, and runs the calls on a `CallRunner` event loop that lives
@@ -7,8 +7,11 @@ a checkpoint snapshots the pending requests, and a restored job starts them agai
 replaced PyFlink's `AsyncDataStream`, whose operator drains every call at each bundle end
 and checkpoint barrier (see README, "Architecture", and docs/architecture.md for the measurements).
 
-Keys are a few buckets (the input offset modulo `buckets`, computed before the shuffle),
-only so that keyed state and timers exist; they have no meaning. Per bucket:
+What every lane shares (set-up, emitting, dead letters, the bucket skeleton and its timers) is
+`udfs/stage/lane.py`; the rules for a record `udfs/stage/record_path.py`. This lane decides only
+when a record's call is made: at once, up to `async.capacity` in flight. Keys are a few buckets
+(the input offset modulo `buckets`, computed before the shuffle), only so that keyed state and
+timers exist; they have no meaning. Per bucket:
 
 - `process_element` decodes the record (bad input: a dead letter at once), stores it as a
   `PendingRecord` under `topic:partition:offset`, waits for a free slot while
@@ -52,75 +55,37 @@ from collections.abc import Callable, Coroutine, Generator, Hashable, Iterator
 from typing import Any
 
 from pyflink.common import Row, Types
-from pyflink.datastream import KeyedProcessFunction, RuntimeContext
+from pyflink.datastream import RuntimeContext
 from pyflink.datastream.state import MapStateDescriptor
 
-from udfs.config import JobConfig
-from udfs.errors import InternalError, RecordError
-from udfs.records import PendingRecord, Request, SinkRow
+from udfs.records import PendingRecord, Request
+from udfs.stage.lane import (
+    FLUSH_AT,
+    INPUT_ROW_TYPE,
+    SINK_ROW_TYPE,
+    KeyedLane,
+    epoch_ms,
+    salvage,
+)
 from udfs.stage.ordering import KeyOrder, restore_order
-from udfs.stage.record_path import SKIP, Outcome, RecordPath
+from udfs.stage.record_path import SKIP, Settled
+
+__all__ = ["EMIT_PERIOD_MS", "FLUSH_AT", "INPUT_ROW_TYPE", "PENDING_STATE", "SINK_ROW_TYPE", "InferenceStage",
+           "epoch_ms"]
 
 log = logging.getLogger("llmstream.udfs")
 
-_BYTES = Types.PRIMITIVE_ARRAY(Types.BYTE())
-_HEADERS = Types.MAP(Types.STRING(), _BYTES)
-SINK_ROW_TYPE = Types.ROW_NAMED(["k", "v", "topic", "headers"], [_BYTES, _BYTES, Types.STRING(), _HEADERS])
-"""One outgoing Kafka record (`SinkRow`): the topic says output or dead letter."""
-INPUT_ROW_TYPE = Types.ROW_NAMED(
-    ["k", "v", "topic", "partition", "offset", "ts", "headers"],
-    [_BYTES, _BYTES, Types.STRING(), Types.INT(), Types.LONG(), Types.INSTANT(), _HEADERS])
-"""One Kafka record as the source table hands it over (the value of the keyed stream)."""
 PENDING_STATE = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())
 """`PendingRecord.handle` -> `PendingRecord`: the record, to start again after a restore. A state
 written before that type holds `partition:offset` -> 6-tuple; `PendingRecord.restored` reads both."""
-FLUSH_AT = 2**62
-"""Event time of the end-of-input timer: only the final MAX watermark reaches it."""
 EMIT_PERIOD_MS = 20
 """How long a finished call may wait for its bucket's next element before a timer emits it."""
 SLOT_WAIT_S = 0.05
 """Admission re-checks this often for the bucket's finished calls while waiting for a slot."""
 
 
-def epoch_ms(ts: Any) -> int | None:
-    """A Kafka timestamp as PyFlink hands it over (Instant, datetime or millis) in epoch ms."""
-    if ts is None or isinstance(ts, int):
-        return ts
-    to_ms = getattr(ts, "to_epoch_milli", None)
-    if to_ms is not None:
-        return int(to_ms())
-    timestamp = getattr(ts, "timestamp", None)
-    return int(timestamp() * 1000) if timestamp is not None else None
-
-
-def pending_record(row: Row) -> PendingRecord:
-    """An `INPUT_ROW_TYPE` row as the record kept in state. The headers arrive as a map (the
-    table connector's `headers` metadata); none, or an empty map, are kept as None."""
-    headers = row[6]
-    return PendingRecord(row[0], row[1], row[2], row[3], row[4], epoch_ms(row[5]),
-                         tuple(headers.items()) if headers else None)
-
-
-def _salvage(row: Any) -> PendingRecord:
-    """What can be read of a row that `pending_record` could not read, for its dead letter."""
-    def field(i: int) -> Any:
-        try:
-            return row[i]
-        except Exception:  # noqa: BLE001 - a row that cannot be read still gets a dead letter
-            return None
-
-    key, value = field(0), field(1)
-    return PendingRecord(key if isinstance(key, bytes) else None, value if isinstance(value, bytes) else None,
-                         "unknown", -1, -1)
-
-
-def _row(row: SinkRow) -> Row:
-    return Row(row.key, row.value, row.topic, row.headers)
-
-
-class InferenceStage(KeyedProcessFunction):
-    """Input: `INPUT_ROW_TYPE` rows keyed by bucket, or `None` (a tick).
-    Output: `SINK_ROW_TYPE` rows, results and dead letters alike (the topic tells them apart).
+class InferenceStage(KeyedLane):
+    """The keyed lane (`KeyedLane`: input rows keyed by bucket or ticks, output sink rows).
 
     `capacity` bounds the calls in flight per subtask (`async.capacity`). `gate_dir`: the
     job has an admission gate in front (`udfs/stage/admission.py`: a spend budget, a fleet or a rate limit); while no
@@ -130,32 +95,14 @@ class InferenceStage(KeyedProcessFunction):
     as the job's launch decided it (`udfs.cost.cache.open_cache`).
     """
 
-    def __init__(self, config: JobConfig, gate_dir: str | None = None, cache_file: str | None = None) -> None:
-        self._config = config
-        self._gate_dir = gate_dir
-        self._cache_file = cache_file
+    RUNNER_NAME = "llmstream-calls"
 
     # ------------------------------------------------------------------ lifecycle
-    def open(self, runtime_context: RuntimeContext) -> None:
-        from udfs.inference.client import InferenceClient
-        from udfs.metrics import InferenceMetrics
-        from udfs.records.formats import JobFormats
-        from udfs.stage.inflight import CallRunner
-
-        subtasks = runtime_context.get_number_of_parallel_subtasks()
-        # `flink.python.metric.enabled: false` gives no group: the same figures, kept in Python only.
-        group = runtime_context.get_metrics_group()
-        self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
+    def _opened(self, runtime_context: RuntimeContext) -> None:
         self._pending = runtime_context.get_map_state(PENDING_STATE)
-        self._runner = CallRunner(self._config.async_.capacity)
-        self._client = InferenceClient(self._config, subtasks=subtasks, metrics=self._metrics,
-                                       cache_file=self._cache_file)
-        self._formats = JobFormats.open(self._config)  # e.g. Avro's registry client and output schema
-        self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
         self._outstanding: dict[Any, int] = {}
-        self._timer_at: dict[Any, int] = {}
         self._order = KeyOrder() if self._config.ordering == "per_key" else None
-        self._parked: deque[tuple[Any, str, Callable[[], Coroutine[Any, Any, Outcome]]]] = deque()
+        self._parked: deque[tuple[Any, str, Callable[[], Coroutine[Any, Any, Settled]]]] = deque()
         self._gate = None
         if self._gate_dir is not None:
             from udfs.stage.admission import GateSignal
@@ -163,70 +110,33 @@ class InferenceStage(KeyedProcessFunction):
         model = self._config.model
         where = model.endpoint or ", ".join(e.url for e in model.endpoints or [])
         log.info("inference subtask %s/%s: %s %s model=%s capacity=%s",
-                 runtime_context.get_index_of_this_subtask() + 1, subtasks, model.api,
-                 where, model.model, self._config.async_.capacity)
+                 runtime_context.get_index_of_this_subtask() + 1, runtime_context.get_number_of_parallel_subtasks(),
+                 model.api, where, model.model, self._config.async_.capacity)
 
-    def close(self) -> None:
-        runner = getattr(self, "_runner", None)
-        if runner is not None:
-            runner.close(before_stop=self._client.close)
+    def _closed(self) -> None:
         gate = getattr(self, "_gate", None)
         if gate is not None:
             gate.close()
-        formats = getattr(self, "_formats", None)
-        if formats is not None:
-            formats.close()  # e.g. the registry client's connections
-        path = getattr(self, "_path", None)
-        if path is not None:
-            path.close()
 
-    # ------------------------------------------------------------------ Flink callbacks
-    def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterator[Row]:
-        bucket = ctx.get_current_key()
-        try:
-            if bucket not in self._outstanding:
-                yield from self._adopt(bucket, ctx)
-            if value is None:  # a tick: only wakes the bucket
-                yield from self._emit(bucket)
-                self._admit_parked()
-                self._ensure_timer(bucket, ctx)
-                return
-            self._metrics.records_in.inc()
-            record = pending_record(value)
-        except Exception as err:
-            log.exception("unexpected error reading an input row")
-            yield self._failed(InternalError.from_exception(err), _salvage(value))
-            return
+    # ------------------------------------------------------------------ the hooks
+    def _take_in(self, bucket: Any, record: PendingRecord) -> Iterator[Row]:
         yield from self._start(bucket, record)
-        yield from self._emit(bucket)
-        self._admit_parked()
-        self._ensure_timer(bucket, ctx)
 
-    def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Iterator[Row]:
-        bucket = ctx.get_current_key()
-        if bucket not in self._outstanding:
-            yield from self._adopt(bucket, ctx)
-        if timestamp >= FLUSH_AT:
-            yield from self._flush(bucket)
-            return
-        if self._timer_at.get(bucket) == timestamp:
-            del self._timer_at[bucket]
-        yield from self._emit(bucket)
+    def _wake(self, bucket: Any, ctx: Any) -> Iterator[Row]:
+        yield from self._take_finished(bucket)
         self._admit_parked()
-        self._ensure_timer(bucket, ctx)
+        if self._outstanding.get(bucket, 0) > 0:
+            self._wake_in(bucket, ctx, EMIT_PERIOD_MS)
 
-    # ------------------------------------------------------------------ the stage
     def _adopt(self, bucket: Any, ctx: Any) -> Iterator[Row]:
-        """First sight of `bucket` in this instance: arm the end-of-input timer and start again
-        whatever its state holds (after a restore; empty otherwise), each under the handle it
-        was stored with."""
+        """First sight of `bucket` in this instance: start again whatever its state holds (after a
+        restore; empty otherwise), each under the handle it was stored with."""
         self._outstanding[bucket] = 0
-        ctx.timer_service().register_event_time_timer(FLUSH_AT)
         try:
             stored = list(self._pending.items())
         except Exception as err:  # a state backend failure
             log.exception("reading the pending requests of bucket %r failed", bucket)
-            yield self._failed(InternalError.from_exception(err), _salvage(None))
+            yield from self._parts.emit(self._parts.internal(err, salvage(None)))
             return
         if stored:
             log.info("bucket %r: starting %d pending request(s) again after a restore", bucket, len(stored))
@@ -238,14 +148,20 @@ class InferenceStage(KeyedProcessFunction):
             except Exception as err:
                 log.exception("bucket %r: state entry %r is not a pending record", bucket, handle)
                 self._let_go(handle)
-                yield self._failed(InternalError.from_exception(err), _salvage(value))
+                yield from self._parts.emit(self._parts.internal(err, salvage(value)))
         if self._order is not None:
             records = restore_order(records)
         for handle, record in records:
             yield from self._start(bucket, record, handle)
-        if stored:
-            self._ensure_timer(bucket, ctx)
 
+    def _flush(self, bucket: Any, ctx: Any) -> Iterator[Row]:
+        """End of input: every call of `bucket`, waited for and emitted."""
+        while self._outstanding.get(bucket, 0) > 0:
+            self._admit_parked(at_end=True)
+            self._runner.wait(SLOT_WAIT_S, bucket)
+            yield from self._take_finished(bucket)
+
+    # ------------------------------------------------------------------ when calls are made
     def _start(self, bucket: Any, record: PendingRecord, stored_as: str | None = None) -> Iterator[Row]:
         """Decodes `record` and starts its call, waiting for a slot; bad input and tombstones are
         settled at once. `stored_as`: the record is already in state under that handle (a restore)."""
@@ -257,7 +173,7 @@ class InferenceStage(KeyedProcessFunction):
                 self._let_go(handle)
             return
         if not isinstance(prepared, Request):  # bad input or a forwarded tombstone: no call
-            yield from self._settle(bucket, record, handle, reissue, prepared)
+            yield from self._settle_without_call(bucket, record, handle, reissue, prepared)
             return
         request = prepared
         if not reissue:
@@ -268,7 +184,7 @@ class InferenceStage(KeyedProcessFunction):
             self._order.admit(bucket, record.key, handle)
         self._outstanding[bucket] += 1
 
-        def call() -> Coroutine[Any, Any, Outcome]:
+        def call() -> Coroutine[Any, Any, Settled]:
             return self._path.call(request, record)
 
         # In line behind any parked records, and started with them; it stays parked only while a
@@ -285,7 +201,7 @@ class InferenceStage(KeyedProcessFunction):
             if self._paused():
                 return False
             runner.wait_for_slot(SLOT_WAIT_S)
-            yield from self._emit(bucket)
+            yield from self._take_finished(bucket)
         return True
 
     def _paused(self) -> bool:
@@ -320,69 +236,44 @@ class InferenceStage(KeyedProcessFunction):
             runner.submit(bucket, handle, call)
         self._metrics.admitted = runner.in_flight
 
-    def _settle(self, bucket: Any, record: PendingRecord, handle: str, reissue: bool,
-                outcome: Outcome) -> Iterator[Row]:
-        """A record whose outcome needs no call (bad input, a tombstone): emitted at once, unless
-        an earlier record of its key is still out under `ordering: per_key`; then it waits in
-        state, like a call in flight, and leaves in its turn."""
+    # ------------------------------------------------------------------ records out
+    def _settle_without_call(self, bucket: Any, record: PendingRecord, handle: str, reissue: bool,
+                             settled: Settled) -> Iterator[Row]:
+        """A record that needs no call (bad input, a tombstone): out at once, unless an earlier
+        record of its key is still out under `ordering: per_key`; then it waits in state, like a
+        call in flight, and leaves in its turn."""
         order = self._order
         if order is None or not order.waiting(bucket, record.key):
             if reissue:
                 self._let_go(handle)
-            yield from self._out(outcome)
+            yield from self._parts.emit(settled)
             return
         if not reissue:
             self._hold(handle, record)
         order.admit(bucket, record.key, handle)
-        yield from self._release(order.finish(handle, outcome))
+        yield from self._settle(order.finish(handle, settled))
 
-    def _emit(self, bucket: Any) -> Iterator[Row]:
-        """The bucket's finished calls, each removed from state as it is emitted (under
+    def _take_finished(self, bucket: Any) -> Iterator[Row]:
+        """The bucket's finished calls out, each removed from state as it leaves (under
         `ordering: per_key`, those whose turn has come)."""
         done = self._runner.take(bucket)
         if not done:
             return
         order = self._order
-        for handle, outcome in done:
-            if outcome is None:  # the runner caught a raise that `_call` should have prevented
-                err = InternalError("the inference call raised")
-                outcome = (self._dead_letter(err, self._stored(handle)), err.reason)
-            if order is None:
-                self._let_go(handle)
-                yield from self._out(outcome)
-            else:
-                yield from self._release(order.finish(handle, outcome))
+        for handle, settled in done:
+            if settled is None:  # the runner caught a raise that `RecordPath.call` should have prevented
+                settled = self._parts.internal("the inference call raised", self._stored(handle))
+            yield from self._settle(order.finish(handle, settled) if order is not None else [(handle, settled)])
         self._outstanding[bucket] -= len(done)
         self._metrics.admitted = self._runner.in_flight
 
-    def _release(self, released: list[tuple[Any, Outcome]]) -> Iterator[Row]:
-        for handle, outcome in released:
+    def _settle(self, released: list[tuple[Any, Settled]]) -> Iterator[Row]:
+        """Each record out of state and its row out, in the same call."""
+        for handle, settled in released:
             self._let_go(handle)
-            yield from self._out(outcome)
+            yield from self._parts.emit(settled)
 
-    def _out(self, outcome: Outcome) -> Iterator[Row]:
-        """An outcome as the row it leaves as (none for a record the user's functions drop), its
-        dead letter counted by reason."""
-        row, dead_letter_reason = outcome
-        if dead_letter_reason is not None:
-            self._metrics.dead_letter(dead_letter_reason)
-        if row is not None:
-            yield _row(row)
-
-    def _flush(self, bucket: Any) -> Iterator[Row]:
-        """End of input: every call of `bucket`, waited for and emitted."""
-        while self._outstanding.get(bucket, 0) > 0:
-            self._admit_parked(at_end=True)
-            self._runner.wait(SLOT_WAIT_S, bucket)
-            yield from self._emit(bucket)
-
-    def _ensure_timer(self, bucket: Any, ctx: Any) -> None:
-        if bucket in self._timer_at or self._outstanding.get(bucket, 0) <= 0:
-            return
-        at = ctx.timer_service().current_processing_time() + EMIT_PERIOD_MS
-        ctx.timer_service().register_processing_time_timer(at)
-        self._timer_at[bucket] = at
-
+    # ------------------------------------------------------------------ state
     def _hold(self, handle: str, record: PendingRecord) -> None:
         """`record` into state until its outcome leaves (`_let_go`), counted as held."""
         self._pending.put(handle, record)
@@ -398,13 +289,4 @@ class InferenceStage(KeyedProcessFunction):
         try:
             return PendingRecord.restored(value)
         except TypeError:
-            return _salvage(value)
-
-    # ------------------------------------------------------------------ outgoing records
-    def _dead_letter(self, err: RecordError, record: PendingRecord, request_id: str | None = None) -> SinkRow:
-        return self._path.dead_letter(err, record, request_id)
-
-    def _failed(self, err: RecordError, record: PendingRecord) -> Row:
-        """A dead letter emitted on the operator thread, counted by reason as it leaves."""
-        self._metrics.dead_letter(err.reason)
-        return _row(self._dead_letter(err, record))
+            return salvage(value)

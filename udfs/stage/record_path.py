@@ -1,10 +1,10 @@
-"""What one input record becomes, in either lane: a result row, a dead letter, a forwarded
+"""What one input record becomes, in every lane: a result row, a dead letter, a forwarded
 tombstone, or nothing (a skipped tombstone, or a record the user's functions drop).
 
-The keyed lane (`udfs/stage/operators.py`) and the vectorized lane (`udfs/stage/vectorized.py`)
-differ only in where a record waits for its call (keyed state and a call loop outside Flink's
-bundles, or the Arrow batch in progress); the rules for a record are the same, so they are
-written once here: tombstones by `input.tombstones`, decode with its dead letters, the call
+The keyed lane (`udfs/stage/operators.py`), the vectorized lane (`udfs/stage/vectorized.py`) and
+the provider-batch lane (`udfs/stage/batch_lane.py`) differ only in how records are grouped and
+when their calls are made (keyed state and a call loop outside Flink's bundles, the Arrow batch
+in progress, a provider's batch); the rules for a record are the same, so they are written once here: tombstones by `input.tombstones`, decode with its dead letters, the call
 through `InferenceClient` (retries, deadlines, fleet, cache, budget), the user's own functions
 around it (`model.preprocess`, `output.postprocess`: `udfs/stage/user_functions.py`), the output
 record, the forwarded headers, and the one place a record becomes a dead letter. Nothing here raises for a
@@ -14,6 +14,7 @@ record: every failure is a dead letter with its reason.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from udfs.config import JobConfig
@@ -40,16 +41,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmstream.udfs")
 
-Outcome = tuple[SinkRow | None, str | None]
-"""What a record becomes: its outgoing row (None: nothing leaves, a record the user's functions
-drop) and, for a dead letter, the reason."""
+
+@dataclass(frozen=True)
+class Settled:
+    """What one record came to: the `row` it leaves as (None: nothing leaves, a record the user's
+    functions drop) and, for a dead letter, its `dead_letter_reason`. Every lane hands these to
+    `LaneParts.emit` (`udfs/stage/lane.py`), the one place a record leaves."""
+
+    row: SinkRow | None
+    dead_letter_reason: str | None = None
+
 
 SKIP = None
 """`RecordPath.prepare`'s answer for a record that leaves nothing behind (`input.tombstones: skip`)."""
 
 
 class RecordPath:
-    """The rules for one record, shared by both lanes; the lane owns the waiting."""
+    """The rules for one record, shared by every lane; the lane owns the grouping and the waiting."""
 
     def __init__(self, config: JobConfig, client: InferenceClient, formats: JobFormats,
                  metrics: InferenceMetrics) -> None:
@@ -62,6 +70,16 @@ class RecordPath:
         self._postprocess = self._user is not None and self._user.postprocess is not None
 
     @property
+    def shapes(self) -> bool:
+        """Whether a preprocess makes each record's request (`shape`)."""
+        return self._preprocess
+
+    @property
+    def postprocesses(self) -> bool:
+        """Whether a postprocess makes each output record (`answered` then awaits it)."""
+        return self._postprocess
+
+    @property
     def user_functions(self) -> int:
         """How many user functions a record goes through (each may take up to the record deadline)."""
         return self._user.count if self._user is not None else 0
@@ -70,7 +88,7 @@ class RecordPath:
         if self._user is not None:
             self._user.close()
 
-    def prepare(self, record: PendingRecord) -> Request | Outcome | None:
+    def prepare(self, record: PendingRecord) -> Request | Settled | None:
         """The request to call the model with, or the outcome a record gets without a call (bad
         input, a forwarded tombstone), or `SKIP`. With a preprocess the request has the record's
         fields but no prompt yet: `call` asks the function for it."""
@@ -79,19 +97,18 @@ class RecordPath:
             if tombstones == "skip":
                 return SKIP
             if record.key is not None:  # forward; without a key there is nothing to delete: a dead letter
-                return SinkRow(record.key, None, self._config.kafka.output_topic, self.forwarded(record)), None
+                return Settled(SinkRow(record.key, None, self._config.kafka.output_topic, self.forwarded(record)))
         try:
             if self._preprocess:
                 return self._unshaped(record)
             return decode(record.key, record.value, record.source, self._config.limits, self._formats.input)
         except BadInput as err:
             self._metrics.bad_input.inc()
-            return self.dead_letter(err, record), err.reason
+            return self.dead_letter(err, record)
         except Exception as err:
             log.exception("unexpected error decoding %s-%s@%s", record.topic, record.partition, record.offset)
             self._metrics.bad_input.inc()
-            failure = InternalError.from_exception(err)
-            return self.dead_letter(failure, record), failure.reason
+            return self.dead_letter(InternalError.from_exception(err), record)
 
     def _unshaped(self, record: PendingRecord) -> Request:
         """The record read by the input format, for the preprocess to make a request of."""
@@ -101,7 +118,7 @@ class RecordPath:
         return Request(id=provisional_id(fields, record.key, record.handle, self._config.input.id_field),
                        key=record.key, source=record.source, fields=fields, raw=record.value)
 
-    async def call(self, request: Request, record: PendingRecord) -> Outcome:
+    async def call(self, request: Request, record: PendingRecord) -> Settled:
         """The output row of `request` (none for a record the user's functions drop), or its dead
         letter and reason; never raises."""
         failure: RecordError
@@ -110,16 +127,10 @@ class RecordPath:
                 assert self._user is not None
                 shaped = await self._user.request(request, self._config.limits)
                 if shaped is None:
-                    return await self._skipped(request, record), None
+                    return Settled(await self._skipped(request, record))
                 request = shaped
             completion = await self._client.complete(request)
-            if self._postprocess:
-                assert self._user is not None
-                result = result_record(request, completion, CONTRACT_FIELDS)
-                value = await self._user.output(request.fields, result, completion.attempts)
-                return self._user_row(request, value, record, completion.attempts), None
-            return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes, self.forwarded(record), self._formats.output), None
+            return await self._finished(request, completion, record)
         except InternalError as err:
             log.error("internal error in inference for id=%s: %s", request.id, err.detail)
             failure = err
@@ -128,17 +139,44 @@ class RecordPath:
         except Exception as err:
             log.exception("unexpected error in inference for id=%s", request.id)
             failure = InternalError.from_exception(err)
-        return self.dead_letter(failure, record, request.id), failure.reason
+        return self.dead_letter(failure, record, request.id)
 
-    def answered(self, request: Request, completion: Completion, record: PendingRecord) -> Outcome:
-        """The output row of an answer got elsewhere than `call` (a provider's batch, the result
-        cache), or its dead letter (`result_too_large`); never raises. The lanes that use it take no
-        user functions (the config refuses them with `model.mode: batch`)."""
+    async def shape(self, request: Request, record: PendingRecord) -> Request | Settled:
+        """The request the preprocess makes of `request` (itself without one), or what the record
+        comes to without a call (skipped, or a dead letter); never raises. For a lane that calls
+        elsewhere than `call` (a provider's batch)."""
+        if not self._preprocess:
+            return request
+        assert self._user is not None
         try:
-            return result_row(request, completion, self._config.kafka.output_topic,
-                              self._config.limits.max_result_bytes, self.forwarded(record), self._formats.output), None
+            shaped = await self._user.request(request, self._config.limits)
+            return shaped if shaped is not None else Settled(await self._skipped(request, record))
         except RecordError as err:
-            return self.dead_letter(err, record, request.id), err.reason
+            return self.dead_letter(err, record, request.id)
+        except Exception as err:
+            log.exception("unexpected error in the preprocess of id=%s", request.id)
+            return self.dead_letter(InternalError.from_exception(err), record, request.id)
+
+    async def answered(self, request: Request, completion: Completion, record: PendingRecord) -> Settled:
+        """The output row of an answer got elsewhere than `call` (a provider's batch, the result
+        cache), through the postprocess when there is one, or its dead letter; never raises."""
+        try:
+            return await self._finished(request, completion, record)
+        except RecordError as err:
+            return self.dead_letter(err, record, request.id)
+        except Exception as err:
+            log.exception("unexpected error writing the answer of id=%s", request.id)
+            return self.dead_letter(InternalError.from_exception(err), record, request.id)
+
+    async def _finished(self, request: Request, completion: Completion, record: PendingRecord) -> Settled:
+        """The output row of `completion`: the postprocess's, or the result record."""
+        if self._postprocess:
+            assert self._user is not None
+            result = result_record(request, completion, CONTRACT_FIELDS)
+            value = await self._user.output(request.fields, result, completion.attempts)
+            return Settled(self._user_row(request, value, record, completion.attempts))
+        return Settled(result_row(request, completion, self._config.kafka.output_topic,
+                                  self._config.limits.max_result_bytes, self.forwarded(record), self._formats.output))
 
     async def _skipped(self, request: Request, record: PendingRecord) -> SinkRow | None:
         """A record the preprocess needs no call for (`model.skipped`): nothing, or on the output
@@ -170,10 +208,11 @@ class RecordPath:
     def forwarded(self, record: PendingRecord) -> SinkHeaders:
         return forwarded_headers(record.headers, self._config.kafka.forward_headers)
 
-    def dead_letter(self, err: RecordError, record: PendingRecord, request_id: str | None = None) -> SinkRow:
-        """The dead letter of `record`: the one place a record becomes one. `request_id`: the
-        decoded id, when there is one (else the best guess from the original bytes)."""
-        return dead_letter.for_error(
+    def dead_letter(self, err: RecordError, record: PendingRecord, request_id: str | None = None) -> Settled:
+        """The dead letter of `record`, with its reason: the one place a record becomes one.
+        `request_id`: the decoded id, when there is one (else the best guess from the original bytes)."""
+        return Settled(dead_letter.for_error(
             err, key=record.key, value=record.value, source=record.source,
             record_id=request_id if request_id is not None else record_id(record.value),
-            job=self._config.name, topic=self._config.kafka.dead_letter_topic, headers=self.forwarded(record))
+            job=self._config.name, topic=self._config.kafka.dead_letter_topic, headers=self.forwarded(record)),
+            err.reason)

@@ -1,4 +1,4 @@
-"""The vectorized lane (`stage: vectorized`): Flink's Arrow-batched Python function instead of the
+"""The vectorized lane (`lane: vectorized`): Flink's Arrow-batched Python function instead of the
 keyed stage, for fast models and embedding backfills.
 
 The keyed stage moves every record across into Python alone and through keyed `MapState`; that
@@ -6,9 +6,10 @@ crossing and that state are most of a record's CPU when the model answers in a m
 Flink hands Python a whole Arrow batch of records (`vectorized.batch_size` rows) at once; the
 function starts every call of the batch on its call loop (at most `async.capacity` at a time),
 waits for all of them, and returns one outgoing record per input row, in input order. The rules
-for a record are the keyed stage's own (`udfs/stage/record_path.py`): the same decode, client
+for a record are every lane's (`udfs/stage/record_path.py`): the same decode, client
 (retries, per-attempt and per-record deadlines, rate limits, AIMD, fleet, cache), output record
-and dead letters.
+and dead letters; set-up and emitting are `udfs/stage/lane.py`'s `LaneParts`. The lane decides only
+that a record's call is made with its Arrow batch's.
 
 Its price is head-of-line blocking: a batch is done when its slowest call is, and a checkpoint
 waits for the batch in progress and the rows already handed to Python (`vectorized.batch_size`
@@ -34,9 +35,9 @@ from pyflink.table.udf import (
 )
 
 from udfs.config import JobConfig
-from udfs.errors import InternalError
 from udfs.records import PendingRecord, Request
-from udfs.stage.record_path import SKIP, Outcome, RecordPath
+from udfs.stage.lane import LaneParts
+from udfs.stage.record_path import SKIP, Settled
 
 log = logging.getLogger("llmstream.udfs")
 
@@ -99,37 +100,24 @@ class VectorizedInference(ScalarFunction):
         return False
 
     def open(self, function_context: FunctionContext) -> None:
-        from udfs.inference.client import InferenceClient
-        from udfs.metrics import InferenceMetrics
-        from udfs.records.formats import JobFormats
-        from udfs.stage.inflight import CallRunner
-
-        group = function_context.get_metric_group()
-        self._metrics = InferenceMetrics(group.add_group("llmstream") if group is not None else None)
-        self._runner = CallRunner(self._config.async_.capacity, name="llmstream-vectorized-calls")
-        self._client = InferenceClient(self._config, subtasks=self._config.parallelism.of("inference"),
-                                       metrics=self._metrics, cache_file=self._cache_file)
-        self._formats = JobFormats.open(self._config)
-        self._path = RecordPath(self._config, self._client, self._formats, self._metrics)
+        self._parts = parts = LaneParts.open(
+            self._config, function_context.get_metric_group(), subtasks=self._config.parallelism.of("inference"),
+            cache_file=self._cache_file, capacity=self._config.async_.capacity,
+            runner_name="llmstream-vectorized-calls")
+        self._metrics, self._path, self._runner = parts.metrics, parts.path, parts.runner
         model = self._config.model
         log.info("vectorized inference: %s %s model=%s capacity=%s batch=%s", model.api,
                  model.endpoint or ", ".join(e.url for e in model.endpoints or []), model.model,
                  self._config.async_.capacity, self._config.vectorized.batch_size)
 
     def close(self) -> None:
-        runner = getattr(self, "_runner", None)
-        if runner is not None:
-            runner.close(before_stop=self._client.close)
-        formats = getattr(self, "_formats", None)
-        if formats is not None:
-            formats.close()
-        path = getattr(self, "_path", None)
-        if path is not None:
-            path.close()
+        parts = getattr(self, "_parts", None)
+        if parts is not None:
+            parts.close()
 
     def eval(self, k: Any, v: Any, topic: Any, partition: Any, offset: Any, ts: Any, headers: Any) -> Any:
         outcomes = self.outcomes(self.records(k, v, topic, partition, offset, ts, headers))
-        rows = [o[0] if o is not None else None for o in outcomes]
+        rows = [o.row if o is not None else None for o in outcomes]
         return pd.DataFrame({
             "k": pd.Series([r.key if r else None for r in rows], dtype=object),
             "v": pd.Series([r.value if r else None for r in rows], dtype=object),
@@ -147,19 +135,20 @@ class VectorizedInference(ScalarFunction):
                 for key, value, t, p, o, stamp, h in zip(*(_listed(c) for c in (k, v, topic, partition, offset, ts,
                                                                                headers)), strict=True)]
 
-    def outcomes(self, records: list[PendingRecord]) -> list[Outcome | None]:
-        """Each record's outcome, in input order (None: a skipped tombstone); every call of the
-        batch runs at once on the call loop, at most `async.capacity` at a time. Never raises."""
+    def outcomes(self, records: list[PendingRecord]) -> list[Settled | None]:
+        """What each record came to, in input order (None: nothing leaves, a skipped tombstone or a
+        record the user's functions drop); every call of the batch runs at once on the call loop, at
+        most `async.capacity` at a time. Never raises."""
         self._metrics.records_in.inc(len(records))
         self._metrics.holding.set(len(records), 0.0)
-        outcomes: list[Outcome | None] = [None] * len(records)
+        outcomes: list[Settled | None] = [None] * len(records)
         calls: list[tuple[int, Request, PendingRecord]] = []
         for i, record in enumerate(records):
             try:
                 prepared = self._path.prepare(record)
             except Exception as err:  # prepare settles bad input itself; this is a bug
                 log.exception("unexpected error preparing %s", record.handle)
-                prepared = self._path.dead_letter(InternalError.from_exception(err), record), "internal_error"
+                prepared = self._parts.internal(err, record)
             if prepared is SKIP:
                 continue
             if isinstance(prepared, Request):
@@ -170,19 +159,19 @@ class VectorizedInference(ScalarFunction):
             # The call and each user function may take up to the record deadline.
             timeout_s = self._config.async_.record_deadline_s * (1 + self._path.user_functions) + DEADLINE_SLACK_S
             answers = self._runner.run_sync(self._batch(calls, timeout_s), timeout_s + DEADLINE_SLACK_S)
-            for (i, _, _), outcome in zip(calls, answers, strict=True):
-                outcomes[i] = outcome if outcome[0] is not None else None  # None: the user's functions dropped it
+            for (i, _, _), settled in zip(calls, answers, strict=True):
+                outcomes[i] = settled if settled.row is not None else None  # None: the user's functions dropped it
         for outcome in outcomes:
-            if outcome is not None and outcome[1] is not None:
-                self._metrics.dead_letter(outcome[1])
+            if outcome is not None:
+                self._parts.count(outcome)
         self._metrics.holding.set(0, 0.0)
         return outcomes
 
-    async def _batch(self, calls: list[tuple[int, Request, PendingRecord]], timeout_s: float) -> list[Outcome]:
+    async def _batch(self, calls: list[tuple[int, Request, PendingRecord]], timeout_s: float) -> list[Settled]:
         """The batch's calls by `async.capacity` workers, each taking the next call when its last
         ends: the same bound as a task a call behind a semaphore, without a task and a wait in
         line for each of a batch's thousand records."""
-        answers: list[Outcome | None] = [None] * len(calls)
+        answers: list[Settled | None] = [None] * len(calls)
         queue = iter(range(len(calls)))  # shared: each call is taken by one worker
 
         async def worker() -> None:
@@ -193,8 +182,7 @@ class VectorizedInference(ScalarFunction):
                     answers[i] = await self._path.call(request, record)
                 except Exception as err:  # the record path settles what it knows; this is a bug
                     log.exception("unexpected error calling for %s", record.handle)
-                    error = InternalError.from_exception(err)
-                    answers[i] = self._path.dead_letter(error, record, request.id), error.reason
+                    answers[i] = self._parts.internal(err, record, request.id)
                 finally:
                     self._metrics.admitted -= 1
 
@@ -202,11 +190,11 @@ class VectorizedInference(ScalarFunction):
         await asyncio.wait(workers, timeout=timeout_s)
         for task in workers:
             task.cancel()
-        out: list[Outcome] = []
+        out: list[Settled] = []
         for answer, (_, request, record) in zip(answers, calls, strict=True):
             if answer is None:
-                err = InternalError(f"the call did not end within {timeout_s:g} s, past its own deadline")
-                answer = self._path.dead_letter(err, record, request.id), err.reason
+                answer = self._parts.internal(f"the call did not end within {timeout_s:g} s, past its own deadline",
+                                              record, request.id)
             out.append(answer)
         return out
 
