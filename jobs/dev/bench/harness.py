@@ -48,8 +48,10 @@ from jobs.dev.bench.scenarios import (
     UNBATCHED,
     VECTORIZED,
     VECTORIZED_BATCH,
+    VECTORIZED_FLOOR,
     Scenario,
 )
+from jobs.dev.bench.vectorized_floor import batch_stats
 from jobs.dev.bench.workload import (
     MAX_TOKENS,
     MODEL,
@@ -67,8 +69,9 @@ from udfs.config import (
 )
 from udfs.errors import LLMStreamError
 
-APPROACHES = ("sequential", "semaphore-gather", "llmstream", VECTORIZED, ML_PREDICT)
-"""The approaches a bench runs unless told otherwise: the seed's two consumers, both lanes, Flink's own."""
+APPROACHES = ("sequential", "semaphore-gather", "llmstream", VECTORIZED, ML_PREDICT, VECTORIZED_FLOOR)
+"""The approaches a bench runs unless told otherwise: the seed's two consumers, both lanes, Flink's own,
+and the vectorized lane's floor with the model call (in the scenarios it is for, `Scenario.approaches`)."""
 ALL_APPROACHES = (*APPROACHES, *FLOORS)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """The checkout this file is in (jobs/dev/bench/harness.py: three folders up)."""
@@ -168,6 +171,9 @@ class RunResult:
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_record: float | None = None
     """CPU ms of the approach's whole process tree (llmstream: JVM and Python) per record, steady window."""
+    batches: dict[str, Any] | None = None
+    """`vectorized-floor` only: its Arrow batches as its function saw them (rows a batch, the gap
+    between returning one batch and being handed the next, time inside Python a batch; ms)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -260,7 +266,7 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
 def is_flink(approach: str) -> bool:
     """A Flink job in a mini cluster (llmstream, ml-predict): the harness stops it at the time
     limit, and its checkpoints are sampled from the mini cluster's REST API."""
-    return approach.startswith("llmstream") or approach in SQL_JOBS
+    return approach.startswith("llmstream") or approach in (*SQL_JOBS, VECTORIZED_FLOOR)
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -281,6 +287,16 @@ def _llmstream_command() -> list[str]:
 def approach_command(approach: str, topics: Topics, ctx: BenchContext, endpoint: str, scenario: Scenario,
                      records: int, max_seconds: float, config_dir: Path) -> list[str]:
     bootstrap = ctx.broker.bootstrap_servers
+    if approach == VECTORIZED_FLOOR:
+        # The lane's own job config (its topics, batch and bundle, capacity, checkpoints, `--flink`):
+        # only the function differs (`jobs/dev/bench/vectorized_floor.py`).
+        config_file = config_dir / f"{topics.group}.yaml"
+        config_file.write_text(yaml.safe_dump(
+            llmstream_config(topics, bootstrap, endpoint, ctx.settings_for(scenario, VECTORIZED), scenario,
+                             config_dir / "state", vectorized=True),
+            sort_keys=False))
+        command = [sys.executable, "-m", "jobs.dev.bench.vectorized_floor", "--config", str(config_file)]
+        return command if scenario.overload_factor else [*command, "--bounded"]
     if approach.startswith("llmstream"):
         config_file = config_dir / f"{topics.group}.yaml"
         config_file.write_text(yaml.safe_dump(
@@ -396,7 +412,7 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     # PyFlink's local JVM logs to one file inside site-packages that every local job on the
     # machine truncates; ml-predict's and the floor's go next to the run log instead (kept with --keep).
     extra_env = ({"FLINK_LOG_DIR": str(ctx.workdir / f"{topics.group}-flink-log")}
-                 if approach in SQL_JOBS else None)
+                 if approach in (*SQL_JOBS, VECTORIZED_FLOOR) else None)
     proc = ApproachProcess(command, log_file, extra_env)
     rss.watch("approach", proc.pid)
     checkpoints = CheckpointSampler(proc.pid) if is_flink(approach) else None
@@ -468,6 +484,13 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     result.checkpoints = checkpoints.summary() if checkpoints is not None else None
     if profiler is not None:
         result.notes.append(f"profile: {profiler.error or 'profile-' + profiler.label + '.md'}")
+    if approach == VECTORIZED_FLOOR:
+        result.batches = batch_stats(proc.tail(10_000))
+        if result.batches:
+            b = result.batches
+            result.notes.append(f"{b['batches']:,} Arrow batches of {b['mean_rows']:g} rows on average; between "
+                                f"batches (the JVM's turn) p50 {b['gap_ms_p50']} ms, mean {b['gap_ms_mean']} ms; "
+                                f"in Python p50 {b['python_ms_p50']} ms a batch")
     if proc.process.returncode not in (0, None) or result.outcome.seen == 0:
         ctx.say(f"{label} exit code {proc.process.returncode}, {result.outcome.seen} results; "
                 f"last lines of {log_file}:\n{proc.tail()}")
@@ -541,7 +564,8 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
         rss_drift_mb=rss.drift_mb("approach"),
         rss_series=series[:: max(1, len(series) // 240)],
         server={k: server.last.get(k) for k in ("served", "max_in_flight", "max_queued", "rejected", "errors")},
-        settings=asdict(ctx.settings_for(scenario, approach)) if approach.startswith("llmstream") else None,
+        settings=(asdict(ctx.settings_for(scenario, VECTORIZED if approach == VECTORIZED_FLOOR else approach))
+                  if approach.startswith("llmstream") or approach == VECTORIZED_FLOOR else None),
         load_avg=(round(load_after[0], 2), round(load_after[1], 2), round(load_after[2], 2)),
         log_file=str(proc.log_file),
         notes=notes,

@@ -7,6 +7,7 @@ same simulator settings, same records; writes latest.md / latest.json / latest.p
     llmstream bench --render             # re-write latest.md/png from latest.json
     llmstream bench --profile --scenarios d --approaches llmstream   # CPU per record per stage
     llmstream bench --batch-lane 100000 [--inject]   # the provider-batch lane: kills, restarts, bad days
+    llmstream bench --transport-probe    # CPU a call of each HTTP client (aiohttp, libcurl, Rust) alone
 
 Exit status 0 when every run produced answers with no duplicates and nothing lost; speed
 targets are reported, never enforced.
@@ -29,6 +30,7 @@ from typing import Any
 
 from jobs.dev import local_kafka
 from jobs.dev.bench import batch_lane, report
+from jobs.dev.bench import transport as transport_probe
 from jobs.dev.bench.harness import (
     ALL_APPROACHES,
     APPROACHES,
@@ -39,7 +41,14 @@ from jobs.dev.bench.harness import (
     run_approach,
     wait_for_quiet,
 )
-from jobs.dev.bench.scenarios import SCENARIOS, SMOKE_RECORDS, SMOKE_SCENARIO, Scenario
+from jobs.dev.bench.scenarios import (
+    FLOOR_SCENARIOS,
+    SCENARIOS,
+    SMOKE_RECORDS,
+    SMOKE_SCENARIO,
+    VECTORIZED_FLOOR,
+    Scenario,
+)
 from jobs.dev.bench.soak import DEFAULT_RATE, FAULT_NAMES, fault_kinds, run_soak
 from jobs.dev.simulator import SpawnedFleet, spawn_fleet
 from jobs.dev.simulator import spawn as spawn_simulator
@@ -76,10 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", default="a,b,c,d",
                         type=lambda t: _parse_list(t, list(SCENARIOS), "--scenarios"),
                         help="comma-separated: " + "; ".join(f"{s.key} = {s.name}" for s in SCENARIOS.values()))
-    parser.add_argument("--approaches", default=",".join(APPROACHES),
+    parser.add_argument("--approaches", default=None,
                         type=lambda t: _parse_list(t, ALL_APPROACHES, "--approaches"),
                         help=f"comma-separated, from {', '.join(ALL_APPROACHES)} (default: all but "
-                             f"{' and '.join(FLOORS)}, Flink and Kafka without a model)")
+                             f"{' and '.join(FLOORS)}, Flink and Kafka without a model; {VECTORIZED_FLOOR} "
+                             f"in ({'), ('.join(FLOOR_SCENARIOS)}) only unless named)")
     parser.add_argument("--records", type=int, default=None,
                         help="input records per run in a, b, d (default per scenario: "
                              + ", ".join(f"{s.key} {s.records:,}" for s in SCENARIOS.values() if not s.overload_factor)
@@ -122,6 +132,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lane.add_argument("--kills", type=int, default=2, help="TaskManager SIGKILLs while batches are live (default %(default)s)")
     lane.add_argument("--inject", action="store_true",
                       help="5%% of batched requests refused, and one batch each expired, failed, deleted, cancelled")
+    transport = parser.add_argument_group(
+        "the HTTP transport alone (instead of the scenarios: jobs/dev/bench/transport.py; transport.md/json go to --out)")
+    transport.add_argument("--transport-probe", action="store_true",
+                           help="in-process CPU a call and calls/s of each HTTP client against the simulator")
+    transport.add_argument("--transport-clients", default=",".join(transport_probe.CLIENTS),
+                           type=lambda t: _parse_list(t, transport_probe.CLIENTS, "--transport-clients"),
+                           help="comma-separated (default %(default)s)")
+    transport.add_argument("--transport-concurrency", default=",".join(map(str, transport_probe.CONCURRENCIES)),
+                           help="calls in flight, comma-separated (default %(default)s)")
+    transport.add_argument("--transport-seconds", type=float, default=5.0, help="a client's run (default %(default)s)")
+    transport.add_argument("--transport-rounds", type=int, default=2, help="interleaved rounds (default %(default)s)")
     parser.add_argument("--wait-for-quiet", type=float, default=None, metavar="LOAD",
                         help="first wait (at most 10 min) for the 1-minute load average to drop below LOAD")
     tuning = parser.add_argument_group(
@@ -152,6 +173,8 @@ def _scenario(key: str, args: argparse.Namespace) -> Scenario:
 
 
 def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], dict[str, Path], list[str], dict[str, Any]]:
+    named = args.approaches is not None
+    approaches: list[str] = args.approaches if named else list(APPROACHES)
     overrides: dict[str, Any] = {flag: getattr(args, flag) for flag in TUNING_FLAGS if getattr(args, flag) is not None}
     if args.flink:
         overrides["flink"] = dict(args.flink)
@@ -160,7 +183,7 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
         load_before = wait_for_quiet(args.wait_for_quiet, 600, _say)
     jars.ensure("broker")
     jars.ensure("connector")
-    if "ml-predict" in args.approaches:
+    if "ml-predict" in approaches:
         jars.ensure("ml-predict")
     workdir = Path(tempfile.mkdtemp(prefix="llmstream-bench-"))
     out_dir = args.out or (workdir / "results" if args.smoke else RESULTS_DIR)
@@ -178,12 +201,12 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
             scenario = _scenario(key, args)
             records = args.records or scenario.records
             _say(f"bench: scenario {scenario.summary()}")
-            if "llmstream" in args.approaches:
+            if "llmstream" in approaches:
                 _say(f"bench: llmstream settings for ({key}): {ctx.settings_for(scenario).describe()}")
             simulator = (spawn_fleet(scenario.fleet, scenario.simulator_args()) if scenario.fleet
                          else spawn_simulator(scenario.simulator_args()))
             try:
-                for approach in scenario.approaches(args.approaches):
+                for approach in scenario.approaches(approaches, named):
                     try:
                         result = run_approach(ctx, simulator, scenario, approach, records, args.max_seconds)
                     except Exception:  # noqa: BLE001 - one broken run must not lose the others' numbers
@@ -289,6 +312,12 @@ def run(args: argparse.Namespace) -> int:
         return run_soak(args.soak, args.soak_rate or DEFAULT_RATE, args.seed, args.out or RESULTS_DIR, args.keep, _say,
                         kinds)
     command = getattr(args, "command_line", "llmstream bench").strip()
+    if args.transport_probe:
+        if args.wait_for_quiet is not None:
+            wait_for_quiet(args.wait_for_quiet, 600, _say)
+        concurrencies = [int(c) for c in str(args.transport_concurrency).split(",") if c.strip()]
+        return transport_probe.run_probe(args.out or RESULTS_DIR, args.transport_clients, concurrencies,
+                                         args.transport_seconds, args.transport_rounds, _say)
     if args.batch_lane is not None:
         _standalone_ready(args)
         return batch_lane.run(args.batch_lane, args.batch_size, args.batch_delay_s, args.kills, args.inject,

@@ -21,6 +21,12 @@ VECTORIZED = "llmstream-vectorized"
 stage (`llmstream`) in every run unless `--approaches` leaves it out."""
 VECTORIZED_BATCH = 1000
 """The lane's `vectorized.batch_size` in the bench: its default."""
+VECTORIZED_FLOOR = "vectorized-floor"
+"""The vectorized lane's floor with the model call (`jobs/dev/bench/vectorized_floor.py`): the lane's
+source, Arrow-batched function and sink with one bare HTTP call a row, nothing of llmstream."""
+FLOOR_SCENARIOS = ("d", "e")
+"""Where `VECTORIZED_FLOOR` runs unless `--approaches` names it: the instant model and embeddings,
+where the lane's own cost is what limits it."""
 PER_KEY = "llmstream-per-key"
 """llmstream with `ordering: per_key` in a keyed scenario, beside llmstream unordered: the per-key cost."""
 Z99 = 2.3263478740408408
@@ -60,15 +66,18 @@ class Scenario:
     """A model fleet (issue 21): one simulated endpoint per concurrency limit (`spawn_fleet`),
     llmstream with `model.endpoints`; `concurrency` is then their sum. llmstream only."""
 
-    def approaches(self, requested: list[str]) -> list[str]:
-        """The runs for this scenario out of the requested approaches."""
+    def approaches(self, requested: list[str], named: bool = True) -> list[str]:
+        """The runs for this scenario out of the requested approaches; `named`: `--approaches` was
+        given (else the default list, whose `VECTORIZED_FLOOR` runs in `FLOOR_SCENARIOS` only)."""
+        if not named and self.key not in FLOOR_SCENARIOS:
+            requested = [a for a in requested if a != VECTORIZED_FLOOR]
         if self.fleet:
             return [a for a in ("llmstream", VECTORIZED) if a in requested]
         if self.keys:
             return ["llmstream", PER_KEY] if "llmstream" in requested else []
         if self.batch_size > 1:
             runs = [UNBATCHED, "llmstream"] if "llmstream" in requested else []
-            runs += [VECTORIZED] if VECTORIZED in requested else []
+            runs += [a for a in (VECTORIZED, VECTORIZED_FLOOR) if a in requested]
             # Flink's ML_PREDICT has an embeddings task too (one request per row, no batching);
             # the floors call no model.
             return runs + [a for a in requested if a in SQL_JOBS]
