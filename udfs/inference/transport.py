@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import gc
 import json
 import logging
 import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -178,19 +180,56 @@ class Transport:
                 retry_after = parse_retry_after(response.headers, max_s=self._config.retry.max_retry_after_s)
         except InferenceError:
             raise
-        except TimeoutError:
-            raise RetryableError(f"no response within {self._config.async_.request_timeout_s:g} s") from None
         except aiohttp.InvalidURL as err:
             raise PermanentError(f"invalid URL: {err}") from None
-        except aiohttp.ClientError as err:
-            tls = tls_failure(err, self._host)
-            if tls is not None:
-                raise tls from None
-            raise RetryableError(self._quote(f"{type(err).__name__}: {err}")) from None
+        except (TimeoutError, aiohttp.ClientError) as err:
+            raise self._no_answer(err, "", self._config.async_.request_timeout_s) from None
         finally:
             self._metrics.in_flight -= 1
         log.debug("request %s attempt %d: HTTP %d, retry-after %s", label, attempt, status, retry_after)
         return Reply(refusal=status_error(status, server_message(text), location=location), retry_after_s=retry_after)
+
+    async def exchange(self, method: str, url: str, *, headers: dict[str, str], limit: int, timeout_s: float,
+                       **kwargs: Any) -> tuple[int, bytes]:
+        """One HTTP call that is not a model call (a provider's batch API: files, batches) on the same
+        session, TLS and redaction: a 2xx's status and body, at most `limit` bytes (else
+        `ResponseTooLarge`); otherwise the error its status means (`status_error`), a timeout or a
+        dropped connection as `RetryableError`, a TLS failure as `TlsError`. `headers` are sent as
+        given (a provider names its key its own way)."""
+        async with self.streamed(method, url, headers=headers, timeout_s=timeout_s, **kwargs) as response:
+            body, complete = await read_bounded(response, limit)
+            if not complete:
+                response.close()
+                raise ResponseTooLarge(f"{method} {url}: answer over {limit} bytes", status=response.status)
+            return response.status, body
+
+    @contextlib.asynccontextmanager
+    async def streamed(self, method: str, url: str, *, headers: dict[str, str], timeout_s: float,
+                       **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A 2xx response whose body the caller reads as it likes (a provider's result file, line by
+        line), failures raised as `exchange` raises them, also while the body is read."""
+        session = self._session_in_loop()
+        try:
+            async with session.request(method, url, headers=headers, allow_redirects=False,
+                                       timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as response:
+                if not 200 <= response.status < 300:
+                    text = self.redact(await _error_text(response))
+                    raise status_error(response.status, server_message(text), location=None)
+                yield response
+        except InferenceError:
+            raise
+        except (TimeoutError, aiohttp.ClientError) as err:
+            raise self._no_answer(err, f"{method} {url}: ", timeout_s) from None
+
+    def _no_answer(self, err: TimeoutError | aiohttp.ClientError, said: str, timeout_s: float) -> InferenceError:
+        """What a call that got no usable answer failed as: a TLS failure (`TlsError`), else a timeout
+        or a dropped connection (`RetryableError`); `said` begins its detail."""
+        if isinstance(err, TimeoutError):
+            return RetryableError(f"{said}no response within {timeout_s:g} s")
+        tls = tls_failure(err, self._host)
+        if tls is not None:
+            return tls
+        return RetryableError(self._quote(f"{said}{type(err).__name__}: {err}"))
 
     async def _answer(self, response: aiohttp.ClientResponse) -> bytes:
         """The whole 2xx body, or `ResponseTooLarge` once it is known to pass

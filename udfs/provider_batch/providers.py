@@ -17,8 +17,10 @@ rules for a `custom_id`). The lane asks four things, each answered the same way 
   result files as a bounded stream (`provider_batch.max_result_bytes`). An answer's body is in the
   shape of OpenAI's (Anthropic's Message is translated), so the realtime lane's readers read it.
 
-Failures talking to the provider are `ProviderError`s, `retryable` as the realtime lane's status
-table (`udfs/inference/statuses.py`) says; the API key never appears in one.
+The HTTP side is the client's own `Transport` (`udfs/inference/transport.py`: its session, TLS,
+bounded reads, redaction and the status table), so a provider call fails as a model call does;
+`Provider` turns that into a `ProviderError`, `retryable` as the status table
+(`udfs/inference/statuses.py`) says; the API key never appears in one.
 """
 
 from __future__ import annotations
@@ -30,17 +32,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 
+from udfs.errors import InferenceError, LLMStreamError, ResponseTooLarge, RetryableError
 from udfs.inference import statuses
-from udfs.inference.transport import (
-    API_PATHS,
-    READ_CHUNK_BYTES,
-    read_bounded,
-    server_message,
-    tls_context,
-)
+from udfs.inference.transport import API_PATHS, READ_CHUNK_BYTES, server_message
 
 if TYPE_CHECKING:
     from udfs.config import JobConfig
+    from udfs.inference.transport import Transport
 
 log = logging.getLogger("llmstream.udfs")
 
@@ -82,7 +80,8 @@ class Unfinished:
     why: Why
 
 
-Result = Answered | Refused | Unfinished
+LineResult = Answered | Refused | Unfinished
+"""What a provider said to one request line of a batch."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class BatchView:
     errors_ref: str | None = None
 
 
-class ProviderError(Exception):
+class ProviderError(LLMStreamError):
     """A call to the provider's batch API failed (no answer, or a non-2xx one)."""
 
     def __init__(self, message: str, *, status: int | None = None, retryable: bool = True) -> None:
@@ -118,83 +117,63 @@ def index_of(name: Any) -> int | None:
 
 
 class Provider:
-    """The HTTP side both providers share: one aiohttp session on the lane's loop, the API key read
-    for each call and kept out of every error, bounded reads."""
+    """What both providers share: the client's `Transport` (one session on the lane's loop, TLS,
+    redaction, bounded reads), the API key read for each call and kept out of every error."""
 
     name = "provider"
 
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig, transport: Transport | None) -> None:
+        """`transport`: the client's; none at launch (`preflight`), where nothing is called through it."""
         assert config.model.endpoint is not None, "the batch lane calls model.endpoint (no fleet)"
         self._config = config
+        self._transport = transport
         self.base = config.model.endpoint.rstrip("/")
-        self._timeout = aiohttp.ClientTimeout(total=max(FILE_TIMEOUT_S, config.async_.request_timeout_s))
-        self._ssl = tls_context(config.model.tls)
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout_s = max(FILE_TIMEOUT_S, config.async_.request_timeout_s)
 
     def _headers(self) -> dict[str, str]:
         raise NotImplementedError
 
-    def _secret(self) -> str:
-        return self._config.api_key() or ""
-
     def _clean(self, text: str) -> str:
-        secret = self._secret()
+        if self._transport is not None:
+            return self._transport.redact(text)
+        secret = self._config.api_key() or ""
         return text.replace(secret, "***") if len(secret) >= 4 else text
 
-    def _session_now(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8, ssl=self._ssl),
-                                                  timeout=self._timeout)
-        return self._session
+    @property
+    def _http(self) -> Transport:
+        assert self._transport is not None, "a provider made for preflight calls nothing"
+        return self._transport
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
+        """Nothing of its own to close: the session is the client's."""
+
+    def _failed(self, method: str, url: str, err: InferenceError) -> ProviderError:
+        """A transport failure as the lane reads it: retryable as the status table says; an answer
+        over its bound is not (it would be as large the next time)."""
+        retryable = isinstance(err, RetryableError) and not isinstance(err, ResponseTooLarge)
+        detail = err.detail if err.detail.startswith(method) else f"{method} {url}: {err.detail}"
+        return ProviderError(self._clean(detail), status=err.status, retryable=retryable)
 
     async def _call(self, method: str, url: str, *, limit: int = 16 * 1024 * 1024, **kwargs: Any) -> Any:
         """The parsed JSON answer of one call; `ProviderError` for anything else."""
-        status, body = await self._raw(method, url, limit=limit, **kwargs)
+        headers = {**self._headers(), **kwargs.pop("headers", {})}
+        try:
+            status, body = await self._http.exchange(method, url, headers=headers, limit=limit,
+                                                          timeout_s=self._timeout_s, **kwargs)
+        except InferenceError as err:
+            raise self._failed(method, url, err) from None
         try:
             return json.loads(body)
         except ValueError:
             raise ProviderError(f"{method} {url}: HTTP {status} answer is not JSON", status=status,
                                 retryable=False) from None
 
-    async def _raw(self, method: str, url: str, *, limit: int, **kwargs: Any) -> tuple[int, bytes]:
-        headers = {**self._headers(), **kwargs.pop("headers", {})}
-        try:
-            async with self._session_now().request(method, url, headers=headers, allow_redirects=False,
-                                                   **kwargs) as response:
-                if 200 <= response.status < 300:
-                    body, complete = await read_bounded(response, limit)
-                    if not complete:
-                        response.close()
-                        raise ProviderError(f"{method} {url}: answer over {limit} bytes", status=response.status,
-                                            retryable=False)
-                    return response.status, body
-                text, _ = await read_bounded(response, MAX_ERROR_BYTES)
-                status = response.status
-        except ProviderError:
-            raise
-        except TimeoutError:
-            raise ProviderError(f"{method} {url}: no answer within {self._timeout.total:g} s") from None
-        except aiohttp.ClientError as err:
-            raise ProviderError(self._clean(f"{method} {url}: {type(err).__name__}: {err}")) from None
-        message = self._clean(server_message(text.decode("utf-8", errors="replace")))
-        raise ProviderError(f"{method} {url}: HTTP {status}: {message}", status=status,
-                            retryable=statuses.of_status(status).retryable)
-
     async def _lines(self, url: str, budget: list[int]) -> list[dict[str, Any]]:
         """The JSON lines of a result file, read as a stream within the lane's byte budget."""
-        headers = self._headers()
         out: list[dict[str, Any]] = []
         try:
-            async with self._session_now().get(url, headers=headers, allow_redirects=False) as response:
-                if not 200 <= response.status < 300:
-                    text, _ = await read_bounded(response, MAX_ERROR_BYTES)
-                    raise ProviderError(f"GET {url}: HTTP {response.status}: "
-                                        f"{self._clean(server_message(text.decode('utf-8', errors='replace')))}",
-                                        status=response.status, retryable=statuses.of_status(response.status).retryable)
+            async with self._http.streamed("GET", url, headers=self._headers(),
+                                                timeout_s=self._timeout_s) as response:
                 pending = b""
                 async for chunk in response.content.iter_chunked(READ_CHUNK_BYTES):
                     budget[0] -= len(chunk)
@@ -207,12 +186,8 @@ class Provider:
                     out.extend(_parsed(line) for line in whole if line.strip())
                 if pending.strip():
                     out.append(_parsed(pending))
-        except ProviderError:
-            raise
-        except TimeoutError:
-            raise ProviderError(f"GET {url}: no answer within {self._timeout.total:g} s") from None
-        except aiohttp.ClientError as err:
-            raise ProviderError(self._clean(f"GET {url}: {type(err).__name__}: {err}")) from None
+        except InferenceError as err:
+            raise self._failed("GET", url, err) from None
         return out
 
     # The lane's four questions (see the module docstring) and a cancel.
@@ -228,7 +203,7 @@ class Provider:
     async def view(self, batch_id: str) -> BatchView:
         raise NotImplementedError
 
-    async def results(self, view: BatchView, count: int) -> list[Result]:
+    async def results(self, view: BatchView, count: int) -> list[LineResult]:
         raise NotImplementedError
 
     async def cancel(self, batch_id: str) -> None:
@@ -243,7 +218,7 @@ def _parsed(line: bytes) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _completed(results: dict[int, Result], count: int, why: Why) -> list[Result]:
+def _completed(results: dict[int, LineResult], count: int, why: Why) -> list[LineResult]:
     """Every index in order: its result, or `Unfinished(why)` where the files have none."""
     return [results.get(i) or Unfinished(i, why) for i in range(count)]
 
@@ -329,9 +304,9 @@ class OpenAIBatches(Provider):
             return BatchView(batch_id, "ended", status, unfinished=why, counts=counts, **refs)
         return BatchView(batch_id, "running", status, counts=counts)
 
-    async def results(self, view: BatchView, count: int) -> list[Result]:
+    async def results(self, view: BatchView, count: int) -> list[LineResult]:
         budget = [self._config.provider_batch.max_result_bytes]
-        found: dict[int, Result] = {}
+        found: dict[int, LineResult] = {}
         for ref in (view.results_ref, view.errors_ref):
             if not ref:
                 continue
@@ -346,7 +321,7 @@ class OpenAIBatches(Provider):
         await self._call("POST", f"{self.base}/batches/{batch_id}/cancel")
 
 
-def _openai_result(index: int, line: dict[str, Any], unfinished: Why | None) -> Result:
+def _openai_result(index: int, line: dict[str, Any], unfinished: Why | None) -> LineResult:
     response = line.get("response") if isinstance(line.get("response"), dict) else None
     error = line.get("error") if isinstance(line.get("error"), dict) else None
     if response is not None and response.get("status_code") == 200 and isinstance(response.get("body"), dict):
@@ -402,9 +377,9 @@ class AnthropicBatches(Provider):
             return BatchView(batch_id, "ended", status, unfinished="expired", counts=counts, results_ref=results_url)
         return BatchView(batch_id, "running", status, counts=counts)
 
-    async def results(self, view: BatchView, count: int) -> list[Result]:
+    async def results(self, view: BatchView, count: int) -> list[LineResult]:
         budget = [self._config.provider_batch.max_result_bytes]
-        found: dict[int, Result] = {}
+        found: dict[int, LineResult] = {}
         if view.results_ref:
             for line in await self._lines(view.results_ref, budget):
                 index = index_of(line.get("custom_id"))
@@ -437,7 +412,7 @@ def anthropic_params(payload: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _anthropic_result(index: int, result: Any) -> Result:
+def _anthropic_result(index: int, result: Any) -> LineResult:
     if not isinstance(result, dict):
         return Refused(index, "unreadable_result", "the result line has no result", None, False)
     kind = result.get("type")
@@ -463,8 +438,10 @@ def openai_body(message: dict[str, Any]) -> dict[str, Any]:
             "usage": {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}}
 
 
-def provider_for(config: JobConfig) -> Provider:
-    return AnthropicBatches(config) if config.model.provider == "anthropic" else OpenAIBatches(config)
+def provider_for(config: JobConfig, transport: Transport | None = None) -> Provider:
+    """The provider `model.provider` names, calling through `transport` (the client's; none at
+    launch, where only its URL, headers and redaction are used)."""
+    return AnthropicBatches(config, transport) if config.model.provider == "anthropic" else OpenAIBatches(config, transport)
 
 
 def preflight(config: JobConfig, *, timeout_s: float) -> None:

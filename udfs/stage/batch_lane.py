@@ -131,8 +131,9 @@ class BatchStage(KeyedLane):
         self._records = runtime_context.get_map_state(RECORDS)
         self._assigned = runtime_context.get_map_state(ASSIGNED)
         self._batches = runtime_context.get_map_state(BATCHES)
-        # The client is the realtime lane's (`on_expired: realtime`), its result cache and its answer reader.
-        self._provider = provider_for(self._config)
+        # The client's: the realtime calls (`on_expired: realtime`), the result cache, the answer
+        # reader, and the transport the provider's batch API is called through.
+        self._provider = provider_for(self._config, self._client.transport)
         self._collections: dict[Any, _Collection] = {}
         self._entries: dict[Any, dict[str, Any]] = {}
         self._held: dict[Any, int] = {}
@@ -160,9 +161,6 @@ class BatchStage(KeyedLane):
         log.info("batch lane: %s batches at %s of at most %d requests, %d bytes, %g s of waiting",
                  self._provider.name, self._provider.base, settings.max_requests, settings.max_bytes,
                  settings.max_wait_s)
-
-    async def _before_stop(self) -> None:
-        await self._provider.close()
 
     def _closed(self) -> None:
         durable = getattr(self, "_durable_file", None)

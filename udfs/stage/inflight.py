@@ -23,7 +23,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-Result = tuple[Hashable, Any]
+Finished = tuple[Hashable, Any]
 """(handle, value): what one finished call left for its bucket."""
 
 
@@ -42,7 +42,7 @@ class CallRunner:
         self._wake_batch = max(1, capacity // 8)
         self._lock = threading.Condition(threading.Lock())
         self._in_flight = 0
-        self._done: dict[Hashable, deque[Result]] = {}
+        self._done: dict[Hashable, deque[Finished]] = {}
         self._inbox: deque[Callable[[], Coroutine[Any, Any, None]]] = deque()
         self._wake_pending = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -121,7 +121,7 @@ class CallRunner:
                 if self.capacity - self._in_flight >= self._wake_batch or self._in_flight == 0:
                     self._lock.notify_all()
 
-    def take(self, bucket: Hashable) -> list[Result]:
+    def take(self, bucket: Hashable) -> list[Finished]:
         """The finished calls of `bucket`, removed from the runner."""
         queue = self._done.get(bucket)
         if not queue:

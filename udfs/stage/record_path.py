@@ -14,6 +14,7 @@ record: every failure is a dead letter with its reason.
 from __future__ import annotations
 
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -147,25 +148,27 @@ class RecordPath:
         elsewhere than `call` (a provider's batch)."""
         if not self._preprocess:
             return request
-        assert self._user is not None
-        try:
-            shaped = await self._user.request(request, self._config.limits)
-            return shaped if shaped is not None else Settled(await self._skipped(request, record))
-        except RecordError as err:
-            return self.dead_letter(err, record, request.id)
-        except Exception as err:
-            log.exception("unexpected error in the preprocess of id=%s", request.id)
-            return self.dead_letter(InternalError.from_exception(err), record, request.id)
+
+        async def shaped() -> Request | Settled:
+            assert self._user is not None
+            made = await self._user.request(request, self._config.limits)
+            return made if made is not None else Settled(await self._skipped(request, record))
+        return await self._guarded(shaped(), request, record, "the preprocess")
 
     async def answered(self, request: Request, completion: Completion, record: PendingRecord) -> Settled:
         """The output row of an answer got elsewhere than `call` (a provider's batch, the result
         cache), through the postprocess when there is one, or its dead letter; never raises."""
+        return await self._guarded(self._finished(request, completion, record), request, record, "writing the answer")
+
+    async def _guarded(self, step: Coroutine[Any, Any, Any], request: Request, record: PendingRecord,
+                       what: str) -> Any:
+        """`step`'s value, or the record's dead letter when it raises (a bug's is logged)."""
         try:
-            return await self._finished(request, completion, record)
+            return await step
         except RecordError as err:
             return self.dead_letter(err, record, request.id)
         except Exception as err:
-            log.exception("unexpected error writing the answer of id=%s", request.id)
+            log.exception("unexpected error in %s of id=%s", what, request.id)
             return self.dead_letter(InternalError.from_exception(err), record, request.id)
 
     async def _finished(self, request: Request, completion: Completion, record: PendingRecord) -> Settled:
