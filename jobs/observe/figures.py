@@ -23,6 +23,7 @@ from jobs.clients.flink_rest import ClusterError, FlinkRest
 from jobs.state.snapshots import LocalRun, StateDir
 from udfs.config import JobConfig
 from udfs.cost import pricing
+from udfs.records import now_ms as epoch_now_ms
 
 log = logging.getLogger("llmstream.status")
 
@@ -79,12 +80,12 @@ class JobMetrics:
 
     def collect(self) -> dict[str, Any]:
         job = self.rest.job(self.job_id)
-        now_ms = int(job.get("now") or time.time() * 1000)
-        start = int(job.get("start-time") or now_ms)
+        now = int(job.get("now") or epoch_now_ms())
+        start = int(job.get("start-time") or now)
         end = int(job.get("end-time") or -1)
         out: dict[str, Any] = {
             "id": self.job_id, "name": job.get("name"), "state": job.get("state"),
-            "uptime_s": round(((end if end > 0 else now_ms) - start) / 1000, 1),
+            "uptime_s": round(((end if end > 0 else now) - start) / 1000, 1),
             "restarts": self.rest.num_restarts(self.job_id),
             "taskmanagers": self._taskmanagers(),
         }
@@ -101,7 +102,7 @@ class JobMetrics:
         out["metrics"] = metrics
         out["parallelism"] = parallelism
         out["checkpoints"] = self.rest.checkpoint_stats(self.job_id)
-        out["now_ms"] = now_ms
+        out["now_ms"] = now
         return out
 
 
