@@ -65,6 +65,19 @@ ROOTS: dict[str, tuple[str, ...]] = {
     # A real S3-compatible server for the tests and developers (jobs/dev/object_store.py), its
     # filesystem backend keeping buckets as directories.
     "objectstore": ("org.gaul:s3proxy:2.6.0",),
+    # A ZooKeeper server for a highly available standalone cluster (jobs/dev/zookeeper.py,
+    # `llmstream cluster start --ha`); Flink's ZooKeeper client is shaded inside flink-dist.
+    # metrics-core and snappy-java are provided dependencies of zookeeper, but its server fails
+    # without them (NoClassDefFoundError: com/codahale/metrics/Reservoir at start, then
+    # org/xerial/snappy/SnappyInputStream at its first snapshot: it answers "not currently serving").
+    # log4j's SLF4J binding, so its errors reach zookeeper.log (log4j's default: ERROR to the console).
+    "zookeeper": (
+        "org.apache.zookeeper:zookeeper:3.9.4",
+        "io.dropwizard.metrics:metrics-core:4.1.12.1",
+        "org.xerial.snappy:snappy-java:1.1.10.5",
+        "org.apache.logging.log4j:log4j-slf4j2-impl:2.24.3",
+        "org.apache.logging.log4j:log4j-core:2.24.3",
+    ),
 }
 # Sets locked as their roots alone, without the roots' dependencies (nothing here runs them,
 # or the artifact carries its own).
