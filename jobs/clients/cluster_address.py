@@ -5,13 +5,22 @@ The development wing starts that local cluster (`jobs/dev/local_cluster.py`) fro
 default ``<repo>/var/flink``, and records there, in ``cluster.json``, the address of its REST API
 and the folders of a ``flink run`` client talking to it. The job's side only reads that record,
 so it finds the cluster without importing the code that starts it.
+
+A highly available cluster (``llmstream cluster start --ha``) records the REST addresses of all
+its JobManagers (``addresses``); `target` follows the leader: it asks each in turn and takes the
+first whose ``/overview`` succeeds (`leader_of`). Measured on Flink 2.3: while the leader lives,
+the standby's REST API answers too (it forwards every request to the leading Dispatcher); once the
+leader is killed its port refuses connections and the standby answers ``500``
+(``RecipientUnreachableException``, forwarding to the dead leader) until its ZooKeeper session
+expires, then ``503`` ("Service temporarily unavailable due to an ongoing leader election") for a
+moment, then ``200`` as the new leader.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from jobs.clients.flink_cli import flink_conf_dir
@@ -21,7 +30,7 @@ from udfs.errors import ConfigError
 
 RECORD = "cluster.json"
 
-__all__ = ["RECORD", "ClusterAddress", "default_work_dir", "target"]
+__all__ = ["RECORD", "ClusterAddress", "default_work_dir", "leader_of", "target"]
 
 
 def default_work_dir() -> Path:
@@ -29,14 +38,35 @@ def default_work_dir() -> Path:
     return jars.repo_root() / "var" / "flink"
 
 
+def leader_of(addresses: list[str]) -> str | None:
+    """The first of ``addresses`` (``host:port``) whose REST API answers as the leader: ``/overview``
+    succeeds on the leading JobManager only (a standby answers 503), or None if none does."""
+    for address in addresses:
+        if FlinkRest(f"http://{address}").overview() is not None:
+            return address
+    return None
+
+
 @dataclass(frozen=True)
 class ClusterAddress:
     """A cluster's REST address (``host:port``, also what ``flink run -m`` takes) and the Flink
-    configuration and log folders of a ``flink run`` client that talks to it."""
+    configuration and log folders of a ``flink run`` client that talks to it. ``addresses``: every
+    JobManager's REST address of a highly available cluster (empty for one JobManager)."""
 
     address: str
     conf_dir: str
     log_dir: str
+    addresses: list[str] = field(default_factory=list)
+
+    @property
+    def candidates(self) -> list[str]:
+        """The REST addresses to try, the recorded ``address`` first."""
+        return [self.address, *(a for a in self.addresses if a != self.address)]
+
+    def following_leader(self) -> ClusterAddress:
+        """This record with ``address`` set to its leading JobManager's (itself if none leads)."""
+        leader = leader_of(self.candidates)
+        return self if leader is None or leader == self.address else replace(self, address=leader)
 
     @property
     def rest_url(self) -> str:
@@ -79,9 +109,11 @@ def target(jobmanager: str | None, *, also_absent: str = "") -> ClusterAddress:
         raise ConfigError("--jobmanager", f"{not_given}and no local Flink cluster was started from "
                                           f"{default_work_dir()}; start one with `llmstream cluster start` "
                                           "or pass --jobmanager HOST:PORT")
+    local = local.following_leader()
     why = local.rest().why_unreachable()
     if why is not None:
+        tried = ", ".join(f"http://{a}" for a in local.candidates)
         raise ConfigError("--jobmanager", f"{not_given}and the local Flink cluster does not answer at "
-                                          f"{local.rest_url} ({why}); start it with `llmstream cluster start` "
+                                          f"{tried} ({why}); start it with `llmstream cluster start` "
                                           "or pass --jobmanager HOST:PORT")
     return local

@@ -23,6 +23,14 @@ Once its REST API answers, it records its address in ``cluster.json`` in the wor
 (`jobs/clients/cluster_address.py`), through which `jobs/launch/submit.py` (``llmstream submit``) and
 ``llmstream status`` find it.
 
+A highly available cluster (``llmstream cluster start --ha``, ``ClusterConfig(ha=True)``) adds a
+ZooKeeper server (`jobs/dev/zookeeper.py`, data in ``zookeeper/``) and a second, standby
+JobManager (``jobmanager.sh start localhost <rest port>``, each with its own
+``high-availability.jobmanager.port``); its job graphs, checkpoint pointers and leader addresses are
+in ZooKeeper, their data in ``ha/`` (``high-availability.storageDir``; an ``s3://`` one with
+``--setting high-availability.storageDir=s3://...``). Its record lists both REST addresses, and
+`LocalCluster` and every client follow the leader (`jobs/clients/cluster_address.py`).
+
 `LocalCluster` is the programmatic API (tests use it: kill a TaskManager, read restarts,
 cancel, stop with a savepoint); `main` is ``llmstream cluster start|stop|status``.
 """
@@ -33,6 +41,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,9 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+import requests
 import yaml
 
-from jobs.clients.cluster_address import ClusterAddress, default_work_dir
+from jobs.clients.cluster_address import ClusterAddress, default_work_dir, leader_of
 from jobs.clients.flink_cli import (
     JOB_SCRIPT,
     client_env,
@@ -56,6 +66,7 @@ from jobs.clients.flink_cli import (
 from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
 from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.dev.processes import children, cmdline, terminate
+from jobs.dev.zookeeper import ZooKeeper, ZooKeeperConfig
 from jobs.runtime import jars
 from jobs.runtime.pids import pid_alive, wait_gone
 from jobs.runtime.ports import free_ports, port_in_use
@@ -64,6 +75,11 @@ log = logging.getLogger("llmstream.cluster")
 
 DEFAULT_REST_PORT = 8081
 DEFAULT_RPC_PORT = 6123
+DEFAULT_STANDBY_REST_PORT = 8082
+DEFAULT_STANDBY_RPC_PORT = 6124
+DEFAULT_ZOOKEEPER_PORT = 2181
+HA_CLUSTER_ID = "/llmstream"
+LEADER_GRANTED = re.compile(r"^(\S+ \S+) .*DispatcherRestEndpoint.* - https?://[^:]+:(\d+) was granted leadership")
 IDENT = "llmstream"  # FLINK_IDENT_STRING: names pid and log files (instead of $USER, unset in containers)
 
 __all__ = [
@@ -173,6 +189,10 @@ class ClusterConfig:
     rpc_port: int = DEFAULT_RPC_PORT
     conf_source: Path = field(default_factory=conf_source_dir)
     settings: dict[str, Any] = field(default_factory=dict)
+    ha: bool = False
+    standby_rest_port: int = DEFAULT_STANDBY_REST_PORT
+    standby_rpc_port: int = DEFAULT_STANDBY_RPC_PORT
+    zookeeper_port: int = DEFAULT_ZOOKEEPER_PORT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser().resolve())
@@ -180,17 +200,26 @@ class ClusterConfig:
 
     @classmethod
     def ephemeral(cls, work_dir: Path, **kwargs: Any) -> ClusterConfig:
-        """Free REST and RPC ports, for tests that must not collide with anything else."""
-        rest, rpc = free_ports(2)
+        """Free REST and RPC ports (and, with ``ha=True``, the standby's and ZooKeeper's), for tests
+        that must not collide with anything else."""
+        if kwargs.get("ha"):
+            rest, rpc, standby_rest, standby_rpc, zookeeper = free_ports(5)
+            kwargs.update(standby_rest_port=standby_rest, standby_rpc_port=standby_rpc, zookeeper_port=zookeeper)
+        else:
+            rest, rpc = free_ports(2)
         return cls(work_dir=work_dir, rest_port=rest, rpc_port=rpc, **kwargs)
 
     @classmethod
     def existing(cls, work_dir: Path | None = None) -> ClusterConfig:
-        """The config of a cluster started earlier from ``work_dir`` (its ports from its generated conf)."""
+        """The config of a cluster started earlier from ``work_dir`` (its ports from its generated
+        conf; HA and the standby's ports from its generated conf's ``llmstream.ha.*`` comments)."""
         work = Path(work_dir) if work_dir is not None else default_work_dir()
         flat = _read_flat(work / "conf")
+        ha = _read_ha(work / "conf")
         return cls(work_dir=work, rest_port=int(flat.get("rest.port", DEFAULT_REST_PORT)),
-                   rpc_port=int(flat.get("jobmanager.rpc.port", DEFAULT_RPC_PORT)))
+                   rpc_port=int(flat.get("high-availability.jobmanager.port")
+                                or flat.get("jobmanager.rpc.port", DEFAULT_RPC_PORT)),
+                   **ha)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -200,16 +229,64 @@ class ClusterConfig:
     def savepoint_dir(self) -> Path:
         return self.work_dir / "savepoints"
 
+    @property
+    def ha_dir(self) -> Path:
+        """``high-availability.storageDir`` by default: job graphs and checkpoint metadata of HA."""
+        return self.work_dir / "ha"
+
+    @property
+    def zookeeper(self) -> ZooKeeperConfig:
+        return ZooKeeperConfig(port=self.zookeeper_port, data_dir=self.work_dir / "zookeeper")
+
+    def jobmanagers(self) -> list[tuple[int, int]]:
+        """``(REST port, RPC port)`` of each JobManager: the first, then the standby (HA only)."""
+        first = (self.rest_port, self.rpc_port)
+        return [first, (self.standby_rest_port, self.standby_rpc_port)] if self.ha else [first]
+
     def overrides(self) -> dict[str, Any]:
         """Everything the generated config.yaml changes from ``flink-conf/``."""
+        ha: dict[str, Any] = {}
+        if self.ha:
+            ha = {
+                "high-availability.type": "zookeeper",
+                "high-availability.zookeeper.quorum": self.zookeeper.quorum,
+                "high-availability.storageDir": self.ha_dir.as_uri(),
+                "high-availability.cluster-id": HA_CLUSTER_ID,
+                # The first JobManager's; the standby's is given on its command line (`LocalCluster.start`).
+                "high-availability.jobmanager.port": str(self.rpc_port),
+            }
         return {
             "rest.port": self.rest_port,
             "jobmanager.rpc.port": self.rpc_port,
             "execution.checkpointing.dir": self.checkpoint_dir.as_uri(),
             "execution.checkpointing.savepoint-dir": self.savepoint_dir.as_uri(),
             "io.tmp.dirs": str(self.work_dir / "tmp"),
+            **ha,
             **self.settings,
         }
+
+    def ha_comment(self) -> str:
+        """The generated config.yaml's trailer that `existing` reads back: the standby's ports and ZooKeeper's."""
+        if not self.ha:
+            return ""
+        return (f"# llmstream.ha.standby_rest_port: {self.standby_rest_port}\n"
+                f"# llmstream.ha.standby_rpc_port: {self.standby_rpc_port}\n"
+                f"# llmstream.ha.zookeeper_port: {self.zookeeper_port}\n")
+
+
+def _read_ha(conf_dir: Path) -> dict[str, Any]:
+    """`ClusterConfig.ha_comment` of a generated conf, as `ClusterConfig` keyword arguments ({} if not HA)."""
+    try:
+        text = (conf_dir / "config.yaml").read_text()
+    except OSError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("# llmstream.ha."):
+            key, _, value = line.removeprefix("# llmstream.ha.").partition(":")
+            with contextlib.suppress(ValueError):
+                found[key.strip()] = int(value)
+    return {"ha": True, **found} if found else {}
 
 
 class LocalCluster(FlinkRest):
@@ -219,6 +296,35 @@ class LocalCluster(FlinkRest):
         self.config = config or ClusterConfig()
         super().__init__(f"http://localhost:{self.config.rest_port}")
         self._orphans: list[int] = []
+        self._leader = f"localhost:{self.config.rest_port}"
+        self.zookeeper = ZooKeeper(self.config.zookeeper) if self.config.ha else None
+
+    # ------------------------------------------------------------------ following the leader
+    def rest_addresses(self) -> list[str]:
+        """``host:port`` of every JobManager's REST API, the first JobManager's first."""
+        return [f"localhost:{rest}" for rest, _ in self.config.jobmanagers()]
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://{self._leader}"
+
+    def find_leader(self) -> str | None:
+        """The REST address of the leading JobManager (it is remembered), or None if none leads."""
+        leader = leader_of([self._leader, *(a for a in self.rest_addresses() if a != self._leader)])
+        if leader is not None:
+            self._leader = leader
+        return leader
+
+    def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
+        """`FlinkRest.rest` on the leading JobManager: on a highly available cluster a call that the
+        remembered one refuses (dead, or a standby's 503) is made again on the new leader, if any."""
+        try:
+            return super().rest(path, method=method, body=body, timeout=timeout)
+        except ClusterError:
+            before = self._leader
+            if not self.config.ha or self.find_leader() in (None, before):
+                raise
+            return super().rest(path, method=method, body=body, timeout=timeout)
 
     def _diagnostics(self) -> str:
         return f"; JobManager log: {self.jobmanager_log()}\n{self.log_tail()}"
@@ -252,8 +358,8 @@ class LocalCluster(FlinkRest):
 
     @property
     def address(self) -> str:
-        """``host:port`` for ``flink run -m``."""
-        return f"localhost:{self.config.rest_port}"
+        """``host:port`` for ``flink run -m``: the leading JobManager's REST API."""
+        return self._leader
 
     def _pid_file(self, daemon: str) -> Path:
         return self.pid_dir / f"flink-{IDENT}-{daemon}.pid"
@@ -268,7 +374,8 @@ class LocalCluster(FlinkRest):
     def record_address(self) -> None:
         """Say in the work dir where this cluster answers (`jobs/clients/cluster_address.py`): how
         ``llmstream submit | stop | upgrade | status`` find it without --jobmanager."""
-        ClusterAddress(address=self.address, conf_dir=str(self.conf_dir), log_dir=str(self.log_dir)).write(self.work_dir)
+        ClusterAddress(address=self.address, conf_dir=str(self.conf_dir), log_dir=str(self.log_dir),
+                       addresses=self.rest_addresses() if self.config.ha else []).write(self.work_dir)
 
     def write_conf(self) -> None:
         """(Re)generate ``conf/`` from ``flink-conf/`` with this cluster's ports and paths."""
@@ -279,13 +386,14 @@ class LocalCluster(FlinkRest):
         shutil.rmtree(tmp, ignore_errors=True)
         # flink-conf/kubernetes/ holds the operator's manifests, not Flink settings.
         shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("kubernetes"))
-        (tmp / "config.yaml").write_text(render_config(source, self.config.overrides()))
+        (tmp / "config.yaml").write_text(render_config(source, self.config.overrides()) + self.config.ha_comment())
         shutil.rmtree(self.conf_dir, ignore_errors=True)
         tmp.rename(self.conf_dir)
         write_lib_dir(self.lib_dir)
         write_plugins_dir(self.plugins_dir)
         for sub in (self.log_dir, self.pid_dir, self.work_dir / "tmp",
-                    self.config.checkpoint_dir, self.config.savepoint_dir):
+                    self.config.checkpoint_dir, self.config.savepoint_dir,
+                    *([self.config.ha_dir] if self.config.ha else [])):
             sub.mkdir(parents=True, exist_ok=True)
 
     def _script(self, name: str, *args: str, timeout: float = 60) -> str:
@@ -313,8 +421,73 @@ class LocalCluster(FlinkRest):
         return pids
 
     def jobmanager_pid(self) -> int | None:
+        """The JobManager JVM (on a highly available cluster the leader's, else the newest)."""
+        if self.config.ha:
+            leader = self.leader_pid()
+            if leader is not None:
+                return leader
         pids = self._pids("standalonesession")
         return pids[-1] if pids else None
+
+    def jobmanager_pids(self) -> dict[int, int]:
+        """REST port -> pid of each live JobManager of a highly available cluster (each is started
+        with ``rest.port`` on its command line)."""
+        found = {}
+        for pid in self._pids("standalonesession"):
+            for arg in cmdline(pid):
+                if arg.startswith("rest.port="):
+                    found[int(arg.partition("=")[2])] = pid
+        return found
+
+    def leading_rest_port(self) -> int | None:
+        """The REST port of the JobManager that leads, from the JobManagers' logs: the newest
+        ``DispatcherRestEndpoint - http://127.0.0.1:<port> was granted leadership`` of a live one.
+        (The REST API does not tell: a standby's forwards every request to the leader.)"""
+        live = self.jobmanager_pids()
+        grants: list[tuple[str, int]] = []
+        for path in self.log_dir.glob(f"flink-{IDENT}-standalonesession-*.log"):
+            with contextlib.suppress(OSError):
+                for line in path.read_text(errors="replace").splitlines():
+                    match = LEADER_GRANTED.search(line)
+                    if match and int(match.group(2)) in live:
+                        grants.append((match.group(1), int(match.group(2))))
+        return max(grants)[1] if grants else None
+
+    def leader_pid(self) -> int | None:
+        """The leading JobManager's pid (None if none leads)."""
+        port = self.leading_rest_port()
+        return self.jobmanager_pids().get(port) if port is not None else None
+
+    def kill_jobmanager(self, sig: int = signal.SIGKILL, pid: int | None = None) -> int:
+        """Signal a JobManager JVM (the leader by default), as a crash would; returns its pid."""
+        target = pid if pid is not None else self.leader_pid()
+        if target is None:
+            raise ClusterError("no leading JobManager is running")
+        os.kill(target, sig)
+        wait_gone([target], 10)
+        self._forget_pid("standalonesession", target)
+        return target
+
+    def start_jobmanager(self, rest_port: int, rpc_port: int) -> None:
+        """``jobmanager.sh start`` one JobManager of a highly available cluster on these ports."""
+        self._script("jobmanager.sh", "start", "localhost", str(rest_port),
+                     "-D", f"high-availability.jobmanager.port={rpc_port}")
+
+    def _answers_at(self, rest_port: int) -> bool:
+        """Whether the REST server on ``rest_port`` answers at all (a standby answers 503)."""
+        try:
+            requests.get(f"http://localhost:{rest_port}/config", timeout=3)
+        except requests.RequestException:
+            return False
+        return True
+
+    def _start_missing_jobmanagers(self, timeout: float) -> None:
+        running = self.jobmanager_pids()
+        for rest_port, rpc_port in self.config.jobmanagers():
+            if rest_port not in running:
+                self.start_jobmanager(rest_port, rpc_port)
+                self._wait(f"the JobManager's REST server on port {rest_port}",
+                           lambda port=rest_port: self._answers_at(port), timeout)
 
     def taskmanager_pids(self) -> list[int]:
         """Live TaskManager JVMs of this cluster, oldest first."""
@@ -355,18 +528,32 @@ class LocalCluster(FlinkRest):
     def start(self, taskmanagers: int = 1, timeout: float = 120.0) -> None:
         """Start the JobManager and ``taskmanagers`` TaskManagers, or top up a running cluster to that many."""
         if self.jobmanager_pid() is not None:
+            if self.zookeeper is not None:
+                self.zookeeper.start(timeout=timeout)
+                self._start_missing_jobmanagers(timeout)
             self._wait("the REST API", self.overview, timeout)
             self.record_address()
             missing = taskmanagers - len(self.taskmanager_pids())
             for _ in range(max(0, missing)):
                 self.add_taskmanager(timeout=timeout)
             return
-        for port in (self.config.rest_port, self.config.rpc_port):
+        ports = [port for jobmanager in self.config.jobmanagers() for port in jobmanager]
+        if self.config.ha:
+            ports.append(self.config.zookeeper_port)
+        for port in ports:
             if port_in_use(port):
-                raise ClusterError(f"port {port} on localhost is already in use; pick another (--port / --rpc-port)")
+                raise ClusterError(f"port {port} on localhost is already in use; pick another "
+                                   "(--port / --rpc-port / --standby-port / --standby-rpc-port / --zookeeper-port)")
         self.write_conf()
         try:
-            self._script("jobmanager.sh", "start")
+            if self.zookeeper is not None:
+                self.zookeeper.start(timeout=timeout)
+                # The first JobManager alone, so it wins the election; then the standby.
+                self.start_jobmanager(*self.config.jobmanagers()[0])
+                self._wait("the REST API", self.overview, timeout)
+                self._start_missing_jobmanagers(timeout)
+            else:
+                self._script("jobmanager.sh", "start")
             self._wait("the REST API", self.overview, timeout)
             self.record_address()
             for _ in range(taskmanagers):
@@ -431,6 +618,8 @@ class LocalCluster(FlinkRest):
         for daemon in ("taskexecutor", "standalonesession"):
             self._pid_file(daemon).unlink(missing_ok=True)
         self.reap_orphans()
+        if self.zookeeper is not None:
+            self.zookeeper.stop(timeout)
 
     def __enter__(self) -> Self:
         self.start()
@@ -459,9 +648,22 @@ def _status_text(cluster: LocalCluster) -> tuple[bool, str]:
         return False, f"cluster: not running (work dir {cluster.work_dir})"
     if overview is None:
         return False, f"cluster: JobManager pid {pid} runs but its REST API at {cluster.rest_url} does not answer"
+    if cluster.config.ha:
+        live = cluster.jobmanager_pids()
+        leading = cluster.leading_rest_port()
+        roles = ", ".join(
+            f"{'leader' if rest == leading else 'standby'} "
+            f"{'pid ' + str(live[rest]) if rest in live else 'not running'} REST :{rest}"
+            for rest, _ in cluster.config.jobmanagers())
+        zookeeper = cluster.zookeeper
+        zk = (f"ZooKeeper {zookeeper.quorum} pid {zookeeper.pid()}" if zookeeper is not None and zookeeper.ready()
+              else "ZooKeeper not serving")
+        jobmanagers = f"  jobmanagers: {len(live)} ({roles}; {zk}, Flink {overview.get('flink-version')})"
+    else:
+        jobmanagers = f"  jobmanagers: 1 (pid {pid}, Flink {overview.get('flink-version')})"
     lines = [
         f"cluster: running, web UI {cluster.rest_url} (work dir {cluster.work_dir})",
-        f"  jobmanagers: 1 (pid {pid}, Flink {overview.get('flink-version')})",
+        jobmanagers,
         (f"  taskmanagers: {overview.get('taskmanagers')} (pids {cluster.taskmanager_pids()}), "
          f"slots {overview.get('slots-available')}/{overview.get('slots-total')} free"),
         (f"  jobs: {overview.get('jobs-running')} running, {overview.get('jobs-finished')} finished, "
@@ -485,12 +687,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None,
                         help=f"REST / web UI port (default {DEFAULT_REST_PORT}, or the running cluster's)")
     parser.add_argument("--rpc-port", type=int, default=None, help=f"JobManager RPC port (default {DEFAULT_RPC_PORT})")
+    parser.add_argument("--ha", action="store_true",
+                        help="start: a highly available cluster: ZooKeeper and a standby JobManager that takes "
+                             "over the running jobs when the leader dies")
+    parser.add_argument("--standby-port", type=int, default=None,
+                        help=f"--ha: the standby JobManager's REST port (default {DEFAULT_STANDBY_REST_PORT})")
+    parser.add_argument("--standby-rpc-port", type=int, default=None,
+                        help=f"--ha: the standby JobManager's RPC port (default {DEFAULT_STANDBY_RPC_PORT})")
+    parser.add_argument("--zookeeper-port", type=int, default=None,
+                        help=f"--ha: ZooKeeper's port on 127.0.0.1 (default {DEFAULT_ZOOKEEPER_PORT})")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="conf, logs, pids, checkpoints (default <repo>/var/flink)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start (default 120)")
     parser.add_argument("--setting", dest="cluster_settings", action="append", default=[], metavar="KEY=VALUE",
                         help="start: a Flink setting of the cluster, e.g. s3.endpoint=http://127.0.0.1:9300 for "
                              "state on S3 (repeatable; credentials belong in the environment, not here)")
+
+
+def _given(args: argparse.Namespace, name: str, default: int) -> int:
+    value = getattr(args, name, None)
+    return int(value) if value is not None else default
 
 
 def run(args: argparse.Namespace) -> int:
@@ -501,6 +717,10 @@ def run(args: argparse.Namespace) -> int:
         rest_port=args.port if args.port is not None else existing.rest_port,
         rpc_port=args.rpc_port if args.rpc_port is not None else existing.rpc_port,
         settings=dict(item.partition("=")[::2] for item in args.cluster_settings),
+        ha=existing.ha or bool(getattr(args, "ha", False)),
+        standby_rest_port=_given(args, "standby_port", existing.standby_rest_port),
+        standby_rpc_port=_given(args, "standby_rpc_port", existing.standby_rpc_port),
+        zookeeper_port=_given(args, "zookeeper_port", existing.zookeeper_port),
     )
     cluster = LocalCluster(config)
     try:
@@ -511,7 +731,8 @@ def run(args: argparse.Namespace) -> int:
             print(_status_text(cluster)[1])
             return 0
         if args.cluster_command == "stop":
-            running = cluster.jobmanager_pid() is not None or bool(cluster.taskmanager_pids())
+            running = (bool(cluster._pids("standalonesession")) or bool(cluster.taskmanager_pids())
+                       or (cluster.zookeeper is not None and cluster.zookeeper.pid() is not None))
             cluster.stop()
             print("cluster: stopped" if running else f"cluster: not running (work dir {cluster.work_dir})")
             return 0
