@@ -88,7 +88,7 @@ class UserFunctionError(RecordError):
 
 
 class ProviderBatchError(RecordError):
-    """A record the provider-batch lane (`model.mode: batch`) could not get answered: the batch
+    """A record the provider-batch lane (`lane: provider-batch`) could not get answered: the batch
     failed validation (`batch_failed`), the provider refused the request in every batch it was in
     (`batch_request_failed`), its batch expired or was cancelled and `provider_batch.on_expired` /
     `on_cancelled` says dead-letter or its tries are used up (`batch_expired`, `batch_cancelled`),

@@ -113,7 +113,7 @@ slot, for their key's turn or in a provider batch), and the age of the oldest of
 what a backfill's drain waits for (`jobs/launch/driver.py`)."""
 
 BATCH_GAUGES = ("batch_records_waiting", "batches_open", "batch_oldest_age_s")
-"""The provider-batch lane's gauges (`model.mode: batch`): records collected and not yet in a batch,
+"""The provider-batch lane's gauges (`lane: provider-batch`): records collected and not yet in a batch,
 batches created and not yet answered, and the age of the oldest of those in seconds."""
 
 
@@ -134,7 +134,7 @@ class InferenceMetrics:
     `budget_paused` is 1 while calls wait for the spend budget's next window.
     `invalid_answers` counts answers that did not validate against `model.response_format`
     (each one asked again, or the record dead-lettered as `invalid_model_output`).
-    `batch_requests` counts requests submitted in provider batches (`model.mode: batch`), with the
+    `batch_requests` counts requests submitted in provider batches (`lane: provider-batch`), with the
     `BATCH_GAUGES`.
     `dropped` counts records that leave nothing by the user's own functions (`model.skipped: drop`,
     a postprocess that returns None; docs/user-functions.md).

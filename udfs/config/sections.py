@@ -752,7 +752,7 @@ class JobConfig:
 
     def keyed_only(self) -> dict[str, str]:
         """The settings of this config that only the keyed stage serves, each with why: the
-        vectorized lane refuses them at load (`udfs/config/rules.py`), and `stage: auto` keeps
+        vectorized lane refuses them at load (`udfs/config/rules.py`), and `lane: auto` keeps
         the keyed stage for them."""
         keyed = "needs the keyed lane (lane: keyed): "
         settings = {

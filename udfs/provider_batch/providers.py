@@ -445,7 +445,7 @@ def provider_for(config: JobConfig, transport: Transport | None = None) -> Provi
 
 
 def preflight(config: JobConfig, *, timeout_s: float) -> None:
-    """At launch, with `model.mode: batch`: the provider's batch API answers at `model.endpoint` and
+    """At launch, with `lane: provider-batch`: the provider's batch API answers at `model.endpoint` and
     takes the key, else one `ConfigError` naming the setting (the lane would otherwise retry for ever)."""
     import requests
 

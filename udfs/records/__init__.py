@@ -150,7 +150,7 @@ class Completion:
     # The model name the answering endpoint was asked for (a fleet endpoint or the fallback may
     # name another than model.model): the result cache stores the answer under it.
     requested_model: str | None = None
-    # Which lane answered, in a job with a provider-batch lane (`model.mode: batch`, docs/cost.md): a
+    # Which lane answered, in a job with a provider-batch lane (`lane: provider-batch`, docs/cost.md): a
     # provider's batch (`batch`) or a call of its own (`realtime`); None in a job without one.
     lane: str | None = None
 

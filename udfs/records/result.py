@@ -94,7 +94,7 @@ RESULT_FIELDS: tuple[ResultField, ...] = (
         ResultField("offset", "long", lambda r, c: r.source.offset),
         ResultField("timestamp", "long", lambda r, c: r.source.timestamp_ms, nullable=True))),
     ResultField("lane", "string", lambda r, c: c.lane if c.lane is not None else ABSENT, nullable=True, only="batch",
-                doc="batch: a provider's batch answered; realtime: a call of its own (model.mode: batch)"),
+                doc="batch: a provider's batch answered; realtime: a call of its own (lane: provider-batch)"),
 )
 """Every field a result can have, in the order of a typed schema (the Avro result schema)."""
 
