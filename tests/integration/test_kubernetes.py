@@ -122,14 +122,19 @@ def test_deployment_runs_the_configmaps_job_in_application_mode() -> None:
     volumes = {v["name"]: v for v in spec["podTemplate"]["spec"]["volumes"]}
     assert args[args.index("--config") + 1] == f"{mounts['job-config']}/inference.yaml"
     assert volumes["job-config"]["configMap"]["name"] == _documents("configmap.yaml")[0]["metadata"]["name"]
-    # Parallelism from the job config; the job's state, checkpoints and savepoints on the PVC.
+    # Parallelism from the job config; the job's state, checkpoints, savepoints and HA data on S3,
+    # with its endpoint in the configuration and its credentials from a Secret, never inline.
     assert job["parallelism"] == parsed.parallelism.default
     state_dir = args[args.index("--state-dir") + 1]
     assert state_dir == parsed.checkpointing.directory
     flink = spec["flinkConfiguration"]
     for key in ("execution.checkpointing.dir", "execution.checkpointing.savepoint-dir", "high-availability.storageDir"):
-        assert flink[key].startswith(f"file://{mounts['state']}/"), key
-    assert state_dir.startswith(f"file://{mounts['state']}/")
+        assert flink[key].startswith("s3://"), key
+    assert state_dir.startswith("s3://") and flink["s3.endpoint"].startswith("http")
+    assert not any("secret" in key or "access.key" in key for key in flink), "credentials belong in a Secret"
+    env = {e["name"]: e for e in spec["podTemplate"]["spec"]["containers"][0]["env"]}
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "secretKeyRef" in env[name]["valueFrom"], name
     (pvc,) = [d for d in _documents("flinkdeployment.yaml") if d["kind"] == "PersistentVolumeClaim"]
     assert volumes["state"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
     assert flink["high-availability.type"] == "kubernetes", "last-state upgrades need HA metadata"
