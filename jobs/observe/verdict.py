@@ -199,7 +199,7 @@ def _model_evidence(current: dict[str, Any], previous: dict[str, Any] | None, sp
     evidence: list[str] = []
     if limit is not None and limit < capacity and admitted >= thresholds.full * limit:
         evidence.append(f"{int(admitted)} calls in flight at the AIMD limit {int(limit)} "
-                        f"(cut from {int(capacity)} by 429/503 answers)")
+                        f"(below the capacity of {int(capacity)}: cut by 429/503 answers, or the endpoints' own limits)")
     if span is not None:
         rejected = _delta(current, previous, "calls", "rate_limited")
         sent = _delta(current, previous, "calls", "requests")
