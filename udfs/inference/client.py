@@ -334,14 +334,17 @@ class InferenceClient:
         builder, for the realtime calls and a provider's batch lines alike."""
         return build_payload(request, self._config.model)
 
+    def may_cache(self, payload: dict[str, Any]) -> bool:
+        """Whether the result cache may hold (and takes) the answer to `payload`."""
+        return self.cache is not None and cacheable(self._config.cache, self._config.model.api, payload)
+
     async def cached(self, payload: dict[str, Any]) -> Completion | None:
         """The result cache's answer to `payload`, validated, or None (no cache, not cacheable, a miss);
         counts the hit or the miss."""
-        api = self._config.model.api
-        if self.cache is None or not cacheable(self._config.cache, api, payload):
+        if self.cache is None or not self.may_cache(payload):
             return None
         looked_up = time.perf_counter()
-        stored = await self.cache.get(cache_key(api, payload))
+        stored = await self.cache.get(cache_key(self._config.model.api, payload))
         if stored is None:
             self.metrics.cache_misses.inc()
             return None
@@ -350,9 +353,8 @@ class InferenceClient:
 
     async def remember(self, payload: dict[str, Any], completion: Completion) -> None:
         """`completion` into the result cache under `payload`, when the cache takes it."""
-        api = self._config.model.api
-        if self.cache is not None and cacheable(self._config.cache, api, payload):
-            await self.cache.put(cache_key(api, payload), stored_answer(completion))
+        if self.cache is not None and self.may_cache(payload):
+            await self.cache.put(cache_key(self._config.model.api, payload), stored_answer(completion))
 
     def completion_from(self, body: dict[str, Any], payload: dict[str, Any], *, attempts: int, started_ms: int,
                         latency_ms: float, endpoint: str, sent: dict[str, Any] | None = None,

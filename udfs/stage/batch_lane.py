@@ -211,7 +211,8 @@ class BatchStage(KeyedLane):
             yield from self._parts.emit(prepared)
             return
         handle = record.handle
-        if not (self._path.shapes or self._client.cache is not None):
+        payload = None
+        if not self._path.shapes:
             try:
                 payload = self._client.payload(prepared)
             except BadInput as err:
@@ -222,24 +223,26 @@ class BatchStage(KeyedLane):
         self._records.put(handle, held)
         self._unbatched[handle] = held
         self._held[bucket] += 1
-        if self._path.shapes or self._client.cache is not None:
-            yield from self._submit(bucket, ("admit", handle), functools.partial(self._shape, prepared, record))
+        if payload is None or self._client.may_cache(payload):
+            yield from self._submit(bucket, ("admit", handle), functools.partial(self._shape, prepared, record, payload))
             return
         self._shaped[handle] = (prepared, payload)
         self._collect(bucket, handle, payload)
 
-    async def _shape(self, request: Request, record: PendingRecord) -> Any:
-        """On the loop: the preprocess's request, its body and the cache's answer. A `Settled` when
-        the record needs no batch (skipped, a dead letter), `(request, payload, completion)` for a
-        cache hit, `(request, payload, None)` for a batch."""
-        shaped = await self._path.shape(request, record)
-        if isinstance(shaped, Settled):
-            return shaped
-        try:
-            payload = self._client.payload(shaped)
-        except BadInput as err:
-            self._metrics.bad_input.inc()
-            return self._path.dead_letter(err, record, shaped.id)
+    async def _shape(self, request: Request, record: PendingRecord, payload: dict[str, Any] | None) -> Any:
+        """On the loop: the preprocess's request and its body (unless `payload` is made already), and
+        the cache's answer. A `Settled` when the record needs no batch (skipped, a dead letter),
+        `(request, payload, settled)` for a cache hit, `(request, payload, None)` for a batch."""
+        if payload is None:
+            shaped = await self._path.shape(request, record)
+            if isinstance(shaped, Settled):
+                return shaped
+            try:
+                payload = self._client.payload(shaped)
+            except BadInput as err:
+                self._metrics.bad_input.inc()
+                return self._path.dead_letter(err, record, shaped.id)
+            request = shaped
         try:
             cached = await self._client.cached(payload)
         except RecordError:  # a cached answer that no longer validates: asked of the provider again
@@ -248,8 +251,8 @@ class BatchStage(KeyedLane):
             log.warning("batch lane: a cache lookup failed (%r); the record goes to a batch", err)
             cached = None
         if cached is not None:
-            return shaped, payload, await self._path.answered(shaped, dataclasses.replace(cached, lane="batch"), record)
-        return shaped, payload, None
+            return request, payload, await self._path.answered(request, dataclasses.replace(cached, lane="batch"), record)
+        return request, payload, None
 
     def _collect(self, bucket: Any, handle: str, payload: dict[str, Any] | None = None) -> None:
         from udfs.records import fastjson
@@ -620,7 +623,7 @@ class BatchStage(KeyedLane):
         except RecordError as err:
             err.attempts = tries
             return self._path.dead_letter(err, held.record, request.id)
-        if self._client.cache is not None:  # the answer into the cache, on the loop, not waited for
+        if self._client.may_cache(payload):  # the answer into the cache, on the loop, not waited for
             loop = self._runner.loop
             loop.call_soon_threadsafe(lambda: loop.create_task(self._client.remember(payload, completion)))
         answered = self._path.answered(request, completion, held.record)
