@@ -247,6 +247,11 @@ def _s3_on_the_gateway(config: JobConfig) -> Iterator[None]:
     credentials = S3Settings.from_flink(config.flink).credentials()
     wanted = {"HADOOP_CLASSPATH": os.pathsep.join(
         [jars.classpath("s3"), *([os.environ["HADOOP_CLASSPATH"]] if os.environ.get("HADOOP_CLASSPATH") else [])])}
+    jvm_args = os.environ.get("JVM_ARGS", "").split()
+    if any(arg.startswith("-XX:ArchiveClassesAtExit=") for arg in jvm_args):
+        # A class archive is keyed by the plain classpath (jobs/runtime/jvm_archive.py): one dumped with
+        # the S3 jar appended would not load in the runs it is for. Mapping an existing one is fine.
+        wanted["JVM_ARGS"] = " ".join(arg for arg in jvm_args if not arg.startswith("-XX:ArchiveClassesAtExit="))
     if credentials:
         wanted.update(AWS_ACCESS_KEY_ID=credentials["aws_access_key_id"],
                       AWS_SECRET_ACCESS_KEY=credentials["aws_secret_access_key"])

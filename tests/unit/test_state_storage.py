@@ -5,6 +5,7 @@ tests/integration/test_s3_state.py."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -76,3 +77,24 @@ def test_a_lease_refuses_a_second_run_while_fresh_and_frees_when_released_or_sta
     store.write(snapshots.LEASE_FILE, json.dumps(stale).encode())
     with Lease(store, "s3://b/job").held():  # a run killed outright: its lease expired
         assert json.loads(store.read(snapshots.LEASE_FILE) or b"{}")["owner"] != stale["owner"]
+
+
+def test_the_gateway_gets_the_s3_jar_and_credentials_only_while_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`llmstream run` with state on S3: the jar and an explicit key pair reach the JVM through its
+    environment (never Flink's configuration), and no class archive is dumped with that classpath."""
+    from jobs.graph import pipeline
+    from tests.support.configs import minimal_config
+
+    monkeypatch.setenv("JVM_ARGS", "-Xmx1g -XX:ArchiveClassesAtExit=/tmp/gateway.jsa")
+    monkeypatch.setenv("S3_SECRET", "canary-5b0c")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    monkeypatch.delenv("HADOOP_CLASSPATH", raising=False)
+    monkeypatch.setattr(pipeline.jars, "classpath", lambda name: f"/jars/{name}.jar")
+    config = minimal_config(flink={"s3.endpoint": "http://127.0.0.1:9", "s3.access-key": "dev",
+                                   "s3.secret-key": "${env:S3_SECRET}"})
+    with pipeline._s3_on_the_gateway(config):
+        assert os.environ["HADOOP_CLASSPATH"] == "/jars/s3.jar"
+        assert (os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]) == ("dev", "canary-5b0c")
+        assert os.environ["JVM_ARGS"] == "-Xmx1g"
+    assert "AWS_SECRET_ACCESS_KEY" not in os.environ and "HADOOP_CLASSPATH" not in os.environ
+    assert os.environ["JVM_ARGS"].endswith("ArchiveClassesAtExit=/tmp/gateway.jsa")
