@@ -239,3 +239,14 @@ def test_answers_that_never_validate_are_asked_again_then_dead_lettered(
     out = run(config, [_ask(i) for i in range(3)])
     assert reasons(out) == {f"id-{i}": "invalid_model_output" for i in range(3)}
     assert {b["attempts"] for b in bodies(out, "dlq")} == {2}
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_embeddings_with_embedding_batches_get_one_vector_each(lane: str, sim: ThreadedSimulator) -> None:
+    """`model.batch.max_size` groups the realtime calls of embeddings; a provider's batch has a line
+    per record whatever it says, so the provider-batch lane takes the setting too."""
+    config = lane_config(lane, sim.url, model={"api": "embeddings", "batch": {"max_size": 4}})
+    out = run(config, [json.dumps({"id": f"id-{i}", "prompt": f"text {i}"}).encode() for i in range(6)])
+    results = bodies(out, "out")
+    assert reasons(out) == {} and sorted(b["id"] for b in results) == [f"id-{i}" for i in range(6)]
+    assert all(isinstance(b["output"], list) and len(b["output"]) > 1 for b in results)
