@@ -60,6 +60,7 @@ from pyflink.common import Row, Types
 from pyflink.datastream import RuntimeContext
 from pyflink.datastream.state import MapStateDescriptor
 
+from udfs.config import JobConfig
 from udfs.errors import BadInput, InvalidModelOutput, ProviderBatchError, RecordError
 from udfs.records import PendingRecord, Request, now_ms
 from udfs.stage.lane import KeyedLane, salvage
@@ -118,7 +119,7 @@ class BatchStage(KeyedLane):
 
     RUNNER_NAME = "llmstream-batch-lane"
 
-    def __init__(self, config: Any, cache_file: str | None = None, gate_dir: str | None = None) -> None:
+    def __init__(self, config: JobConfig, cache_file: str | None = None, gate_dir: str | None = None) -> None:
         super().__init__(config, gate_dir=gate_dir, cache_file=cache_file)
 
     def _capacity(self) -> int:
