@@ -23,6 +23,8 @@ a JobManager (jm), two TaskManagers (tm1, tm2), three brokers (kafka1-3), a mode
   llmstream estate fault kill HOST            / restart HOST          (every process on it / its services again)
   llmstream estate fault kill-leader TOPIC [--partition P]
   llmstream estate fault --table [--scenarios partition-60,leader-kill] [--records N]
+      scenarios: baseline, partition-60, partition-200, tm-host-kill, leader-kill, jm-host-kill (faults),
+      rescale-keyed (1→4→2, per_key), rescale-vectorized (1→3→1), rescale-provider-batch (1→2→1)
   llmstream estate stop
 """
 
@@ -90,17 +92,21 @@ def _print_status(status: dict[str, object]) -> None:
 
 def _fault(estate: Estate, args: argparse.Namespace) -> int:
     if args.table:
-        from jobs.dev.estate import table
+        from jobs.dev.estate import rescale, table
 
-        names = args.scenarios.split(",") if args.scenarios else list(table.SCENARIOS)
-        unknown = [n for n in names if n not in table.SCENARIOS]
+        known = [*table.SCENARIOS, *rescale.RESCALES]
+        names = args.scenarios.split(",") if args.scenarios else known
+        unknown = [n for n in names if n not in known]
         if unknown:
-            print(f"estate: no scenario {unknown} (scenarios: {', '.join(table.SCENARIOS)})", file=sys.stderr)
+            print(f"estate: no scenario {unknown} (scenarios: {', '.join(known)})", file=sys.stderr)
             return 2
         estate.start(timeout=args.timeout)
         rows = []
         for name in names:
-            row, _ = table.run_scenario(estate, table.SCENARIOS[name], records=args.records or table.RECORDS)
+            if name in rescale.RESCALES:
+                row, _ = rescale.run_rescale(estate, rescale.RESCALES[name], records=args.records or 3000)
+            else:
+                row, _ = table.run_scenario(estate, table.SCENARIOS[name], records=args.records or table.RECORDS)
             rows.append(row)
             table.save([row], estate.work_dir / "fault-table.json")
             print(table.render([row]).splitlines()[-1], flush=True)

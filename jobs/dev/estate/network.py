@@ -23,10 +23,12 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
 
 from jobs.runtime.pids import wait_gone
 from udfs.errors import LLMStreamError
@@ -44,6 +46,8 @@ PREFIX = "lls-"
 """Names of the estate's namespaces and root-side veths (interface names are at most 15 characters)."""
 NOWHERE_MAC = "02:00:00:00:de:ad"
 """A locally administered MAC no interface here has: frames sent to it go nowhere."""
+NETNS_ETC = Path("/etc/netns")
+"""``ip netns exec NAME`` mounts ``/etc/netns/NAME/<file>`` over ``/etc/<file>`` for what it runs."""
 
 
 class EstateError(LLMStreamError, RuntimeError):
@@ -115,6 +119,7 @@ class Network:
             _ip("link", "add", BRIDGE, "type", "bridge")
             _ip("addr", "add", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE)
         _ip("link", "set", BRIDGE, "up")
+        _forward_on_bridge(add=True)
         present = set(self.namespaces())
         for host in self.hosts.values():
             if host.netns not in present:
@@ -126,6 +131,23 @@ class Network:
             _ip("-n", host.netns, "link", "set", "lo", "up")
             _ip("-n", host.netns, "link", "set", "eth0", "up")
             _ip("-n", host.netns, "route", "replace", "default", "via", str(GATEWAY))
+            self._write_names(host)
+
+    def _write_names(self, host: Host) -> None:
+        """Each host's ``/etc/hosts`` names every host of the estate, and its resolver asks no one.
+
+        The machine's name server is not reachable from a namespace: there a reverse lookup took
+        10 s, and the JobManager resolves each TaskManager's address (its ``TaskManagerLocation``);
+        while it waited, heartbeats went unanswered and both TaskManagers timed out at once.
+        """
+        etc = NETNS_ETC / host.netns
+        etc.mkdir(parents=True, exist_ok=True)
+        # The namespaces share the machine's host name: on each host it names that host, as on a machine.
+        names = "".join(f"{other.address} {other.name}{' ' + socket.gethostname() if other is host else ''}\n"
+                        for other in self.hosts.values())
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
+        (etc / "resolv.conf").write_text("# the estate's hosts resolve from /etc/hosts only\n"
+                                         "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def down(self) -> None:
         """Kill every process on every host, then remove the namespaces, links and the bridge."""
@@ -134,9 +156,11 @@ class Network:
                 self.kill(host)
                 _ip("netns", "del", host.netns, check=False)
             _ip("link", "del", host.veth, check=False)
+            shutil.rmtree(NETNS_ETC / host.netns, ignore_errors=True)
         # Another estate's hosts (other names) may still be on the bridge: remove it only when empty.
         if _exists("link", BRIDGE) and not _ip("link", "show", "master", BRIDGE, check=False).stdout.strip():
             _ip("link", "del", BRIDGE, check=False)
+            _forward_on_bridge(add=False)
 
     @staticmethod
     def namespaces() -> list[str]:
@@ -214,3 +238,26 @@ class Network:
 
 def _exists(kind: str, name: str) -> bool:
     return _ip(kind, "show", name, check=False).returncode == 0
+
+
+FORWARD_RULE = ["FORWARD", "-i", BRIDGE, "-o", BRIDGE, "-j", "ACCEPT"]
+
+
+def _forward_on_bridge(*, add: bool) -> None:
+    """Let frames between the estate's hosts through the machine's firewall, or stop letting them.
+
+    Where iptables is installed and ``br_netfilter`` is loaded (dockerd does both, and sets the
+    FORWARD policy to DROP), frames between two ports of a Linux bridge pass the FORWARD chain:
+    the hosts then reached the root namespace but not each other (the brokers never formed a
+    quorum). One rule for this bridge only, as Docker's own for ``docker0``; nothing else changes.
+    """
+    if shutil.which("iptables") is None:
+        return
+    present = subprocess.run(["iptables", "-C", *FORWARD_RULE], capture_output=True, check=False).returncode == 0
+    if add and not present:
+        done = subprocess.run(["iptables", "-I", *FORWARD_RULE], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise EstateError(f"iptables -I {' '.join(FORWARD_RULE)}: {done.stderr.strip()}")
+    while not add and present:
+        subprocess.run(["iptables", "-D", *FORWARD_RULE], capture_output=True, check=False)
+        present = subprocess.run(["iptables", "-C", *FORWARD_RULE], capture_output=True, check=False).returncode == 0

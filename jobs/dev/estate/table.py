@@ -163,25 +163,27 @@ def unique_records(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def _committed(bootstrap: str, topic: str) -> int:
+def committed_count(bootstrap: str, topic: str) -> int:
+    """About how many records of ``topic`` a read_committed reader sees (the last stable offsets
+    summed, transaction markers included); -1 while the brokers do not answer."""
     try:
         return sum(kafka_admin.end_offsets(bootstrap, topic, committed_only=True, timeout_s=10).values())
     except Exception:  # noqa: BLE001 - a broker may be down on purpose
         return -1
 
 
-def _submit(config_path: Path, estate: Estate, log_path: Path) -> subprocess.Popen[bytes]:
-    """``llmstream submit --until-end`` as a user runs it, in its own process group."""
+def submit(config_path: Path, estate: Estate, log_path: Path, *, until_end: bool = True) -> subprocess.Popen[bytes]:
+    """``llmstream submit [--until-end]`` as a user runs it, in its own process group."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYFLINK_", "_PYFLINK"))}
     with log_path.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "jobs.cli", "submit", "--config", str(config_path), "--jobmanager",
-             estate.jobmanager_address, "--until-end"],
+             estate.jobmanager_address, *(["--until-end"] if until_end else [])],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             cwd=jars.repo_root(), env=env)
 
 
-def _wait(check: Callable[[], bool], timeout: float, interval: float = 1.0) -> bool:
+def wait_for(check: Callable[[], bool], timeout: float, interval: float = 1.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -192,7 +194,11 @@ def _wait(check: Callable[[], bool], timeout: float, interval: float = 1.0) -> b
 
 def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, timeout: float = 900.0,
                  fraction: float = 0.2) -> tuple[Row, Verdict]:
-    """One scenario start to end; the row and the history checker's verdict."""
+    """One scenario start to end; the row and the history checker's verdict. The estate is made
+    whole first (every host's services running, no partition): an earlier fault may have cost a
+    TaskManager (Flink stops one whose writer cannot abort its transaction, see the table)."""
+    estate.network.heal_all()
+    estate.start()
     tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
     directory = estate.work_dir / "runs"
     directory.mkdir(parents=True, exist_ok=True)
@@ -206,7 +212,7 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
     run = Run(estate, data["name"], config_path, data["kafka"]["output_topic"])
     started = time.monotonic()
     log_path = directory / f"{tag}.log"
-    process = _submit(config_path, estate, log_path)
+    process = submit(config_path, estate, log_path)
     code: int | None = None
     try:
         def live() -> bool:
@@ -214,14 +220,14 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
             run.job_id = str(jobs[0]["jid"]) if jobs else run.job_id
             return bool(run.job_id) and estate.rest.job_status(run.job_id) == "RUNNING"
 
-        if not _wait(lambda: live() or process.poll() is not None, 240):
+        if not wait_for(lambda: live() or process.poll() is not None, 240):
             raise TimeoutError(f"{scenario.name}: the job was not RUNNING within 240 s (log {log_path})")
         if not run.job_id:
             code = process.wait()
             last = log_path.read_text(errors="replace").strip().splitlines()[-1:]
             run.notes.append(f"submit exited {code} before the job ran, no fault injected: {' '.join(last)}")
         else:
-            mid = _wait(lambda: _committed(bootstrap, run.output_topic) >= records * fraction
+            mid = wait_for(lambda: committed_count(bootstrap, run.output_topic) >= records * fraction
                         or process.poll() is not None, 300)
             if process.poll() is not None or not mid:
                 run.notes.append("the fault came late: the run had ended or not reached mid-stream")
@@ -229,7 +235,7 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
         if scenario.name == "jm-host-kill":
             # The JobManager took the job with it; the submit's wait fails, so the user submits again.
             process.wait(timeout=120)
-            process = _submit(config_path, estate, log_path)
+            process = submit(config_path, estate, log_path)
         remaining = max(30.0, timeout - (time.monotonic() - started))
         try:
             code = process.wait(timeout=remaining)
@@ -243,6 +249,9 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
         for job in estate.rest.live_jobs(run.name) if estate.rest.overview() else []:
             estate.rest.cancel(str(job["jid"]))
     seconds = time.monotonic() - started
+    gone = [name for name, daemon in estate.taskmanagers.items() if not daemon.pids()]
+    if gone:
+        run.notes.append(f"TaskManager process gone afterwards on {', '.join(gone)}")
     served = int(estate.model.stats()["served"])
     restarts = estate.rest.num_restarts(run.job_id, settle_s=3) if run.job_id else None
     verdict = read_history(bootstrap, run.output_topic, data["kafka"]["dead_letter_topic"],
