@@ -166,8 +166,15 @@ def requirements_for(current: dict[str, tuple[int, int]], vertices: list[Vertex]
 
 
 def check_adaptive(rest: FlinkRest, job_id: str) -> None:
-    """Raises `NotAdaptive` (exit 2) unless the job runs under the adaptive scheduler."""
-    scheduler = str(rest.job(job_id).get("schedulerType") or rest.scheduler()).lower()
+    """Raises `NotAdaptive` (exit 2) unless the cluster's JobManager runs the adaptive scheduler
+    (``GET /jobmanager/config``; else the job's own ``schedulerType``, for a job that set it itself).
+    Reactive mode sizes the job by the slots there are and refuses declared requirements."""
+    scheduler = rest.scheduler()
+    if scheduler == "reactive":
+        raise NotAdaptive(f"the cluster at {rest.rest_url} runs the adaptive scheduler in reactive mode, which "
+                          "sizes the job by the TaskManagers there are: add or remove TaskManagers instead")
+    if scheduler != "adaptive":
+        scheduler = str(rest.job(job_id).get("schedulerType") or scheduler).lower()
     if scheduler == "adaptive":
         return
     raise NotAdaptive(f"the cluster at {rest.rest_url} runs the job with the {scheduler} scheduler, which cannot "

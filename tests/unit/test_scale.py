@@ -33,10 +33,12 @@ class FakeRest(FlinkRest):
     """The REST calls `scale` makes, answered from a list of vertices; a PUT of the requirements makes
     the vertices run at their upper bounds at once."""
 
-    def __init__(self, vertices: list[Vertex], scheduler: str = "Adaptive", slots: int = 4) -> None:
+    def __init__(self, vertices: list[Vertex], scheduler: str = "Adaptive", slots: int = 4,
+                 mode: str | None = None) -> None:
         super().__init__("http://fake:8081")
         self.vertices = {v.id: v for v in vertices}
         self.scheduler_type = scheduler
+        self.mode = mode
         self.slots = slots
         self.puts: list[dict[str, Any]] = []
 
@@ -44,7 +46,8 @@ class FakeRest(FlinkRest):
         if path == "/overview":
             return {"slots-total": self.slots}
         if path == "/jobmanager/config":
-            return [{"key": "jobmanager.scheduler", "value": self.scheduler_type}]
+            return [{"key": "jobmanager.scheduler", "value": self.scheduler_type}] + (
+                [{"key": "scheduler-mode", "value": self.mode}] if self.mode else [])
         if path.endswith("/resource-requirements") and method == "PUT":
             self.puts.append(json.loads(json.dumps(body)))
             for vertex_id, req in body.items():
@@ -113,6 +116,8 @@ def test_a_cluster_without_the_adaptive_scheduler_names_upgrade() -> None:
     with pytest.raises(scale.NotAdaptive, match="llmstream upgrade") as raised:
         scale.check_adaptive(FakeRest([INFERENCE], scheduler="Default"), "j1")
     assert raised.value.exit_code == 2
+    with pytest.raises(scale.NotAdaptive, match="reactive mode"):
+        scale.check_adaptive(FakeRest([INFERENCE], mode="reactive"), "j1")
     scale.check_adaptive(FakeRest([INFERENCE]), "j1")
 
 
