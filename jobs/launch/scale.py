@@ -339,7 +339,10 @@ def _loop(observer: Observer, rest: FlinkRest, job_id: str, config: JobConfig, *
                 print(f"llmstream: {line}", flush=True)
                 said = line
             if decision.target != current:
-                apply(rest, job_id, config, inference=decision.target, wait_s=wait_s)
+                try:
+                    apply(rest, job_id, config, inference=decision.target, wait_s=wait_s)
+                except ClusterError as err:  # no slots, a timeout: said, and judged again next time
+                    print(f"llmstream: {err}", flush=True)
                 changed_at = time.monotonic()
                 observer.history.clear()  # figures from before the restart compare with nothing after it
             time.sleep(every_s)
