@@ -11,8 +11,8 @@ What scales, per lane (the vertices are `jobs/graph/pipeline.py`'s operator chai
 - keyed and provider-batch lanes: ``--inference`` scales the ``inference`` vertex, a keyed operator
   with the sink chained behind it (they scale together). Its max parallelism (the key groups, 128 by
   default) is fixed for the job's life and bounds N. Its records are spread over the buckets chosen
-  for the parallelism it was submitted with (4 a subtask): some subtasks of another parallelism can
-  get none, and the command says which (`idle_subtasks`).
+  for the parallelism it was submitted with (4 a subtask): at another parallelism some subtasks can
+  get none or a double share, and the command says so (`bucket_warning`).
 - vectorized lane: the model step is a ``PythonCalc`` chained behind the Kafka source, so
   ``--inference`` scales the source vertex; subtasks beyond the input's partitions idle.
 - ``--source`` scales the Kafka source vertex (keyed lanes).
@@ -131,28 +131,36 @@ def plan_changes(config: JobConfig, vertices: list[Vertex], *, inference: int | 
     return list(changes.values())
 
 
-def idle_subtasks(keys: list[int], max_parallelism: int, parallelism: int) -> list[int]:
-    """Subtasks of `parallelism` that own none of the bucket `keys` (`jobs.graph.pipeline.bucket_keys`):
-    in the keyed lane those get no records."""
-    owners = {key_groups.subtask(key, max_parallelism, parallelism) for key in keys}
-    return [i for i in range(parallelism) if i not in owners]
+def bucket_shares(keys: list[int], max_parallelism: int, parallelism: int) -> list[float]:
+    """Each subtask's share of the keyed lane's records at `parallelism`: of the bucket `keys`
+    (`jobs.graph.pipeline.bucket_keys`, records spread evenly over them), the ones it owns."""
+    owned = [0] * parallelism
+    for key in keys:
+        owned[key_groups.subtask(key, max_parallelism, parallelism)] += 1
+    return [count / len(keys) for count in owned]
+
+
+UNEVEN = 1.5
+"""A subtask with more than this many times its fair share of the records sets the pace of all."""
 
 
 def bucket_warning(config: JobConfig, change: Change) -> str | None:
-    """For the keyed lane (`ordering: none`): which subtasks at the new parallelism would get no records,
-    the buckets having been chosen for the parallelism the job was submitted with (the config's)."""
+    """For the keyed lane (`ordering: none`): how unevenly its records would fall on the subtasks of
+    the new parallelism (some none, one a double share), the buckets having been chosen for the
+    parallelism the job was submitted with (the config's); None when evenly enough."""
     if config.lane != "keyed" or config.ordering != "none" or not change.vertex.name.startswith(INFERENCE_VERTEX):
         return None
     from jobs.graph.pipeline import BUCKETS_PER_SUBTASK, bucket_keys
 
     submitted = config.parallelism.of("inference")
     max_p = change.vertex.max_parallelism or key_groups.default_max_parallelism(submitted)
-    idle = idle_subtasks(bucket_keys(submitted, max_p), max_p, change.to)
-    if not idle:
+    shares = bucket_shares(bucket_keys(submitted, max_p), max_p, change.to)
+    if max(shares) <= UNEVEN / change.to:
         return None
-    return (f"subtask(s) {', '.join(map(str, idle))} of {change.to} will get no records: the job spreads its records "
-            f"over the {BUCKETS_PER_SUBTASK * submitted} buckets chosen for parallelism.inference {submitted}; `llmstream upgrade` "
-            f"with parallelism.inference: {change.to} chooses buckets for {change.to}")
+    spread = ", ".join(f"{share:.0%}" for share in shares)
+    return (f"the records would fall on the {change.to} subtasks unevenly ({spread}): the job spreads them over "
+            f"the {BUCKETS_PER_SUBTASK * submitted} buckets chosen for parallelism.inference {submitted}; "
+            f"`llmstream upgrade` with parallelism.inference: {change.to} chooses buckets for {change.to}")
 
 
 def requirements_for(current: dict[str, tuple[int, int]], vertices: list[Vertex],

@@ -12,8 +12,8 @@ from jobs.clients.flink_rest import FlinkRest
 from jobs.launch import scale
 from jobs.launch.scale import (
     Vertex,
+    bucket_shares,
     decide,
-    idle_subtasks,
     plan_changes,
     requirements_for,
 )
@@ -90,10 +90,22 @@ def test_requirements_keep_the_other_vertices_as_they_run() -> None:
         "s1": (1, 1), "t1": (1, 1), "i1": (1, 2)}
 
 
-def test_the_buckets_of_one_subtask_leave_two_of_four_idle() -> None:
+def test_the_buckets_of_one_subtask_fall_evenly_on_two_and_unevenly_on_three_or_four() -> None:
     # bucket_keys(1) at the default max parallelism 128 are 0, 1, 2, 3 (jobs/graph/pipeline.py).
-    assert idle_subtasks([0, 1, 2, 3], 128, 2) == []
-    assert idle_subtasks([0, 1, 2, 3], 128, 4) == [0, 2]
+    assert bucket_shares([0, 1, 2, 3], 128, 2) == [0.5, 0.5]
+    assert bucket_shares([0, 1, 2, 3], 128, 3) == [0.25, 0.25, 0.5]
+    assert bucket_shares([0, 1, 2, 3], 128, 4) == [0.0, 0.5, 0.0, 0.5]
+
+
+def test_the_warning_says_how_the_records_fall(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jobs.graph import pipeline
+
+    monkeypatch.setattr(pipeline, "bucket_keys", lambda parallelism, max_p=None: [0, 1, 2, 3])
+    config = minimal_config()
+    warning = scale.bucket_warning(config, scale.Change(INFERENCE, 4))
+    assert warning is not None and "unevenly (0%, 50%, 0%, 50%)" in warning
+    assert "parallelism.inference: 4" in warning
+    assert scale.bucket_warning(config, scale.Change(INFERENCE, 2)) is None
 
 
 def test_apply_declares_and_waits(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
