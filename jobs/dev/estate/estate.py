@@ -225,12 +225,16 @@ class Estate:
 
     def job_hosts(self, job_id: str) -> list[str]:
         """The TaskManager hosts running any subtask of the job."""
-        by_address = {host.address: name for name, host in self.network.hosts.items()}
+        known = {host.address: name for name, host in self.network.hosts.items()} | {
+            name: name for name in self.network.hosts}  # Flink names a TaskManager by what its address resolves to
         found: set[str] = set()
         for vertex in self.rest.job(job_id).get("vertices", []):
             listed = self.rest.rest(f"/jobs/{job_id}/vertices/{vertex['id']}/taskmanagers")
             for tm in listed.get("taskmanagers", []):
-                address = str(tm.get("endpoint") or tm.get("host") or "").split(":")[0]
-                if address in by_address:
-                    found.add(by_address[address])
+                for value in (tm.get("endpoint"), tm.get("host"), tm.get("taskmanager-id")):
+                    where = str(value or "").split(":")[0]
+                    if where in known:
+                        found.add(known[where])
+        if not found:
+            raise EstateError(f"no TaskManager host of the estate runs job {job_id}")
         return sorted(found)
