@@ -33,6 +33,11 @@ MAX_SPAN_S = 120.0
 values move in steps at bundle ends, so closer ones read noise."""
 
 
+SHORT_REASONS = (("AIMD limit", "calls at the AIMD limit its 429/503 answers set"), ("429s", "it answers 429s"),
+                 ("latency", "its latency rises with load"), ("endpoint", "its endpoints are at their limits"))
+"""The summary's few words for the first piece of evidence (the evidence says the rest)."""
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """What counts as lag, as full and as rising latency."""
@@ -87,8 +92,9 @@ class Verdict:
                 names = ", ".join(self.endpoints_at_limit)
                 return (f"more subtasks would help: no: the model is the limit — endpoint{'s' * (len(self.endpoints_at_limit) > 1)} "
                         f"{names} at {'their' if len(self.endpoints_at_limit) > 1 else 'its'} limit; add replicas there")
-            first = self.evidence[0] if self.evidence else "the model is saturated"
-            return f"more subtasks would help: no: the model is the limit — {first}; add model replicas (or rate limit)"
+            first = self.evidence[0] if self.evidence else ""
+            why = next((short for word, short in SHORT_REASONS if word in first), "it is saturated")
+            return f"more subtasks would help: no: the model is the limit — {why}; add model replicas (or raise its rate limit)"
         if self.verdict == INPUT_BOUND:
             return "more subtasks would help: no: the input is the limit (no lag)" + (
                 "; one subtask fewer would do" if self.idle else "")

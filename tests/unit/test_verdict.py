@@ -56,7 +56,8 @@ def test_at_the_aimd_limit_is_model_bound() -> None:
     v = scaling_verdict(fig(lag=30_000, admitted=20, limit=20), subtasks=2)
     assert v.verdict == MODEL_BOUND and v.more_subtasks_help is False
     assert "AIMD limit 20" in v.evidence[0]
-    assert "the model is the limit" in v.summary() and "add model replicas" in v.summary()
+    assert v.summary() == ("more subtasks would help: no: the model is the limit — calls at the AIMD limit its "
+                           "429/503 answers set; add model replicas (or raise its rate limit)")
 
 
 def test_429s_between_two_figures_are_model_bound() -> None:
