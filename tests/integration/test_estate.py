@@ -12,8 +12,9 @@ import pytest
 
 from jobs.dev.estate import Estate, unavailable
 from jobs.dev.estate.table import SCENARIOS, run_scenario
+from tests.support.job_setup import LONG_FAULT
 
-pytestmark = [pytest.mark.integration, pytest.mark.fault]
+pytestmark = [pytest.mark.integration, pytest.mark.fault, LONG_FAULT]
 
 
 def test_a_60_s_taskmanager_to_brokers_partition_mid_run_loses_and_doubles_nothing() -> None:

@@ -23,11 +23,11 @@ from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
 from tests.support.committed import CommittedReader, check_exactly_once
 from tests.support.fault_report import FaultReport, FaultResult
-from tests.support.job_setup import make_job, unique_records
+from tests.support.job_setup import LONG_FAULT, make_job, unique_records
 from tests.support.runs import Run
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.fault]
+pytestmark = [pytest.mark.integration, pytest.mark.fault, LONG_FAULT]
 
 
 def test_leader_jobmanager_sigkill_mid_stream_the_standby_takes_over_the_job(

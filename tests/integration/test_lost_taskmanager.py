@@ -22,13 +22,11 @@ import pytest
 from jobs.clients import kafka_admin
 from jobs.dev.local_kafka import BrokerConfig, LocalBroker
 from tests.support.committed import check_exactly_once, final_tally
-from tests.support.job_setup import SpawnSimulator, make_job, unique_records
+from tests.support.job_setup import LONG_FAULT, SpawnSimulator, make_job, unique_records
 from tests.support.runs import LocalRun
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.fault,
-              pytest.mark.skipif(os.environ.get("LLMSTREAM_LONG_FAULTS") != "1",
-                                 reason="minutes long: the full fault run (make fault) sets LLMSTREAM_LONG_FAULTS=1")]
+pytestmark = [pytest.mark.integration, pytest.mark.fault, LONG_FAULT]
 
 FROZEN_S = 150.0
 

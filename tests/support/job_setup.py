@@ -43,6 +43,12 @@ FAULT_LANES = os.environ.get("LLMSTREAM_FAULT_LANES", "both")
 `keyed` in `make test` (its Makefile sets it), to keep the suite's time down."""
 
 
+LONG_FAULT = pytest.mark.skipif(
+    os.environ.get("LLMSTREAM_LONG_FAULTS") != "1",
+    reason="minutes long: in the full fault run (make fault sets LLMSTREAM_LONG_FAULTS=1), not in make test")
+"""The mark of a fault test too long for `make test`: a frozen broker, a JobManager failover, the estate."""
+
+
 def fault_lanes() -> list[Any]:
     """The `stage` parameters of an outage test: keyed, and vectorized unless `FAULT_LANES` is `keyed`."""
     return ["keyed", pytest.param("vectorized", marks=pytest.mark.skipif(
