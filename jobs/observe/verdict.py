@@ -33,7 +33,7 @@ MAX_SPAN_S = 120.0
 values move in steps at bundle ends, so closer ones read noise."""
 
 
-SHORT_REASONS = (("AIMD limit", "calls at the AIMD limit its 429/503 answers set"), ("429s", "it answers 429s"),
+SHORT_REASONS = (("provider-batch", "the provider's batch API sets the pace"), ("AIMD limit", "calls at the AIMD limit its 429/503 answers set"), ("429s", "it answers 429s"),
                  ("latency", "its latency rises with load"), ("endpoint", "its endpoints are at their limits"))
 """The summary's few words for the first piece of evidence (the evidence says the rest)."""
 
@@ -160,6 +160,11 @@ def scaling_verdict(current: dict[str, Any], previous: dict[str, Any] | None = N
     base = Verdict(UNKNOWN, None, subtasks, per_subtask_per_s=per_subtask,
                    lag_records=None if lag is None else int(lag),
                    lag_change_per_s=None if lag_change is None else round(lag_change, 1), lag_growing=growing)
+    batch_lane = current.get("batch_lane")
+    if batch_lane and (lag or 0) > 0:
+        waiting = (f"provider-batch lane: records wait for the provider's batches "
+                   f"({batch_lane.get('batches_open') or 0} open), which more subtasks do not speed up")
+        return replace(base, verdict=MODEL_BOUND, more_subtasks_help=False, evidence=(waiting,))
     if lag is None or admitted is None or capacity is None:
         return replace(base, evidence=("the figures lack the input lag or the calls in flight",))
 

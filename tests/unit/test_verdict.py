@@ -132,3 +132,11 @@ def test_to_dict_is_json_ready() -> None:
     data = scaling_verdict(fig(lag=30_000, limit=20, admitted=20), subtasks=1).to_dict()
     assert json.loads(json.dumps(data))["verdict"] == MODEL_BOUND
     assert data["summary"].startswith("more subtasks would help: no")
+
+
+def test_the_provider_batch_lane_is_paced_by_the_provider() -> None:
+    current = fig(lag=5_000)
+    current["batch_lane"] = {"batches_open": 3}
+    v = scaling_verdict(current, subtasks=1)
+    assert v.verdict == MODEL_BOUND and "3 open" in v.evidence[0]
+    assert "batch API sets the pace" in v.summary()
