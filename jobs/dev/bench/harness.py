@@ -489,8 +489,9 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
         if result.batches:
             b = result.batches
             result.notes.append(f"{b['batches']:,} Arrow batches of {b['mean_rows']:g} rows on average; between "
-                                f"batches (the JVM's turn) p50 {b['gap_ms_p50']} ms, mean {b['gap_ms_mean']} ms; "
-                                f"in Python p50 {b['python_ms_p50']} ms a batch")
+                                f"batches (the JVM's turn) p50 {b['gap_ms_p50']} ms, mean {b['gap_ms_mean']} ms, "
+                                f"{b.get('gap_ms_per_1000_rows')} ms a 1,000 rows, {b.get('gap_share')} of the "
+                                f"function's wall time; in Python p50 {b['python_ms_p50']} ms a batch")
     if proc.process.returncode not in (0, None) or result.outcome.seen == 0:
         ctx.say(f"{label} exit code {proc.process.returncode}, {result.outcome.seen} results; "
                 f"last lines of {log_file}:\n{proc.tail()}")
