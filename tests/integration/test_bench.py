@@ -1,8 +1,9 @@
 """`llmstream bench --smoke`: the benchmark works end to end (not how fast anything is).
 
 The smoke run starts its own broker and simulator, runs every approach (the two baselines,
-llmstream, Flink's SQL ML_PREDICT and, asked for by name, the same SQL job without a model: the
-floor) on 100 records of scenario (a) and writes the report to
+both llmstream lanes, Flink's SQL ML_PREDICT, the vectorized lane's floor with the model call
+and, asked for by name, the same SQL job without a model: the floors) on 100 records of
+scenario (a) and writes the report to
 a temp dir. These tests assert what a reader of the report relies on: every approach answered
 every record, none twice, nothing lost (for the Flink jobs: through exactly-once Kafka
 sinks, read with read_committed), and the report files exist with one table row per approach
