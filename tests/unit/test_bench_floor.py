@@ -118,3 +118,17 @@ def test_the_transport_probe_measures_aiohttp_against_the_simulator(sim: Any) ->
 
     found = measure("aiohttp", sim.url, 0.3, 4)
     assert WARM_UP_S > 0 and found["calls"] > 0 and found["errors"] == 0 and found["cpu_us_per_call"] > 0
+
+
+def test_the_bench_flags_leave_the_approaches_to_each_scenario_unless_named() -> None:
+    import argparse
+
+    from jobs.dev.bench.main import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).approaches is None  # the default list, the floor in (d) and (e) only
+    assert parser.parse_args(["--approaches", "vectorized-floor"]).approaches == [VECTORIZED_FLOOR]
+    args = parser.parse_args(["--transport-probe", "--transport-clients", "aiohttp,pycurl"])
+    assert args.transport_probe and args.transport_clients == ["aiohttp", "pycurl"]
+    assert args.transport_concurrency == "64,256" and args.transport_rounds == 2
