@@ -141,7 +141,7 @@ def bucket_shares(keys: list[int], max_parallelism: int, parallelism: int) -> li
 
 
 UNEVEN = 1.5
-"""A subtask with more than this many times its fair share of the records sets the pace of all."""
+"""A subtask with this many times its fair share of the records or more sets the pace of all."""
 
 
 def bucket_warning(config: JobConfig, change: Change) -> str | None:
@@ -155,7 +155,7 @@ def bucket_warning(config: JobConfig, change: Change) -> str | None:
     submitted = config.parallelism.of("inference")
     max_p = change.vertex.max_parallelism or key_groups.default_max_parallelism(submitted)
     shares = bucket_shares(bucket_keys(submitted, max_p), max_p, change.to)
-    if max(shares) <= UNEVEN / change.to:
+    if max(shares) < UNEVEN / change.to:
         return None
     spread = ", ".join(f"{share:.0%}" for share in shares)
     return (f"the records would fall on the {change.to} subtasks unevenly ({spread}): the job spreads them over "

@@ -105,6 +105,7 @@ def test_the_warning_says_how_the_records_fall(monkeypatch: pytest.MonkeyPatch) 
     warning = scale.bucket_warning(config, scale.Change(INFERENCE, 4))
     assert warning is not None and "unevenly (0%, 50%, 0%, 50%)" in warning
     assert "parallelism.inference: 4" in warning
+    assert "unevenly (25%, 25%, 50%)" in (scale.bucket_warning(config, scale.Change(INFERENCE, 3)) or "")
     assert scale.bucket_warning(config, scale.Change(INFERENCE, 2)) is None
 
 
