@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobs.clients.cluster_address import target
-from jobs.clients.flink_rest import ClusterError, FlinkRest
+from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.graph import key_groups
 from jobs.observe.verdict import (
     INPUT_BOUND,
@@ -232,6 +232,9 @@ def apply(rest: FlinkRest, job_id: str, config: JobConfig, *, inference: int | N
     wanted = {c.vertex.id: c.to for c in changes}
 
     def reached() -> list[Vertex] | None:
+        state = rest.job_status(job_id)
+        if state in TERMINAL_STATES:
+            raise ClusterError(f"job {job_id} is {state} while rescaling: {rest.failure(job_id)}")
         now = job_vertices(rest, job_id)
         done = all(v.parallelism == wanted.get(v.id, v.parallelism) and v.status == "RUNNING" for v in now)
         return now if done else None

@@ -39,6 +39,7 @@ class FakeRest(FlinkRest):
         self.vertices = {v.id: v for v in vertices}
         self.scheduler_type = scheduler
         self.mode = mode
+        self.state = "RUNNING"
         self.slots = slots
         self.puts: list[dict[str, Any]] = []
 
@@ -58,7 +59,7 @@ class FakeRest(FlinkRest):
         if path.endswith("/resource-requirements"):
             return {v.id: {"parallelism": {"lowerBound": 1, "upperBound": v.parallelism}} for v in self.vertices.values()}
         if path.startswith("/jobs/j1"):
-            return {"state": "RUNNING", "schedulerType": self.scheduler_type,
+            return {"state": self.state, "schedulerType": self.scheduler_type,
                     "vertices": [{"id": v.id, "name": v.name, "parallelism": v.parallelism,
                                   "maxParallelism": v.max_parallelism, "status": v.status}
                                  for v in self.vertices.values()]}
@@ -123,6 +124,13 @@ def test_apply_declares_and_waits(capsys: pytest.CaptureFixture[str], monkeypatc
 def test_apply_refuses_more_subtasks_than_slots() -> None:
     with pytest.raises(scale.ClusterError, match="5 subtasks need 5 slots, and the cluster .* has 4"):
         scale.apply(FakeRest([SOURCE, INFERENCE]), "j1", minimal_config(), inference=5, wait_s=1)
+
+
+def test_a_job_that_fails_while_rescaling_ends_the_wait() -> None:
+    rest = FakeRest([SOURCE, INFERENCE])
+    rest.state = "FAILED"
+    with pytest.raises(scale.ClusterError, match="is FAILED while rescaling"):
+        scale.apply(rest, "j1", minimal_config(), inference=2, wait_s=30, say=False)
 
 
 def test_a_cluster_without_the_adaptive_scheduler_names_upgrade() -> None:
