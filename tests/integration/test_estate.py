@@ -30,7 +30,9 @@ def test_a_60_s_taskmanager_to_brokers_partition_mid_run_loses_and_doubles_nothi
         assert status["flink"]["taskmanagers"] == 2, status
         assert all(host["up"] and host["link"] for host in status["hosts"].values()), status
 
-        row, verdict = run_scenario(estate, SCENARIOS["partition-60"], records=2000, timeout=300)
+        # ~3 min on a quiet machine; the bound is for a loaded one (at load 35 on 2 cores the job took
+        # 2 min to start, and 2,000 records did not finish within 300 s).
+        row, verdict = run_scenario(estate, SCENARIOS["partition-60"], records=1500, timeout=600)
         assert verdict.ok, verdict.summary()
         assert row.exit_code == 0, row
         assert "cut off from the 3 brokers for 60 s" in row.notes, row
