@@ -223,7 +223,7 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
     """The job config for one run: the repo's defaults, these topics and the tuned settings;
     an embeddings scenario batches up to `scenario.batch_size` inputs per request if `batched`;
     `per_key`: `ordering: per_key` (the `PER_KEY` run of a keyed scenario); `vectorized`:
-    `stage: vectorized` (the `VECTORIZED` run), its subtasks at `parallelism.default`."""
+    `lane: vectorized` (the `VECTORIZED` run), its subtasks at `parallelism.default`."""
     model: dict[str, Any] = {"endpoint": endpoint, "model": MODEL, "system_prompt": SYSTEM_PROMPT,
                              "max_tokens": MAX_TOKENS}
     if scenario.api == "embeddings":
@@ -251,7 +251,8 @@ def llmstream_config(topics: Topics, bootstrap: str, endpoint: str, settings: Ll
     if per_key:
         data["ordering"] = "per_key"
     if vectorized:
-        data["stage"] = "vectorized"
+        data.pop("stage", None)  # the old name of `lane`: a config may give only one of them
+        data["lane"] = "vectorized"
         data["vectorized"] = {"batch_size": settings.vectorized_batch_size}
         data["parallelism"] = {**data["parallelism"], "default": settings.parallelism, "inference": None}
         data["python"] = {**data["python"], "bundle_target_ms": 0}
