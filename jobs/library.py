@@ -124,11 +124,12 @@ def infer(requests: DataStream, config: JobConfig, *, uid: str = "inference",
 
     Also turns on unaligned checkpoints in the job (`python.unaligned_checkpoints`) and ships
     `udfs/` if `environment` did not; exactly-once needs checkpointing, which `environment` turns on.
-    The vectorized lane (`stage: vectorized`, or `auto` choosing it) is not a library call (a `ConfigError`).
+    The vectorized and provider-batch lanes (`lane: vectorized|provider-batch`, or `auto` choosing
+    one) are not a library call (a `ConfigError`).
     """
     if config.lane != "keyed":
-        raise ConfigError("stage", f"the vectorized lane ({config.lane_choice()[1]}) is the app's only; infer() runs "
-                                   "the keyed stage (stage: keyed)")
+        raise ConfigError("stage", f"the {config.lane} lane ({config.lane_choice()[1]}) is the app's only; infer() "
+                                   "runs the keyed stage (lane: keyed)")
     _expect_type(requests, INPUT_ROW_TYPE, "infer(requests)", "INPUT_ROW_TYPE")
     env = requests.get_execution_environment()
     if not env.get_checkpoint_config().is_checkpointing_enabled():

@@ -170,7 +170,7 @@ def prepare(config: JobConfig, options: RunOptions, site: Site, *,
     check_identity(state, config, fresh=options.fresh, explicit=options.from_savepoint is not None)
     restore, resume = resume_point(state, fresh=options.fresh, explicit=options.from_savepoint)
     report(f"llmstream: {resume}")  # before any JVM starts: a run killed while it starts has said so
-    if config.stage == "auto":
+    if config.written_lane()[0] == "auto":
         report(f"llmstream: {config.lane_choice()[1]}")
     leave_behind = gate.left_behind(config, restore)
     if leave_behind:

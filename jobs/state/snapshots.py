@@ -309,6 +309,11 @@ def check_identity(state: StateDir, config: JobConfig, *, fresh: bool, explicit:
                                              f"state of a job with {key} {recorded.get(key)!r}; give this job its "
                                              "own checkpointing.directory (or --state-dir), or pass --fresh")
         took = recorded.get(LANE_KEY)
+        if took == "keyed" and lane == "provider-batch":
+            # Before `lane`, the provider-batch lane (`model.mode: batch`) recorded itself as the keyed
+            # stage it rode in: its state directories stay its own. (A keyed job's directory is not
+            # told apart from it, as before.)
+            took = lane
         if took is not None and took != lane and not explicit:
             raise ConfigError("stage", f"runs the {lane} lane, but the snapshots in {state.location} were taken "
                                        f"by the {took} lane, and a snapshot restores only into the lane that took it; "

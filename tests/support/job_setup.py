@@ -22,7 +22,7 @@ import yaml
 
 from jobs.clients import kafka_admin
 from jobs.dev.simulator import SpawnedSimulator
-from udfs.config import JobConfig, config_from_dict, load_config, to_dict
+from udfs.config import JobConfig, config_from_dict, load_config, overridden, to_dict
 from udfs.inference.prompts import build_payload, input_tokens
 
 JobConfigFactory = Callable[..., JobConfig]
@@ -104,10 +104,7 @@ def make_job(directory: Path, bootstrap: str, endpoint: str, *, name: str, parti
     data["async"]["capacity"] = FAULT_CAPACITY
     data["checkpointing"]["interval_ms"] = CHECKPOINT_INTERVAL_MS
     data["checkpointing"]["directory"] = str(directory / f"{tag}-state")
-    for section, values in sections.items():
-        key = "async" if section == "async_" else section
-        data[key] = {**(data.get(key) or {}), **values} if isinstance(values, dict) else values
-    config = config_from_dict(data)
+    config = config_from_dict(overridden(data, **sections))
     kafka = config.kafka
     kafka_admin.create_topics(bootstrap, [kafka.input_topic], partitions=partitions, configs=topic_configs)
     kafka_admin.create_topics(bootstrap, [kafka.output_topic, kafka.dead_letter_topic], partitions=partitions)

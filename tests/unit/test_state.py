@@ -151,3 +151,21 @@ def test_a_refused_restore_is_one_line_naming_where_the_snapshot_came_from() -> 
     assert restore_refused(REFUSAL, "file:/s/chk-3", None, "/s").key == "--state-dir"  # type: ignore[union-attr]
     assert restore_refused(REFUSAL, None, None, None) is None  # nothing was restored: not this
     assert restore_refused(RuntimeError("Failed to execute job: NoResourceAvailable"), "/s/sp", None, None) is None
+
+
+def test_a_provider_batch_directory_recorded_before_the_lane_key_stays_its_own(tmp_path: Path) -> None:
+    """The provider-batch lane recorded itself as `keyed` before `lane`: its state still resumes."""
+    import json
+
+    from jobs.state.snapshots import IDENTITY_FILE, LANE_KEY, StateDir, check_identity
+    from udfs.config import load_config, with_overrides
+
+    config = with_overrides(load_config(), lane="provider-batch", checkpointing={"directory": str(tmp_path)})
+    state = StateDir(tmp_path)
+    check_identity(state, config, fresh=False)
+    recorded = json.loads((tmp_path / IDENTITY_FILE).read_text())
+    (tmp_path / IDENTITY_FILE).write_text(json.dumps({**recorded, LANE_KEY: "keyed"}))
+    (tmp_path / "checkpoints" / "job-1" / "chk-3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "job-1" / "chk-3" / "_metadata").write_bytes(b"x")
+    check_identity(state, config, fresh=False)  # no refusal
+    assert json.loads((tmp_path / IDENTITY_FILE).read_text())[LANE_KEY] == "provider-batch"

@@ -114,6 +114,7 @@ __all__ = [
     "VectorizedConfig",
     "config_from_dict",
     "load_config",
+    "overridden",
     "read_api_key",
     "to_dict",
     "with_overrides",
@@ -173,12 +174,23 @@ def load_config(path: str | os.PathLike[str] | None = None) -> JobConfig:
 
 
 def with_overrides(config: JobConfig, **sections: Any) -> JobConfig:
-    """Returns a copy with some section fields replaced (a top-level value such as `stage`
+    """Returns a copy with some section fields replaced (a top-level value such as `lane`
     replaced whole), re-validated (used by tests and tools)."""
-    data = to_dict(config)
+    return config_from_dict(overridden(to_dict(config), **sections))
+
+
+def overridden(data: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    """`data` (a config as `to_dict` gives it) with some section fields replaced. An override of
+    the lane, by `lane` or one of its old keys (`stage`, `model.mode`), replaces the lane whichever
+    key chose it before (`JobConfig` refuses two keys that disagree): the other keys are cleared,
+    and the spelling given is kept (an old one warns as it would in a file)."""
+    model = sections.get("model")
+    mode_given = isinstance(model, dict) and "mode" in model
+    if "lane" in sections or "stage" in sections or mode_given:
+        data = {**data, "lane": None, "stage": None, "model": {**(data.get("model") or {}), "mode": None}}
     for section, values in sections.items():
         key = "async" if section == "async_" else section
         data[key] = {**(data.get(key) or {}), **values} if isinstance(values, dict) else values
-    return config_from_dict(data)
+    return data
 
 
