@@ -22,6 +22,7 @@
 - ``release_build``: an earlier release of llmstream (the Flink 2.2.1 build) in a venv of its own,
   for the tests of upgrades across Flink versions;
 - ``reasons``: the dead-letter reasons docs/record-contract.md documents;
+- ``bench_runs``: finished bench runs made by hand, for the tests of the bench's report;
 - ``secured``: the names of a job on the secured broker (the ``secured`` fixture makes them) and the
   hunt for canary secrets in what a run left behind.
 

@@ -17,7 +17,7 @@ from jobs.dev.bench.vectorized_floor import (
     insert_sql,
     make_function,
 )
-from tests.unit.test_bench_measure import _run
+from tests.support.bench_runs import finished_run as _run
 
 
 def test_the_floor_runs_beside_the_lane_in_d_and_e_by_default_and_wherever_named() -> None:

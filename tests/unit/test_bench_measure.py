@@ -27,6 +27,7 @@ from jobs.dev.bench.measure import (
 from jobs.dev.bench.ml_predict import MlPredictJob
 from jobs.dev.bench.report import _checkpoints
 from jobs.dev.bench.scenarios import SCENARIOS
+from tests.support.bench_runs import finished_run as _run
 
 
 def test_limits_follow_littles_law() -> None:
@@ -144,26 +145,6 @@ def test_flink_options_on_the_command_line_reach_the_job_config(tmp_path) -> Non
     data = llmstream_config(Topics.fresh(SCENARIOS["d"], "llmstream"), "127.0.0.1:9", "http://127.0.0.1:1/v1",
                             settings, SCENARIOS["d"], tmp_path)
     assert data["flink"]["python.metric.enabled"] == "false" and data["flink"]["pipeline.name"] == "x=y"
-
-
-def _run(scenario: str, approach: str, rate: float, *, cpu: float | None = None, pct: float | None = None,
-         checkpoints: dict[str, float] | None = None, records: int = 10_000, parallelism: int | None = 1) -> Any:
-    """A finished bench run of `records` records answering `rate` a second at steady state
-    (`parallelism` None: an approach without llmstream settings)."""
-    from jobs.dev.bench.harness import RunResult
-    from jobs.dev.bench.measure import Latencies, Outcome
-
-    none = Latencies()
-    return RunResult(scenario=scenario, scenario_name=scenario, approach=approach,
-                     limit_per_s=SCENARIOS[scenario].limit_per_s,
-                     records_in=records, elapsed_s=60.0, stopped_by="finished", exit_code=0,
-                     outcome=Outcome(records, records, 0, 0, 0, 0, 0), throughput_steady=rate,
-                     steady_window_s=20.0, throughput_overall=rate, pct_of_limit=pct, e2e_ms=none,
-                     pickup_ms=none, commit_lag_ms=none, utilization=None, rss_peak_mb={}, rss_breakdown_mb={},
-                     rss_drift_mb=None, rss_series=[], server={},
-                     settings=None if parallelism is None else {"parallelism": parallelism},
-                     load_avg=(0.0, 0.0, 0.0), log_file="", cpu_ms_per_record=cpu,
-                     checkpoints=None if checkpoints is None else {"duration_ms": checkpoints})
 
 
 def test_a_fixed_latency_scenario_reports_what_bare_aiohttp_gets_from_its_simulator() -> None:
