@@ -142,7 +142,7 @@ def run_rescale(estate: Estate, rescale: Rescale, *, records: int = 3000, timeou
                 notes.append(f"stop exited {code}: {said.splitlines()[-1:]}")
     for job in estate.rest.live_jobs(base["name"]):
         estate.rest.cancel(str(job["jid"]))
-    served = int(estate.model.stats()["served"])
+    served = estate.model.calls()
     verdict = read_history(bootstrap, out_topic, dead_topic, model_calls=served).check(
         [json.loads(v)["id"] for _, v in batch], ordering="per_key" if rescale.ordering == "per_key" else "none")
     if rescale.ordering == "per_key":

@@ -342,5 +342,13 @@ class ModelServer:
         stats: dict[str, Any] = response.json()
         return stats
 
+    def calls(self) -> int:
+        """Model calls answered: realtime (``served``) plus requests answered inside provider
+        batches (both batch APIs' ``requests_succeeded``)."""
+        stats = self.stats()
+        batches = stats.get("batches") or {}
+        return int(stats["served"]) + sum(int(api.get("requests_succeeded") or 0) for api in batches.values()
+                                          if isinstance(api, dict))
+
     def configure(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> None:
         requests.post(self.base_url + path, json=body, timeout=timeout).raise_for_status()

@@ -252,7 +252,7 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
     gone = [name for name, daemon in estate.taskmanagers.items() if not daemon.pids()]
     if gone:
         run.notes.append(f"TaskManager process gone afterwards on {', '.join(gone)}")
-    served = int(estate.model.stats()["served"])
+    served = estate.model.calls()
     restarts = estate.rest.num_restarts(run.job_id, settle_s=3) if run.job_id else None
     verdict = read_history(bootstrap, run.output_topic, data["kafka"]["dead_letter_topic"],
                            model_calls=served).check([k.decode() for k, _ in batch])
