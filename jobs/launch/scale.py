@@ -29,12 +29,12 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobs.clients.cluster_address import target
 from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
 from jobs.graph import key_groups
+from jobs.launch.submit import live_job, load_job
 from jobs.observe.verdict import (
     INPUT_BOUND,
     MODEL_BOUND,
@@ -190,20 +190,6 @@ def check_adaptive(rest: FlinkRest, job_id: str) -> None:
                       "`llmstream upgrade` with a changed parallelism.* in the config does it through a savepoint")
 
 
-def _load(config_path: str | None) -> tuple[Path, JobConfig]:
-    from udfs.config import DEFAULT_CONFIG, load_config
-
-    path = Path(config_path) if config_path else DEFAULT_CONFIG
-    return path, load_config(path)
-
-
-def _live_job(rest: FlinkRest, config: JobConfig) -> str:
-    live = rest.live_jobs(config.name)
-    if not live:
-        raise ClusterError(f"no running job called {config.name!r} at {rest.rest_url}")
-    return str(live[0]["jid"])
-
-
 def apply(rest: FlinkRest, job_id: str, config: JobConfig, *, inference: int | None = None,
           source: int | None = None, wait_s: float = WAIT_S, say: bool = True) -> dict[str, int]:
     """Declare the new parallelism and wait until the job runs at it; returns vertex name -> parallelism."""
@@ -264,9 +250,9 @@ def scale(config_path: str | None, jobmanager: str | None = None, *, inference: 
     (exit 2) when the cluster cannot, `ConfigError` for a flag (exit 2), `ClusterError` (exit 1)."""
     if inference is None and source is None:
         raise ConfigError("", "llmstream scale: give --inference N or --source N (or --auto)")
-    _, config = _load(config_path)
+    _, config = load_job(config_path)
     rest = target(jobmanager).rest()
-    job_id = _live_job(rest, config)
+    job_id = live_job(rest, config)
     check_adaptive(rest, job_id)
     apply(rest, job_id, config, inference=inference, source=source, wait_s=wait_s)
     return 0
@@ -320,10 +306,10 @@ def auto(config_path: str | None, jobmanager: str | None = None, *, minimum: int
 
     if not 1 <= minimum <= maximum:
         raise ConfigError("--min", f"{minimum} with --max {maximum}: need 1 <= min <= max")
-    _, config = _load(config_path)
+    _, config = load_job(config_path)
     cluster = target(jobmanager)
     rest = cluster.rest()
-    job_id = _live_job(rest, config)
+    job_id = live_job(rest, config)
     check_adaptive(rest, job_id)
     with contextlib.closing(GroupProgress(config)) as progress:
         return _loop(Observer(config, cluster.rest_url, job_id=job_id, progress=progress), rest, job_id, config,

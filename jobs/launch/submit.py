@@ -53,14 +53,16 @@ def _target(jobmanager: str | None) -> tuple[str, dict[str, str], FlinkRest]:
     return cluster.address, client_env(Path(cluster.conf_dir), Path(cluster.log_dir)), cluster.rest()
 
 
-def _load(config_path: str | None) -> tuple[Path, JobConfig]:
+def load_job(config_path: str | None) -> tuple[Path, JobConfig]:
+    """The config file a command names (default: jobs/inference.yaml), loaded."""
     from udfs.config import DEFAULT_CONFIG, load_config
 
     path = Path(config_path) if config_path else DEFAULT_CONFIG
     return path, load_config(path)
 
 
-def _live_job(rest: FlinkRest, config: JobConfig) -> str:
+def live_job(rest: FlinkRest, config: JobConfig) -> str:
+    """The id of the config's running job on the cluster; `ClusterError` when none runs."""
     live = rest.live_jobs(config.name)
     if not live:
         raise ClusterError(f"no running job called {config.name!r} at {rest.rest_url}")
@@ -81,7 +83,7 @@ def submit(config_path: str | None, jobmanager: str | None = None, options: RunO
     from jobs.launch.plan import RunOptions, prepare
 
     options = options or RunOptions()
-    path, config = _load(config_path)
+    path, config = load_job(config_path)
     cluster = _Cluster(jobmanager, config)
     plan = prepare(config, options, cluster)
     state = plan.build.state
@@ -167,10 +169,10 @@ def _stop_when_running(rest: FlinkRest, job_id: str, state: StateDir, *, drain: 
 def stop_job(config_path: str | None, jobmanager: str | None = None, state_dir: str | None = None) -> int:
     """``llmstream stop``: stop the config's running job with a savepoint in its state directory.
     Returns 0; raises as `submit` does (``ClusterError`` also when no such job runs)."""
-    _, config = _load(config_path)
+    _, config = load_job(config_path)
     state = checked_state_dir(config, state_dir, create=False)
     _, _, rest = _target(jobmanager)
-    job_id = _live_job(rest, config)
+    job_id = live_job(rest, config)
     print(f"llmstream: stopping job {config.name} ({job_id}) with a savepoint ...")
     savepoint = _stop_when_running(rest, job_id, state, drain=False)
     print(f"llmstream: stopped; savepoint {savepoint}")
@@ -186,14 +188,14 @@ def upgrade(config_path: str | None, jobmanager: str | None = None, state_dir: s
     from jobs.launch import preflight
     from jobs.launch.plan import user_modules
 
-    path, config = _load(config_path)
+    path, config = load_job(config_path)
     state = checked_state_dir(config, state_dir, create=state_dir is None)
     python_files = user_modules(config)
     preflight.check(config)
     address, env, rest = _target(jobmanager)
     jars.ensure("connector")
     gate.ensure_for(config)
-    job_id = _live_job(rest, config)
+    job_id = live_job(rest, config)
     check_identity(state, config, fresh=False)
     print(f"llmstream: upgrading job {config.name} ({job_id}): stopping it with a savepoint ...")
     savepoint = _stop_when_running(rest, job_id, state, drain=False)
