@@ -35,7 +35,7 @@ from typing import Any, Self
 
 from jobs.clients import kafka_admin
 from jobs.clients.kafka_admin import answers
-from jobs.dev.processes import cmdline, terminate
+from jobs.dev.processes import cmdline, log_tail, terminate
 from jobs.runtime import jars
 from jobs.runtime.pids import pid_alive, wait_gone
 from jobs.runtime.ports import free_ports, port_in_use
@@ -245,13 +245,6 @@ def _java() -> str:
     if found is None:
         raise BrokerError("java not found (need Java 17+ on PATH or JAVA_HOME)")
     return found
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return f"(no {path.name})"
 
 
 class LocalBroker:
@@ -476,8 +469,8 @@ class LocalBroker:
             time.sleep(0.3)
 
     def _log_tail(self) -> str:
-        tail = _tail(self.log_file)
-        stdout = _tail(self.stdout_file).strip()
+        tail = log_tail(self.log_file)
+        stdout = log_tail(self.stdout_file).strip()
         return tail + (f"\n--- {self.stdout_file.name}:\n{stdout}" if stdout else "")
 
     def stop(self, timeout: float = 30) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from jobs.dev.processes import cmdline, terminate
+from jobs.dev.processes import cmdline, log_tail, terminate
 from jobs.runtime import jars
 from jobs.runtime.pids import pid_alive
 from jobs.runtime.ports import port_in_use
@@ -198,12 +198,12 @@ class ObjectStore:
         deadline = time.monotonic() + timeout
         while True:
             if not self._alive():
-                raise ObjectStoreError(f"s3proxy exited during start-up; last lines of {self.log_file}:\n{self._tail()}")
+                raise ObjectStoreError(f"s3proxy exited during start-up; last lines of {self.log_file}:\n{log_tail(self.log_file, 15)}")
             if port_in_use(self.config.port) and self._answers():
                 return
             if time.monotonic() > deadline:
                 raise ObjectStoreError(f"s3proxy not ready after {timeout:g} s at {self.endpoint}; "
-                                       f"last lines of {self.log_file}:\n{self._tail()}")
+                                       f"last lines of {self.log_file}:\n{log_tail(self.log_file, 15)}")
             time.sleep(0.3)
 
     def _answers(self) -> bool:
@@ -212,12 +212,6 @@ class ObjectStore:
         except Exception:  # noqa: BLE001 - not answering yet; the caller's deadline decides
             return False
         return True
-
-    def _tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
 
     def stop(self, timeout: float = 20) -> None:
         pid = self.pid()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
 
@@ -49,3 +50,11 @@ def terminate(pids: Iterable[int], timeout: float, what: str = "process") -> lis
         log.warning("%s %d did not stop within %g s; killing it", what, pid, timeout)
     _signal(alive, kill=True)
     return wait_gone(alive, 10)
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a service's log, for the error that says it did not start."""
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no {path.name})"

@@ -35,7 +35,7 @@ from typing import Self
 
 import requests
 
-from jobs.dev.processes import terminate
+from jobs.dev.processes import log_tail, terminate
 from jobs.runtime import jars
 from jobs.runtime.ports import free_port, port_in_use
 from udfs.errors import LLMStreamError
@@ -193,10 +193,10 @@ class LocalRegistry:
         deadline = time.monotonic() + timeout
         while not self.ready():
             if not self.running():
-                raise RegistryError(f"the schema registry exited during start-up:\n{self._tail()}")
+                raise RegistryError(f"the schema registry exited during start-up:\n{log_tail(self.log_file, 20)}")
             if time.monotonic() > deadline:
                 self.stop(export=False)
-                raise RegistryError(f"the schema registry was not ready after {timeout:g} s:\n{self._tail()}")
+                raise RegistryError(f"the schema registry was not ready after {timeout:g} s:\n{log_tail(self.log_file, 20)}")
             time.sleep(0.3)
         if self.export_file.exists():
             self._import()
@@ -251,12 +251,6 @@ class LocalRegistry:
         """Apicurio's default is NONE; a test that relies on Confluent's BACKWARD sets it per subject."""
         response = requests.put(f"{self.url}/config/{subject}", json={"compatibility": level}, timeout=10)
         response.raise_for_status()
-
-    def _tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
 
     def __enter__(self) -> Self:
         self.start()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from jobs.dev.processes import cmdline, terminate
+from jobs.dev.processes import cmdline, log_tail, terminate
 from jobs.runtime import jars
 from jobs.runtime.pids import pid_alive
 from jobs.runtime.ports import port_in_use
@@ -169,17 +169,11 @@ class ZooKeeper:
         deadline = time.monotonic() + timeout
         while not self.ready():
             if not self._alive():
-                raise ZooKeeperError(f"ZooKeeper exited during start-up; last lines of {self.log_file}:\n{self._tail()}")
+                raise ZooKeeperError(f"ZooKeeper exited during start-up; last lines of {self.log_file}:\n{log_tail(self.log_file, 15)}")
             if time.monotonic() > deadline:
                 raise ZooKeeperError(f"ZooKeeper not serving after {timeout:g} s on {self.quorum}; "
-                                     f"last lines of {self.log_file}:\n{self._tail()}")
+                                     f"last lines of {self.log_file}:\n{log_tail(self.log_file, 15)}")
             time.sleep(0.2)
-
-    def _tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
 
     def stop(self, timeout: float = 20) -> None:
         """SIGTERM the server (SIGKILL after ``timeout``); its data dir is kept."""
