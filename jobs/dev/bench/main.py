@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.dev import local_kafka
-from jobs.dev.bench import batch_lane, report
+from jobs.dev.bench import batch_lane, report, scale_scenarios
 from jobs.dev.bench import transport as transport_probe
 from jobs.dev.bench.harness import (
     ALL_APPROACHES,
@@ -41,6 +41,7 @@ from jobs.dev.bench.harness import (
     run_approach,
     wait_for_quiet,
 )
+from jobs.dev.bench.scale_scenarios import SCALE_SCENARIOS
 from jobs.dev.bench.scenarios import (
     FLOOR_SCENARIOS,
     SCENARIOS,
@@ -83,8 +84,11 @@ EPILOG = "\n".join(__doc__.splitlines()[2:])
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``llmstream bench`` flags."""
     parser.add_argument("--scenarios", default="a,b,c,d",
-                        type=lambda t: _parse_list(t, list(SCENARIOS), "--scenarios"),
-                        help="comma-separated: " + "; ".join(f"{s.key} = {s.name}" for s in SCENARIOS.values()))
+                        type=lambda t: _parse_list(t, [*SCENARIOS, *SCALE_SCENARIOS], "--scenarios"),
+                        help="comma-separated: " + "; ".join(f"{s.key} = {s.name}" for s in SCENARIOS.values())
+                             + "; and on a standalone cluster with the adaptive scheduler (scale.md/json, "
+                               "jobs/dev/bench/scale_scenarios.py): "
+                             + "; ".join(f"{s.key} = {s.name}" for s in SCALE_SCENARIOS.values()))
     parser.add_argument("--approaches", default=None,
                         type=lambda t: _parse_list(t, ALL_APPROACHES, "--approaches"),
                         help=f"comma-separated, from {', '.join(ALL_APPROACHES)} (default: all but "
@@ -326,6 +330,14 @@ def run(args: argparse.Namespace) -> int:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS
         args.max_seconds = max(args.max_seconds, SMOKE_MAX_SECONDS)
+    scaling = [key for key in args.scenarios if key in SCALE_SCENARIOS]
+    if scaling:
+        _standalone_ready(args)
+        scaled = scale_scenarios.run(scaling, args.out or RESULTS_DIR, command, _say)
+        args.scenarios = [key for key in args.scenarios if key not in SCALE_SCENARIOS]
+        if not args.scenarios:
+            return scaled
+        args.wait_for_quiet = None
     started = time.monotonic()
     results, paths, failures, probes = run_all(args, command)
     print()

@@ -63,21 +63,39 @@ CASES = {
 
 
 class Ramp(threading.Thread):
-    """Input at a rate growing linearly from `start` to `end` records a second over `seconds`."""
+    """Input at a rate growing linearly from `start` to `end` records a second over `seconds`, then
+    `hold_s` more at `end`."""
 
-    def __init__(self, producer: InputProducer, start: float, end: float, seconds: float) -> None:
+    def __init__(self, producer: InputProducer, start: float, end: float, seconds: float, hold_s: float = 0.0) -> None:
         super().__init__(daemon=True, name="scaling-ramp")
         self.producer, self.start_rate, self.end_rate, self.seconds = producer, start, end, seconds
+        self.hold_s = hold_s
         self._halt = threading.Event()
+        self._began: float | None = None
+
+    def due(self, t: float) -> int:
+        """Records due `t` seconds after the start."""
+        ramp = min(t, self.seconds)
+        count = self.start_rate * ramp + (self.end_rate - self.start_rate) * ramp * ramp / (2 * self.seconds)
+        return int(count + self.end_rate * max(0.0, min(t, self.seconds + self.hold_s) - self.seconds))
+
+    def rate_now(self) -> float:
+        """The input rate now, records a second."""
+        if self._began is None:
+            return self.start_rate
+        t = time.monotonic() - self._began
+        if t >= self.seconds:
+            return self.end_rate if t <= self.seconds + self.hold_s else 0.0
+        return self.start_rate + (self.end_rate - self.start_rate) * t / self.seconds
 
     def run(self) -> None:
-        began = time.monotonic()
+        self._began = began = time.monotonic()
         while not self._halt.wait(0.1):
-            t = min(time.monotonic() - began, self.seconds)
-            due = int(self.start_rate * t + (self.end_rate - self.start_rate) * t * t / (2 * self.seconds))
+            t = time.monotonic() - began
+            due = self.due(t)
             if due > self.producer.produced:
                 self.producer.send(due - self.producer.produced)
-            if t >= self.seconds:
+            if t >= self.seconds + self.hold_s:
                 break
         self.producer.settle()
 
@@ -97,23 +115,42 @@ class Outcome:
     lines: list[str] = field(default_factory=list)
 
 
-def _config(work: Path, bootstrap: str, endpoint: str, case: Case) -> Path:
-    tag = f"scaling-{case.key}-{int(time.time())}"
+def job_config_data(work: Path, bootstrap: str, tag: str, *, model: dict[str, Any], capacity: int,
+                    inference: int = 1, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The validated job config (as a dict) for `tag`: topics named after it, `model` keys, `capacity`
+    calls in flight a subtask, `inference` subtasks (`parallelism.inference`, whose buckets the keyed
+    lane spreads records over), checkpoints every 2 s into `work`; `extra`: more sections, as
+    `with_overrides` takes them."""
     topics = {"input_topic": f"{tag}-in", "output_topic": f"{tag}-out", "dead_letter_topic": f"{tag}-dead"}
-    kafka_admin.create_topics(bootstrap, list(topics.values()), partitions=2)
     config = with_overrides(
         load_config(),
         kafka={"bootstrap_servers": bootstrap, **topics, "group_id": f"{tag}-group",
                "transactional_id_prefix": f"{tag}-tx", "create_topics": False, "topic_partitions": 2},
-        model={"endpoint": endpoint}, async_={"capacity": case.capacity},
-        checkpointing={"interval_ms": 2000, "directory": str(work / "state")},
+        model=model, async_={"capacity": capacity}, parallelism={"inference": inference},
+        checkpointing={"interval_ms": 2000, "directory": str(work / "state" / tag)},
+        **(extra or {}),
     )
     data = to_dict(config)
-    data["name"] = f"llmstream-scaling-{case.key}"
+    data["name"] = f"llmstream-{tag}"
     config_from_dict(data)
-    path = work / "job.yaml"
+    return data
+
+
+def job_config(work: Path, bootstrap: str, tag: str, *, model: dict[str, Any], capacity: int,
+               inference: int = 1, extra: dict[str, Any] | None = None) -> Path:
+    """`job_config_data` written to `work`/<tag>.yaml, its three topics created (2 partitions)."""
+    data = job_config_data(work, bootstrap, tag, model=model, capacity=capacity, inference=inference, extra=extra)
+    kafka = data["kafka"]
+    kafka_admin.create_topics(bootstrap, [kafka["input_topic"], kafka["output_topic"], kafka["dead_letter_topic"]],
+                              partitions=2)
+    path = work / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def _config(work: Path, bootstrap: str, endpoint: str, case: Case) -> Path:
+    return job_config(work, bootstrap, f"scaling-{case.key}-{int(time.time())}", model={"endpoint": endpoint},
+                      capacity=case.capacity)
 
 
 def run_case(case: Case, seconds: float, say: Any = print) -> Outcome:
@@ -134,7 +171,7 @@ def run_case(case: Case, seconds: float, say: Any = print) -> Outcome:
         say(f"[{case.key}] submitting")
         subprocess.run([*llmstream, "submit", "--config", str(path), "--jobmanager", cluster.address], env=env,
                        check=True, capture_output=True, text=True, timeout=600)
-        [job] = cluster.live_jobs(f"llmstream-scaling-{case.key}")
+        [job] = cluster.live_jobs(yaml.safe_load(path.read_text())["name"])
         cluster.wait_for_job_state(str(job["jid"]), "RUNNING", timeout=300)
         producer = InputProducer(broker.bootstrap_servers, yaml.safe_load(path.read_text())["kafka"]["input_topic"])
         stack.callback(producer.close)
@@ -160,6 +197,29 @@ def run_case(case: Case, seconds: float, say: Any = print) -> Outcome:
     return outcome
 
 
+@dataclass(frozen=True)
+class AutoLine:
+    """One decision line of `llmstream scale --auto`: the subtasks it saw, the verdict's kind and
+    the new count it chose (None: hold)."""
+
+    current: int
+    kind: str
+    target: int | None
+
+
+def parse_auto_line(line: str) -> AutoLine | None:
+    """`llmstream: 1 subtasks: more subtasks would help: ...; -> 3 (...)` as an `AutoLine`; None for
+    any other line (the start banner, an `apply` progress line)."""
+    body = line.rstrip().removeprefix("llmstream: ")
+    head, _, rest = body.partition(" subtasks: ")
+    if not head.isdigit() or not rest:
+        return None
+    kind = ("model-bound" if "the model is the limit" in rest else "input-bound" if "input is the limit" in rest
+            else "pipeline-bound" if ": yes" in rest else "unknown")
+    target = int(rest.rsplit(" -> ", 1)[1].split(" ", 1)[0]) if " -> " in rest else None
+    return AutoLine(int(head), kind, target)
+
+
 def _read(process: subprocess.Popen[str], outcome: Outcome, say: Any, key: str) -> None:
     assert process.stdout is not None
     for raw in process.stdout:
@@ -168,18 +228,15 @@ def _read(process: subprocess.Popen[str], outcome: Outcome, say: Any, key: str) 
             continue
         outcome.lines.append(line)
         say(f"[{key}] {line}")
-        body = line.removeprefix("llmstream: ")
-        head, _, rest = body.partition(" subtasks: ")
-        if head.isdigit() and rest:
-            kind = ("model-bound" if "the model is the limit" in rest else "input-bound" if "input is the limit" in rest
-                    else "pipeline-bound" if ": yes" in rest else "unknown")
-            outcome.verdicts[kind] = outcome.verdicts.get(kind, 0) + 1
-            if " -> " in rest:
-                target = int(rest.rsplit(" -> ", 1)[1].split(" ", 1)[0])
-                if target > int(head):
-                    outcome.scale_ups += 1
-                else:
-                    outcome.scale_downs += 1
+        parsed = parse_auto_line(line)
+        if parsed is None:
+            continue
+        outcome.verdicts[parsed.kind] = outcome.verdicts.get(parsed.kind, 0) + 1
+        if parsed.target is not None:
+            if parsed.target > parsed.current:
+                outcome.scale_ups += 1
+            else:
+                outcome.scale_downs += 1
 
 
 def main(argv: list[str] | None = None) -> int:
