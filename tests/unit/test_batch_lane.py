@@ -72,8 +72,6 @@ def admin(sim: ThreadedSimulator, path: str = "", body: dict[str, Any] | None = 
 
 REFUSED = {
     "stage": {"stage": "vectorized"},
-    "model.endpoints": {"model": {"endpoint": None, "endpoints": [{"url": "http://127.0.0.1:9/v1"},
-                                                                  {"url": "http://127.0.0.1:10/v1"}]}},
     "ordering": {"ordering": "per_key"},
     "budget": {"budget": {"max_tokens_per_hour": 1000}},
     "model.provider": {"model": {"provider": "anthropic", "api": "embeddings"}},
@@ -111,6 +109,9 @@ def test_the_combinations_the_lane_does_take_load() -> None:
                                "response_format_mode": "prompt"}},
                     {"model": {"api": "embeddings", "batch": {"max_size": 8}}},
                     {"provider_batch": {"on_expired": "realtime", "on_cancelled": "realtime"}},
+                    {"model": {"endpoint": None, "endpoints": [{"url": "http://127.0.0.1:9/v1"},
+                                                               {"url": "http://127.0.0.1:10/v1"}],
+                               "fallback": {"endpoints": [{"url": "http://127.0.0.1:11/v1"}]}}},
                     {"model": {"provider": "anthropic"}, "provider_batch": {"on_cancelled": "resubmit"}}):
         assert config_from_dict(_merged(base, changes)).model.mode == "batch"
 
@@ -304,6 +305,90 @@ def test_a_batch_whose_creation_the_checkpoint_missed_is_found_not_made_again(
     assert submitted(sim) == 20
 
 
+def fleet_config(sim_urls: list[str], *, weights: list[float] | None = None, fallback: list[str] | None = None,
+                 circuit: dict[str, Any] | None = None, **provider_batch: Any) -> JobConfig:
+    data = to_dict(lane_config(sim_urls[0], **provider_batch))
+    data["model"]["endpoint"] = None
+    data["model"]["endpoints"] = [{"url": url, "name": f"e{i}", "weight": (weights or [1.0] * len(sim_urls))[i]}
+                                  for i, url in enumerate(sim_urls)]
+    if fallback:
+        data["model"]["fallback"] = {"endpoints": [{"url": url, "name": f"f{i}", "model": "sim-fallback"}
+                                                   for i, url in enumerate(fallback)]}
+    if circuit:
+        data["model"]["circuit"] = circuit
+    return config_from_dict(data)
+
+
+def test_a_fleet_spreads_whole_batches_by_weight_and_reads_each_where_it_was_made(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    """Each batch is made whole at one endpoint, the fewest open batches per weight first (3:1
+    here), and viewed and read there: every record answered once, nothing submitted twice."""
+    sims = [make_sim(batch=FAST), make_sim(batch=FAST)]
+    h = lane(fleet_config([s.url for s in sims], weights=[3.0, 1.0], max_requests=10, max_wait_s=60), harnesses)
+    feed(h, range(160), buckets=1)  # 16 batches of 10, all sealed before the first is answered
+    h.end_of_input()
+    out, dead = outcomes(h)
+    assert out == Counter({f"id-{i}": 1 for i in range(160)}) and dead == {}
+    made = [submitted(s) for s in sims]
+    assert sum(made) == 160 and made[0] > made[1] > 0, made
+    assert {b["endpoint"].rsplit("/v1", 1)[0] for b in h.bodies("out")} == {s.url.rsplit("/v1", 1)[0] for s in sims}
+
+
+def test_a_fleet_endpoint_whose_batch_api_fails_is_passed_over_by_its_circuit(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    """An endpoint that does not answer (nothing listens there) fails its creations until its circuit
+    opens; the batches then go to the endpoint that answers, each made once."""
+    sim = make_sim(batch=FAST)
+    dead_url = "http://127.0.0.1:9/v1"
+    config = fleet_config([dead_url, sim.url], max_requests=10, max_wait_s=60, poll_initial_s=0.01, poll_max_s=0.05,
+                          circuit={"failures": 2, "cooldown_s": 600, "max_cooldown_s": 600})
+    h = lane(config, harnesses)
+    feed(h, range(60), buckets=1)
+    h.end_of_input()
+    out, dead = outcomes(h)
+    assert out == Counter({f"id-{i}": 1 for i in range(60)}) and dead == {}
+    assert submitted(sim) == 60
+
+
+def test_the_fallback_group_makes_the_batches_once_every_primary_circuit_is_open(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    """With every primary down, batches go to the fallback endpoint, asking for its own model."""
+    sim = make_sim(batch=FAST)
+    config = fleet_config(["http://127.0.0.1:9/v1"], fallback=[sim.url], max_requests=10, max_wait_s=60,
+                          poll_initial_s=0.01, poll_max_s=0.05,
+                          circuit={"failures": 1, "cooldown_s": 600, "max_cooldown_s": 600})
+    h = lane(config, harnesses)
+    feed(h, range(30), buckets=1)
+    h.end_of_input()
+    out, dead = outcomes(h)
+    assert out == Counter({f"id-{i}": 1 for i in range(30)}) and dead == {}
+    assert submitted(sim) == 30
+    assert {b["model"] for b in h.bodies("out")} == {"sim-fallback"}
+
+
+def test_a_restore_reads_each_batch_at_the_fleet_endpoint_that_made_it(
+        make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
+    sims = [make_sim(batch=BatchSettings(validating_s=0.05, delay_s=(1.5, 1.5), finalizing_s=0.05)) for _ in range(2)]
+    config = fleet_config([s.url for s in sims], max_requests=10, max_wait_s=60)
+    first = lane(config, harnesses)
+    feed(first, range(40), buckets=1)
+
+    def created() -> bool:
+        first.tick(0)
+        return _created(first)
+    wait_until(created, timeout=60, interval=0.05, message="the batches' ids in state")
+    entries = [e for bucket in first.runtime.named[BATCHES.get_name()].data.values() for e in bucket.values()]
+    assert {e.endpoint for e in entries} == {"e0", "e1"}
+    checkpoint = first.snapshot_named()
+    first.close()
+    second = lane(config, harnesses, named=checkpoint)
+    second.tick(0)
+    second.end_of_input()
+    out, dead = outcomes(second)
+    assert out == Counter({f"id-{i}": 1 for i in range(40)}) and dead == {}
+    assert [submitted(s) for s in sims] == [20, 20]
+
+
 def test_the_result_cache_answers_before_a_batch_and_is_filled_from_one(
         batch_sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
     base = to_dict(lane_config(batch_sim.url))
@@ -320,3 +405,14 @@ def test_the_result_cache_answers_before_a_batch_and_is_filled_from_one(
     assert out == Counter({f"id-{i}": 1 for i in range(30)}) and dead == {}
     assert {b["cached"] for b in again.bodies("out")} == {True}
     assert submitted(batch_sim) == 30  # the repeat never reached the provider
+
+
+def test_preflight_takes_a_fleet_while_one_endpoint_serves_the_batch_api(batch_sim: ThreadedSimulator) -> None:
+    """At launch every endpoint that answers must serve the batch API; one that does not answer is
+    left to its circuit, unless none answers: then one line naming `model.endpoints`."""
+    from udfs.provider_batch import providers
+
+    providers.preflight(fleet_config(["http://127.0.0.1:9/v1", batch_sim.url]), timeout_s=5)
+    with pytest.raises(ConfigError) as info:
+        providers.preflight(fleet_config(["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]), timeout_s=5)
+    assert info.value.key == "model.endpoints" and "e0" in str(info.value) and "\n" not in str(info.value)

@@ -250,3 +250,17 @@ def test_embeddings_with_embedding_batches_get_one_vector_each(lane: str, sim: T
     results = bodies(out, "out")
     assert reasons(out) == {} and sorted(b["id"] for b in results) == [f"id-{i}" for i in range(6)]
     assert all(isinstance(b["output"], list) and len(b["output"]) > 1 for b in results)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_fleet_answers_every_record_once_in_every_lane(lane: str, make_sim: Callable[..., ThreadedSimulator]) -> None:
+    """`model.endpoints` in every lane (the provider-batch lane makes each batch whole at one of them):
+    every record answered once, by an endpoint of the fleet, asking for that endpoint's model."""
+    sims = [make_sim(batch=FAST, latency="0") for _ in range(2)]
+    endpoints = [{"url": s.url, "name": f"e{i}", "model": f"sim-{i}"} for i, s in enumerate(sims)]
+    config = lane_config(lane, sims[0].url, model={"endpoint": None, "endpoints": endpoints})
+    out = run(config, [_ask(i) for i in range(12)])
+    results = bodies(out, "out")
+    assert sorted(b["id"] for b in results) == sorted(f"id-{i}" for i in range(12)) and reasons(out) == {}
+    urls = {s.url.rstrip("/") for s in sims}
+    assert all(b["model"] in ("sim-0", "sim-1") and any(b["endpoint"].startswith(u) for u in urls) for b in results)

@@ -104,17 +104,14 @@ def validate_job(config: JobConfig) -> None:
 
 def _batch_lane(config: JobConfig) -> None:
     """What a provider's batch cannot do, refused at load with why; and what Anthropic's Message
-    Batches cannot take. Everything else (structured output, user functions, embeddings batching
-    for the realtime calls, the cache) goes through the same record path and client as the other
-    lanes."""
+    Batches cannot take. Everything else (structured output, user functions, a fleet, embeddings
+    batching for the realtime calls, the cache) goes through the same record path and client as the
+    other lanes."""
     if config.lane != "provider-batch":
         return
     batch_lane = "not with lane: provider-batch: "
     model = config.model
     unsupported = {
-        "model.endpoints": (model.endpoints is not None or model.fallback is not None,
-                            batch_lane + "a batch is made at one provider and read back from it (model.endpoint); "
-                                         "a fleet's routing, circuits and fallback act per call"),
         "ordering": (config.ordering == "per_key", batch_lane + "a provider answers a batch's lines in any order "
                                                                 "and ends batches in any order"),
         "budget": (config.budget.enabled, batch_lane + "a batch is priced when it ends, hours after its calls were "

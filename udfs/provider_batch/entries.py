@@ -33,7 +33,9 @@ class BatchEntry:
     `handles`: its records in line order. `provider_id`: None until the creation is answered.
     `sealed_ms`: when the lane made it; `created_ms`: when the provider took it. `polls`: views
     asked so far (the next waits longer); `next_poll_ms`: not before then. `resubmits`: how many
-    times the provider lost it (a batch it no longer knows is made again once)."""
+    times the provider lost it (a batch it no longer knows is made again once). `endpoint`: the
+    label of the fleet endpoint it was sent to be made at (its batch API is the one that knows it);
+    None: not sent yet, or state written before the lane served a fleet (`model.endpoint`, the first)."""
 
     key: str
     handles: tuple[str, ...]
@@ -43,9 +45,11 @@ class BatchEntry:
     polls: int = 0
     next_poll_ms: int = 0
     resubmits: int = 0
+    endpoint: str | None = None
 
-    def created(self, provider_id: str, now_ms: int, first_poll_ms: int) -> BatchEntry:
-        return dataclasses.replace(self, provider_id=provider_id, created_ms=now_ms, next_poll_ms=first_poll_ms)
+    def created(self, provider_id: str, endpoint: str, now_ms: int, first_poll_ms: int) -> BatchEntry:
+        return dataclasses.replace(self, provider_id=provider_id, endpoint=endpoint, created_ms=now_ms,
+                                   next_poll_ms=first_poll_ms)
 
     def polled(self, next_poll_ms: int) -> BatchEntry:
         return dataclasses.replace(self, polls=self.polls + 1, next_poll_ms=next_poll_ms)

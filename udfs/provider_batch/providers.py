@@ -37,7 +37,7 @@ from udfs.inference import statuses
 from udfs.inference.transport import API_PATHS, READ_CHUNK_BYTES, server_message
 
 if TYPE_CHECKING:
-    from udfs.config import JobConfig
+    from udfs.config import EndpointConfig, JobConfig
     from udfs.inference.transport import Transport
 
 log = logging.getLogger("llmstream.udfs")
@@ -122,13 +122,22 @@ class Provider:
 
     name = "provider"
 
-    def __init__(self, config: JobConfig, transport: Transport | None) -> None:
-        """`transport`: the client's; none at launch (`preflight`), where nothing is called through it."""
-        assert config.model.endpoint is not None, "the batch lane calls model.endpoint (no fleet)"
+    def __init__(self, config: JobConfig, transport: Transport | None, endpoint: EndpointConfig | None = None) -> None:
+        """`transport`: the client's (the route's, in a fleet); none at launch (`preflight`), where
+        nothing is called through it. `endpoint`: the fleet endpoint this provider's batches are made
+        at (its URL and key); none: `model.endpoint`."""
+        base = endpoint.url if endpoint is not None else config.model.endpoint
+        assert base is not None, "model.endpoint or an endpoint of model.endpoints"
         self._config = config
         self._transport = transport
-        self.base = config.model.endpoint.rstrip("/")
+        self._fleet_endpoint = endpoint
+        self.base = base.rstrip("/")
+        self.label = endpoint.label if endpoint is not None else self.base
         self._timeout_s = max(FILE_TIMEOUT_S, config.async_.request_timeout_s)
+
+    def _key(self) -> str | None:
+        """The API key, read for each call and never stored: the endpoint's own in a fleet."""
+        return self._fleet_endpoint.api_key() if self._fleet_endpoint is not None else self._config.api_key()
 
     def _headers(self) -> dict[str, str]:
         raise NotImplementedError
@@ -136,7 +145,7 @@ class Provider:
     def _clean(self, text: str) -> str:
         if self._transport is not None:
             return self._transport.redact(text)
-        secret = self._config.api_key() or ""
+        secret = self._key() or ""
         return text.replace(secret, "***") if len(secret) >= 4 else text
 
     @property
@@ -229,7 +238,7 @@ class OpenAIBatches(Provider):
     name = "openai"
 
     def _headers(self) -> dict[str, str]:
-        key = self._config.api_key()
+        key = self._key()
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _endpoint(self) -> str:
@@ -344,7 +353,7 @@ class AnthropicBatches(Provider):
     name = "anthropic"
 
     def _headers(self) -> dict[str, str]:
-        key = self._config.api_key()
+        key = self._key()
         return {"anthropic-version": ANTHROPIC_VERSION, **({"x-api-key": key} if key else {})}
 
     def line(self, index: int, payload: dict[str, Any]) -> bytes:
@@ -438,38 +447,66 @@ def openai_body(message: dict[str, Any]) -> dict[str, Any]:
             "usage": {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens")}}
 
 
-def provider_for(config: JobConfig, transport: Transport | None = None) -> Provider:
+def provider_for(config: JobConfig, transport: Transport | None = None,
+                 endpoint: EndpointConfig | None = None) -> Provider:
     """The provider `model.provider` names, calling through `transport` (the client's; none at
-    launch, where only its URL, headers and redaction are used)."""
-    return AnthropicBatches(config, transport) if config.model.provider == "anthropic" else OpenAIBatches(config, transport)
+    launch, where only its URL, headers and redaction are used), at `endpoint` (a fleet's; none:
+    `model.endpoint`)."""
+    kind = AnthropicBatches if config.model.provider == "anthropic" else OpenAIBatches
+    return kind(config, transport, endpoint)
+
+
+def providers_for(config: JobConfig) -> list[Provider]:
+    """One provider per endpoint a batch may be made at, in the fleet's order (primaries, then the
+    fallback group): `model.endpoint` alone is one."""
+    if not config.model.routed:
+        return [provider_for(config)]
+    primaries, fallbacks = config.fleet()
+    return [provider_for(config, None, endpoint) for endpoint in primaries + fallbacks]
 
 
 def preflight(config: JobConfig, *, timeout_s: float) -> None:
     """At launch, with `lane: provider-batch`: the provider's batch API answers at `model.endpoint` and
-    takes the key, else one `ConfigError` naming the setting (the lane would otherwise retry for ever)."""
+    takes the key, else one `ConfigError` naming the setting (the lane would otherwise retry for ever).
+    A fleet: every endpoint that answers serves the batch API and takes its key, and one answers at
+    least (one that does not is the circuits' business while the job runs)."""
     import requests
 
     from udfs.errors import ConfigError
 
-    provider = provider_for(config)
-    url = f"{provider.base}/messages/batches" if provider.name == "anthropic" else f"{provider.base}/batches"
-    try:
-        tls = config.model.tls
-        cert = (tls.client_cert_file, tls.client_key_file) if tls.client_cert_file and tls.client_key_file else None
-        response = requests.get(url, params={"limit": "1"}, headers=provider._headers(), timeout=timeout_s,
-                                allow_redirects=False, verify=_requests_verify(config), cert=cert)
-    except requests.RequestException as err:
-        raise ConfigError("model.endpoint", provider._clean(
-            f"the {provider.name} batch API at {url} does not answer: {type(err).__name__}")) from None
-    if response.status_code in (401, 403):
-        key = "model.api_key_file" if config.model.api_key_file else "model.api_key_env"
-        raise ConfigError(key, f"the {provider.name} batch API at {url} refused the key (HTTP {response.status_code})")
-    if response.status_code == 404:
-        raise ConfigError("model.provider", f"{url} answers 404: no {provider.name} batch API at model.endpoint")
-    if not 200 <= response.status_code < 300:
-        message = provider._clean(server_message(response.text[:MAX_ERROR_BYTES]))
-        raise ConfigError("model.endpoint", f"the {provider.name} batch API at {url} answered HTTP "
-                                            f"{response.status_code}: {message}")
+    routed = config.model.routed
+    answered: list[str] = []
+    unreachable: ConfigError | None = None
+    for provider in providers_for(config):
+        endpoint_key = "model.endpoints" if routed else "model.endpoint"
+        where = f"the {provider.name} batch API of {provider.label}" if routed else f"the {provider.name} batch API"
+        url = f"{provider.base}/messages/batches" if provider.name == "anthropic" else f"{provider.base}/batches"
+        try:
+            tls = config.model.tls
+            cert = (tls.client_cert_file, tls.client_key_file) if tls.client_cert_file and tls.client_key_file else None
+            response = requests.get(url, params={"limit": "1"}, headers=provider._headers(), timeout=timeout_s,
+                                    allow_redirects=False, verify=_requests_verify(config), cert=cert)
+        except requests.RequestException as err:
+            unreachable = unreachable or ConfigError(endpoint_key, provider._clean(
+                f"{where} at {url} does not answer: {type(err).__name__}"))
+            continue
+        if response.status_code in (401, 403):
+            key = endpoint_key if routed else (
+                "model.api_key_file" if config.model.api_key_file else "model.api_key_env")
+            raise ConfigError(key, f"{where} at {url} refused the key (HTTP {response.status_code})")
+        if response.status_code == 404:
+            raise ConfigError(endpoint_key if routed else "model.provider",
+                              f"{url} answers 404: no {provider.name} batch API at "
+                              + (provider.label if routed else "model.endpoint"))
+        if not 200 <= response.status_code < 300:
+            message = provider._clean(server_message(response.text[:MAX_ERROR_BYTES]))
+            raise ConfigError(endpoint_key, f"{where} at {url} answered HTTP {response.status_code}: {message}")
+        answered.append(provider.label)
+    if not answered and unreachable is not None:
+        raise unreachable
+    if unreachable is not None:
+        log.info("batch lane: %s; its batches go to the endpoints that answer (%s)", unreachable.problem,
+                 ", ".join(answered))
 
 
 def _requests_verify(config: JobConfig) -> bool | str:

@@ -51,6 +51,7 @@ import functools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,8 +134,13 @@ class BatchStage(KeyedLane):
         self._assigned = runtime_context.get_map_state(ASSIGNED)
         self._batches = runtime_context.get_map_state(BATCHES)
         # The client's: the realtime calls (`on_expired: realtime`), the result cache, the answer
-        # reader, and the transport the provider's batch API is called through.
-        self._provider = provider_for(self._config, self._client.transport)
+        # reader, the fleet that chooses where a batch is made, and each endpoint's transport the
+        # provider's batch API is called through (one provider per route; `model.endpoint`: one).
+        routed = self._config.model.routed
+        self._providers = [provider_for(self._config, route.transport, route.endpoint if routed else None)
+                           for route in self._client.routes]
+        self._by_label = {provider.label: i for i, provider in enumerate(self._providers)}
+        self._sending: dict[str, Any] = {}  # batch key -> the fleet endpoint whose slot its creation holds
         self._collections: dict[Any, _Collection] = {}
         self._entries: dict[Any, dict[str, Any]] = {}
         self._held: dict[Any, int] = {}
@@ -160,8 +166,8 @@ class BatchStage(KeyedLane):
         self._durable_read_at = 0.0
         settings = self._config.provider_batch
         log.info("batch lane: %s batches at %s of at most %d requests, %d bytes, %g s of waiting",
-                 self._provider.name, self._provider.base, settings.max_requests, settings.max_bytes,
-                 settings.max_wait_s)
+                 self._providers[0].name, ", ".join(p.base for p in self._providers), settings.max_requests,
+                 settings.max_bytes, settings.max_wait_s)
 
     def _closed(self) -> None:
         durable = getattr(self, "_durable_file", None)
@@ -312,9 +318,57 @@ class BatchStage(KeyedLane):
             if entry.provider_id is None:
                 if not self._may_create(entry):
                     continue
-                yield from self._submit(bucket, ("create", key), self._creator(entry))
+                chosen = self._place(self._route(entry) if entry.endpoint is not None else None)
+                if chosen is None:  # no endpoint may take a batch now (circuits open): at a later wake
+                    continue
+                self._sending[key] = chosen
+                yield from self._submit(bucket, ("create", key), self._creator(bucket, entry, chosen.index))
+            elif (index := self._route(entry)) is None:
+                from udfs.provider_batch.providers import BatchView
+
+                yield from self._viewed(bucket, entry, BatchView(entry.provider_id, "gone", "its endpoint left the fleet"))
             else:
-                yield from self._submit(bucket, ("view", key), functools.partial(self._view, entry.provider_id))
+                yield from self._submit(bucket, ("view", key),
+                                        functools.partial(self._providers[index].view, entry.provider_id))
+
+    def _route(self, entry: Any) -> int | None:
+        """The index (in the client's routes) of the endpoint that made `entry`'s batch: None when it
+        is no longer in `model.endpoints` (an upgrade removed it); state from before the lane served
+        a fleet names none, and was made at `model.endpoint`, the first."""
+        return 0 if entry.endpoint is None else self._by_label.get(entry.endpoint)
+
+    def _place(self, prefer: int | None = None) -> Any:
+        """The fleet endpoint a batch is made at, its slot taken for the creation (released when it
+        is answered): the fleet's own choice among the endpoints it lets take a call now (circuits,
+        `Retry-After` pauses, probes, the fallback group when every primary is open), preferring
+        `prefer` (where an earlier try went), else the one with the fewest batches open per
+        `weight`. None: none may take one now."""
+        from udfs.inference.fleet import CircuitState
+
+        fleet = self._client.fleet
+        if len(fleet.endpoints) == 1:
+            return fleet.choose()
+        if prefer is None:
+            open_at = Counter(self._route(e) for entries in self._entries.values() for e in entries.values()
+                              if e.provider_id is not None or e.key in self._sending)
+            closed = [e for e in fleet.candidates() if e.circuit.state is CircuitState.CLOSED] or fleet.endpoints
+            prefer = min(closed, key=lambda e: ((open_at[e.index] + 1) / e.weight, e.index)).index
+        return fleet.choose(avoid=[e.index for e in fleet.endpoints if e.index != prefer])
+
+    def _sent(self, key: str, value: Any) -> None:
+        """A creation answered (or failed): its slot back to the fleet, with what the answer says of
+        the endpoint's health (`udfs/inference/statuses.py`): a batch API that fails opens its circuit."""
+        from udfs.inference.statuses import Outcome, of_status
+        from udfs.provider_batch.providers import ProviderError
+
+        endpoint = self._sending.pop(key, None)
+        if endpoint is None:
+            return
+        if isinstance(value, ProviderError):
+            outcome = of_status(value.status) if value.retryable else Outcome.NEUTRAL
+        else:
+            outcome = Outcome.SUCCESS if isinstance(value, tuple) else Outcome.NEUTRAL
+        self._client.fleet.release(endpoint, outcome)
 
     def _may_create(self, entry: Any) -> bool:
         """Whether `entry` may be made at the provider: once a completed checkpoint holds it (the
@@ -350,24 +404,42 @@ class BatchStage(KeyedLane):
                 return err
         self._runner.submit(bucket, op, guarded)
 
-    def _creator(self, entry: Any) -> Callable[[], Coroutine[Any, Any, Any]]:
+    def _creator(self, bucket: Any, entry: Any, index: int) -> Callable[[], Coroutine[Any, Any, Any]]:
+        """The batch of `entry` made at the endpoint `index`; first, when its creation may have been
+        answered unseen (a restore, a creation that got no answer), looked for where it may have
+        been sent: its endpoint, or every one when its entry names none. Only the chosen endpoint's
+        failure to answer that question fails the creation; another's (its circuit opened, so the
+        fleet chose elsewhere) is passed over, and there that batch may be paid twice."""
+        from udfs.provider_batch.providers import ProviderError
+
         records = [(handle, self._unbatched.pop(handle, None) or self._stored(handle)) for handle in entry.handles]
         known = {handle: self._shaped[handle] for handle in entry.handles if handle in self._shaped}
-        find = entry.key in self._maybe_created
-        provider = self._provider
+        provider, route = self._providers[index], self._client.routes[index]
+        looked_at = []
+        if entry.key in self._maybe_created:
+            where = self._route(entry) if entry.endpoint is not None else None
+            looked_at = [self._providers[where]] if where is not None else list(self._providers)
+        self._put(bucket, dataclasses.replace(entry, endpoint=provider.label))  # a checkpoint knows where it went
 
         async def create() -> Any:
-            if find:
-                found = await provider.find(entry.key, entry.sealed_ms / 1000)
+            for place in looked_at:
+                try:
+                    found = await place.find(entry.key, entry.sealed_ms / 1000)
+                except ProviderError as err:
+                    if place is provider:
+                        raise
+                    log.warning("batch lane: looking for batch %s at %s failed (%s); making it at %s",
+                                entry.key, place.label, err, provider.label)
+                    continue
                 if found is not None:
-                    return ("found", found)
+                    return ("found", found, place.label)
             lines = []
             for i, (handle, held) in enumerate(records):
                 shaped = known.get(handle) or await self._reshaped(held.record)
-                lines.append(provider.line(i, shaped[1] if not isinstance(shaped, Settled) else {}))
+                lines.append(provider.line(i, route.payload(shaped[1]) if not isinstance(shaped, Settled) else {}))
             batch_id = await provider.create(entry.key, lines)
             self._metrics.batch_requests.inc(len(lines))
-            return ("created", batch_id)
+            return ("created", batch_id, provider.label)
         return create
 
     async def _reshaped(self, record: PendingRecord) -> Shaped | Settled:
@@ -398,9 +470,6 @@ class BatchStage(KeyedLane):
             self._shaped[handle] = found
         return cast("Shaped | Settled", found)
 
-    async def _view(self, provider_id: str) -> Any:
-        return await self._provider.view(provider_id)
-
     # ------------------------------------------------------------------ what came back
     def _events(self, bucket: Any) -> Iterator[Row]:
         from udfs.provider_batch.providers import BatchView, ProviderError
@@ -415,6 +484,8 @@ class BatchStage(KeyedLane):
             if kind == "realtime":
                 yield from self._settle(bucket, name, value if value is not None else self._internal(name))
                 continue
+            if kind == "create":
+                self._sent(name, value)
             entry = self._entries[bucket].get(name)
             if entry is None:
                 continue
@@ -476,22 +547,23 @@ class BatchStage(KeyedLane):
         self._shaped[handle] = (request, payload)
         self._collect(bucket, handle, payload)
 
-    def _created(self, bucket: Any, entry: Any, value: tuple[str, str]) -> None:
-        how, provider_id = value
+    def _created(self, bucket: Any, entry: Any, value: tuple[str, str, str]) -> None:
+        how, provider_id, label = value
         if entry.provider_id is not None and entry.provider_id != provider_id:
             # A second batch for one entry would be paid twice: never expected, cancelled if it happens.
             log.error("batch lane: batch %s was made twice (%s, %s); cancelling the second", entry.key,
                       entry.provider_id, provider_id)
             loop = self._runner.loop
-            loop.call_soon_threadsafe(lambda: loop.create_task(self._provider.cancel(provider_id)))
+            provider = self._providers[self._by_label[label]]
+            loop.call_soon_threadsafe(lambda: loop.create_task(provider.cancel(provider_id)))
             return
         now = now_ms()
         settings = self._config.provider_batch
-        entry = entry.created(provider_id, now, now + int(settings.poll_initial_s * 1000))
+        entry = entry.created(provider_id, label, now, now + int(settings.poll_initial_s * 1000))
         self._maybe_created.discard(entry.key)
         self._put(bucket, entry)
-        log.info("batch lane: batch %s %s as %s (%d requests)", entry.key,
-                 "found at the provider" if how == "found" else "created", provider_id, len(entry.handles))
+        log.info("batch lane: batch %s %s as %s at %s (%d requests)", entry.key,
+                 "found at the provider" if how == "found" else "created", provider_id, label, len(entry.handles))
 
     def _viewed(self, bucket: Any, entry: Any, view: Any) -> Iterator[Row]:
         from udfs.provider_batch.entries import poll_delay_s
@@ -508,8 +580,8 @@ class BatchStage(KeyedLane):
         if view.phase == "ended":
             count = len(entry.handles)
             self._busy.add(entry.key)
-            yield from self._submit(bucket, ("results", entry.key),
-                                    lambda: self._provider.results(view, count))
+            provider = self._providers[self._route(entry) or 0]
+            yield from self._submit(bucket, ("results", entry.key), lambda: provider.results(view, count))
             return
         if view.phase == "failed":
             lines = dict(view.errors)
@@ -528,7 +600,7 @@ class BatchStage(KeyedLane):
                         entry.provider_id)
             self._drop(bucket, entry)
             again = dataclasses.replace(entry, key=uuid.uuid4().hex, provider_id=None, created_ms=None, polls=0,
-                                        next_poll_ms=0, resubmits=entry.resubmits + 1)
+                                        next_poll_ms=0, resubmits=entry.resubmits + 1, endpoint=None)
             self._batches.put(again.key, again)
             for handle in again.handles:
                 self._assigned.put(handle, again.key)
@@ -607,10 +679,12 @@ class BatchStage(KeyedLane):
         request, payload = shaped
         tries = held.tries + 1
         started = entry.created_ms or entry.sealed_ms
+        index = self._route(entry) or 0
         try:
             completion = self._client.completion_from(
                 body, payload, attempts=tries, started_ms=started, latency_ms=float(now_ms() - started),
-                endpoint=self._provider.base, price_factor=self._config.provider_batch.price_factor)
+                endpoint=self._providers[index].base, sent=self._client.routes[index].payload(payload),
+                price_factor=self._config.provider_batch.price_factor)
             self._metrics.prompt_tokens.inc(completion.prompt_tokens)
             self._metrics.completion_tokens.inc(completion.completion_tokens)
             completion = self._client.validated(dataclasses.replace(completion, lane="batch"))
