@@ -24,6 +24,7 @@ it, and the run lease (`jobs.state.snapshots.StateDir.exclusive`) is an object o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -34,7 +35,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from udfs import secret_refs
-from udfs.errors import LLMStreamError
+from udfs.errors import ConfigError, LLMStreamError
 
 __all__ = ["ACCESS_KEYS", "S3_SCHEMES", "SECRET_KEYS", "LocalStore", "S3Settings", "S3Store", "StateStore", "StoreError",
            "StoredFile", "is_secret_key", "local_path", "store_for"]
@@ -172,16 +173,29 @@ class S3Settings:
 
     @classmethod
     def from_flink(cls, flink: Mapping[str, str]) -> S3Settings:
-        def get(*names: str) -> str | None:
+        """The settings Flink's S3 file system would read from ``flink``. Raises a `ConfigError`
+        naming the ``flink.`` key whose value Flink would misread or silently ignore: an
+        ``s3.path.style.access`` that is not true/false (Hadoop falls back to virtual-host
+        addressing, which an S3-compatible store answers with an unknown bucket), an
+        ``s3.endpoint`` that is not an http(s) URL."""
+        def named(*names: str) -> tuple[str, str | None]:
             for name in names:
-                if flink.get(name):
-                    return str(flink[name])
-            return None
+                if flink.get(name) not in (None, ""):
+                    return name, str(flink[name]).strip()
+            return names[0], None
 
-        return cls(endpoint=get("s3.endpoint", "fs.s3a.endpoint"),
-                   path_style=str(get("s3.path.style.access", "fs.s3a.path.style.access") or "").lower() == "true",
-                   region=get("s3.endpoint.region", "fs.s3a.endpoint.region"),
-                   access_key=get(*ACCESS_KEYS), secret_key=get(*SECRET_KEYS))
+        style_key, style = named("s3.path.style.access", "fs.s3a.path.style.access")
+        if style is not None and style.lower() not in ("true", "false"):
+            raise ConfigError(f"flink.{style_key}", f"is {style!r}; write true (most S3-compatible stores) or false")
+        ssl_key, ssl = named("s3.connection.ssl.enabled", "fs.s3a.connection.ssl.enabled")
+        if ssl is not None and ssl.lower() not in ("true", "false"):
+            raise ConfigError(f"flink.{ssl_key}", f"is {ssl!r}; write true or false")
+        endpoint_key, endpoint = named("s3.endpoint", "fs.s3a.endpoint")
+        if endpoint is not None:
+            endpoint = _endpoint_url(endpoint_key, endpoint, ssl=(ssl or "true").lower() == "true")
+        return cls(endpoint=endpoint, path_style=(style or "").lower() == "true",
+                   region=named("s3.endpoint.region", "fs.s3a.endpoint.region")[1],
+                   access_key=named(*ACCESS_KEYS)[1], secret_key=named(*SECRET_KEYS)[1])
 
     def credentials(self) -> dict[str, str]:
         """boto3's explicit key pair (resolved), or nothing for the AWS standard chain."""
@@ -190,6 +204,31 @@ class S3Settings:
         return {"aws_access_key_id": secret_refs.resolve(self.access_key, "flink.s3.access-key"),
                 "aws_secret_access_key": secret_refs.resolve(self.secret_key, "flink.s3.secret-key")}
 
+
+def _endpoint_url(key: str, endpoint: str, *, ssl: bool) -> str:
+    """``endpoint`` as a URL boto3 takes. Hadoop's S3A takes a bare ``host[:port]`` too, and then
+    speaks https unless ``s3.connection.ssl.enabled`` is false: the same here, so that both readers
+    of the state directory reach the same place."""
+    parsed = urlparse(endpoint if "://" in endpoint else f"{'https' if ssl else 'http'}://{endpoint}")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"flink.{key}", f"is {endpoint!r}; write http://HOST:PORT or https://HOST[:PORT] "
+                                         "(or leave it out for AWS S3)")
+    try:
+        parsed.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        raise ConfigError(f"flink.{key}", f"is {endpoint!r}: its port is not a number") from None
+    return parsed.geturl()
+
+
+CREDENTIALS_HINT = ("set s3.access-key and s3.secret-key in the job's flink: section (as ${env:…} or ${file:…} "
+                    "references), or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment")
+_REFUSED_CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
+                        "ExpiredToken", "AuthorizationHeaderMalformed")
+
+
+# botocore says at INFO which link of the AWS chain gave the credentials ("Found credentials in
+# environment variables."): a second line beside a command's one-line refusal, and on every start.
+logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
 
 CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 20.0
@@ -236,13 +275,26 @@ class S3Store(StateStore):
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
-        from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
+        from botocore.exceptions import (  # type: ignore[import-untyped]
+            BotoCoreError,
+            ClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
 
         try:
             yield
         except ClientError as err:
             error = err.response.get("Error", {})
-            raise StoreError(f"{what}: {error.get('Code', 'error')} {error.get('Message', '')}".strip()) from None
+            code = str(error.get("Code", "error"))
+            said = f"{code} {error.get('Message', '')}".strip()
+            if code == "NoSuchBucket":
+                raise StoreError(f"{what}: the bucket {self.bucket!r} does not exist ({said})") from None
+            if code in _REFUSED_CREDENTIALS:
+                raise StoreError(f"{what}: the store refused the credentials ({said}); {CREDENTIALS_HINT}") from None
+            raise StoreError(f"{what}: {said}") from None
+        except (NoCredentialsError, PartialCredentialsError):
+            raise StoreError(f"{what}: no S3 credentials found; {CREDENTIALS_HINT}") from None
         except BotoCoreError as err:
             raise StoreError(f"{what}: {err}") from None
 

@@ -98,3 +98,28 @@ def test_the_gateway_gets_the_s3_jar_and_credentials_only_while_it_starts(monkey
         assert os.environ["JVM_ARGS"] == "-Xmx1g"
     assert "AWS_SECRET_ACCESS_KEY" not in os.environ and "HADOOP_CLASSPATH" not in os.environ
     assert os.environ["JVM_ARGS"].endswith("ArchiveClassesAtExit=/tmp/gateway.jsa")
+
+
+@pytest.mark.parametrize(("flink", "key", "says"), [
+    ({"s3.path.style.access": "yes"}, "flink.s3.path.style.access", "is 'yes'; write true"),
+    ({"fs.s3a.path.style.access": "1"}, "flink.fs.s3a.path.style.access", "is '1'; write true"),
+    ({"s3.endpoint": "ftp://store:9000"}, "flink.s3.endpoint", "write http://HOST:PORT or https://"),
+    ({"s3.endpoint": "http://"}, "flink.s3.endpoint", "write http://HOST:PORT"),
+    ({"s3.endpoint": "http://store:90x0"}, "flink.s3.endpoint", "port is not a number"),
+    ({"s3.connection.ssl.enabled": "no"}, "flink.s3.connection.ssl.enabled", "write true or false"),
+])
+def test_an_s3_setting_flink_would_misread_is_refused_naming_its_key(flink: dict[str, str], key: str,
+                                                                     says: str) -> None:
+    from udfs.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        S3Settings.from_flink(flink)
+    assert err.value.key == key and says in err.value.problem and "\n" not in str(err.value)
+
+
+def test_an_endpoint_without_a_scheme_is_https_unless_ssl_is_off_as_in_hadoop() -> None:
+    assert S3Settings.from_flink({"s3.endpoint": "store:9000"}).endpoint == "https://store:9000"
+    assert S3Settings.from_flink({"s3.endpoint": "store:9000", "s3.connection.ssl.enabled": "false"}).endpoint \
+        == "http://store:9000"
+    assert S3Settings.from_flink({"s3.endpoint": "http://store:9000", "s3.path.style.access": "TRUE"}) \
+        == S3Settings(endpoint="http://store:9000", path_style=True)
