@@ -31,6 +31,12 @@ in ZooKeeper, their data in ``ha/`` (``high-availability.storageDir``; an ``s3:/
 ``--setting high-availability.storageDir=s3://...``). Its record lists both REST addresses, and
 `LocalCluster` and every client follow the leader (`jobs/clients/cluster_address.py`).
 
+``llmstream cluster start`` also starts a supervisor (`jobs/dev/cluster_supervisor.py`, pid in
+``pid/supervisor.pid``, its record ``supervisor.json``): a TaskManager process that dies, killed or
+stopped by Flink after a fatal task error, is started again; ``cluster stop`` stops it first,
+``--no-supervisor`` does without. `LocalCluster.start` (the tests') starts none, so a test that
+kills a TaskManager decides itself whether one comes back.
+
 `LocalCluster` is the programmatic API (tests use it: kill a TaskManager, read restarts,
 cancel, stop with a savepoint); `main` is ``llmstream cluster start|stop|status``.
 """
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -48,7 +55,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -80,6 +87,8 @@ DEFAULT_STANDBY_RPC_PORT = 6124
 DEFAULT_ZOOKEEPER_PORT = 2181
 HA_CLUSTER_ID = "/llmstream"
 LEADER_GRANTED = re.compile(r"^(\S+ \S+) .*DispatcherRestEndpoint.* - https?://[^:]+:(\d+) was granted leadership")
+SUPERVISOR_MODULE = "jobs.dev.cluster_supervisor"
+SUPERVISOR_RECORD = "supervisor.json"
 IDENT = "llmstream"  # FLINK_IDENT_STRING: names pid and log files (instead of $USER, unset in containers)
 
 __all__ = [
@@ -272,6 +281,40 @@ class ClusterConfig:
         return (f"# llmstream.ha.standby_rest_port: {self.standby_rest_port}\n"
                 f"# llmstream.ha.standby_rpc_port: {self.standby_rpc_port}\n"
                 f"# llmstream.ha.zookeeper_port: {self.zookeeper_port}\n")
+
+
+@dataclass
+class Restart:
+    """One TaskManager started again: when (UTC), which pid was gone, which started."""
+
+    at: str
+    gone: list[int]
+    started: int | None
+    error: str = ""
+
+
+@dataclass
+class SupervisorRecord:
+    """``supervisor.json``: what the supervisor keeps and what it did."""
+
+    pid: int
+    taskmanagers: int
+    started_at: str
+    restarts: list[Restart] = field(default_factory=list)
+
+    def write(self, work_dir: Path) -> None:
+        tmp = work_dir / f"{SUPERVISOR_RECORD}.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(work_dir / SUPERVISOR_RECORD)
+
+    @classmethod
+    def read(cls, work_dir: Path) -> SupervisorRecord | None:
+        try:
+            data = json.loads((work_dir / SUPERVISOR_RECORD).read_text())
+            return cls(pid=int(data["pid"]), taskmanagers=int(data["taskmanagers"]), started_at=str(data["started_at"]),
+                       restarts=[Restart(**r) for r in data.get("restarts", [])])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
 
 def _read_ha(conf_dir: Path) -> dict[str, Any]:
@@ -609,8 +652,52 @@ class LocalCluster(FlinkRest):
         self._orphans.clear()
         return survivors
 
+    # ------------------------------------------------------------------ the supervisor
+    @property
+    def supervisor_pid_file(self) -> Path:
+        return self.pid_dir / "supervisor.pid"
+
+    def supervisor_pid(self) -> int | None:
+        """The live supervisor of this cluster (`jobs/dev/cluster_supervisor.py`), if any."""
+        try:
+            pid = int(self.supervisor_pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        line = " ".join(cmdline(pid))
+        return pid if pid_alive(pid) and SUPERVISOR_MODULE in line and str(self.work_dir) in line else None
+
+    def start_supervisor(self, taskmanagers: int) -> int:
+        """Start the process that keeps ``taskmanagers`` TaskManagers running (`jobs/dev/cluster_supervisor.py`),
+        replacing one that keeps another count; returns its pid."""
+        running = self.supervisor_pid()
+        if running is not None:
+            record = SupervisorRecord.read(self.work_dir)
+            if record is not None and record.pid == running and record.taskmanagers == taskmanagers:
+                return running
+            self.stop_supervisor()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYFLINK_", "_PYFLINK", "FLINK_"))}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with (self.log_dir / "supervisor.log").open("ab") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", SUPERVISOR_MODULE, "--work-dir", str(self.work_dir),
+                 "--taskmanagers", str(taskmanagers)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                cwd=jars.repo_root(), env=env)
+        self.supervisor_pid_file.write_text(f"{process.pid}\n")
+        return process.pid
+
+    def stop_supervisor(self, timeout: float = 10.0) -> bool:
+        """Stop the supervisor, if one runs (before the daemons, or it would start them again)."""
+        pid = self.supervisor_pid()
+        if pid is not None:
+            terminate([pid], timeout, "cluster supervisor")
+        self.supervisor_pid_file.unlink(missing_ok=True)
+        return pid is not None
+
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM every daemon of this cluster (SIGKILL after ``timeout``), Python workers included."""
+        """SIGTERM every daemon of this cluster (SIGKILL after ``timeout``), Python workers included;
+        the supervisor first."""
+        self.stop_supervisor()
         daemons = [p for d in ("taskexecutor", "standalonesession") for p in self._pids(d)]
         workers = [c for p in daemons for c in children(p)]
         terminate(daemons, timeout, "Flink daemon")
@@ -666,6 +753,7 @@ def _status_text(cluster: LocalCluster) -> tuple[bool, str]:
         jobmanagers,
         (f"  taskmanagers: {overview.get('taskmanagers')} (pids {cluster.taskmanager_pids()}), "
          f"slots {overview.get('slots-available')}/{overview.get('slots-total')} free"),
+        _supervisor_line(cluster),
         (f"  jobs: {overview.get('jobs-running')} running, {overview.get('jobs-finished')} finished, "
          f"{overview.get('jobs-cancelled')} cancelled, {overview.get('jobs-failed')} failed"),
     ]
@@ -674,6 +762,22 @@ def _status_text(cluster: LocalCluster) -> tuple[bool, str]:
             lines.append(f"    {job['jid']}  {job['state']:<10} {job['name']}  "
                          f"({int(job.get('duration', 0)) // 1000} s)")
     return True, "\n".join(lines)
+
+
+def _supervisor_line(cluster: LocalCluster) -> str:
+    pid = cluster.supervisor_pid()
+    if pid is None:
+        return "  supervisor: not running (a TaskManager that dies is not started again)"
+    record = SupervisorRecord.read(cluster.work_dir)
+    if record is None or record.pid != pid:
+        return f"  supervisor: pid {pid}"
+    line = f"  supervisor: pid {pid}, keeps {record.taskmanagers} TaskManager(s) running; "
+    if not record.restarts:
+        return line + "none restarted"
+    last = record.restarts[-1]
+    what = f"started pid {last.started}" if last.started is not None else f"could not start one: {last.error}"
+    gone = f"pid {', '.join(map(str, last.gone))} gone, " if last.gone else ""
+    return line + f"restarted {len(record.restarts)} (last at {last.at}: {gone}{what})"
 
 
 DESCRIPTION = "A local standalone Flink cluster from the pip package."
@@ -698,6 +802,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"--ha: ZooKeeper's port on 127.0.0.1 (default {DEFAULT_ZOOKEEPER_PORT})")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="conf, logs, pids, checkpoints (default <repo>/var/flink)")
+    parser.add_argument("--no-supervisor", dest="supervise", action="store_false",
+                        help="start: no supervisor process (by default one starts a TaskManager again "
+                             "whenever one dies; `cluster stop` stops it)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start (default 120)")
     parser.add_argument("--setting", dest="cluster_settings", action="append", default=[], metavar="KEY=VALUE",
                         help="start: a Flink setting of the cluster, e.g. s3.endpoint=http://127.0.0.1:9300 for "
@@ -727,11 +834,16 @@ def run(args: argparse.Namespace) -> int:
         if args.cluster_command == "start":
             started = time.monotonic()
             cluster.start(taskmanagers=args.taskmanagers, timeout=args.timeout)
+            if args.supervise:
+                cluster.start_supervisor(max(args.taskmanagers, len(cluster.taskmanager_pids())))
+            else:
+                cluster.stop_supervisor()
             print(f"cluster: up in {time.monotonic() - started:.1f} s; logs in {cluster.log_dir}")
             print(_status_text(cluster)[1])
             return 0
         if args.cluster_command == "stop":
             running = (bool(cluster._pids("standalonesession")) or bool(cluster.taskmanager_pids())
+                       or cluster.supervisor_pid() is not None
                        or (cluster.zookeeper is not None and cluster.zookeeper.pid() is not None))
             cluster.stop()
             print("cluster: stopped" if running else f"cluster: not running (work dir {cluster.work_dir})")
