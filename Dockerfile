@@ -55,7 +55,7 @@ RUN python3 -m venv "$VIRTUAL_ENV" \
 WORKDIR /llmstream
 # The jars: no Maven call when pom-free/cache/ came with the context and its hashes match.
 COPY pom-free/ ./pom-free/
-RUN fetch() { for set in connector metrics broker; do python3 pom-free/fetch.py --set "$set" || return 1; done; }; \
+RUN fetch() { for set in connector metrics broker s3; do python3 pom-free/fetch.py --set "$set" || return 1; done; }; \
     fetch || { apt-get update && apt-get install -y --no-install-recommends maven \
                && fetch && rm -rf /root/.m2 /var/lib/apt/lists/*; }
 # flink-python and the Kafka connector (and the metrics reporter) on the cluster classpath, as
@@ -63,6 +63,11 @@ RUN fetch() { for set in connector metrics broker; do python3 pom-free/fetch.py 
 RUN mkdir -p "$FLINK_LIB_DIR" \
  && ln -s "$FLINK_HOME"/lib/*.jar "$FLINK_HOME"/opt/flink-python-*.jar \
           /llmstream/pom-free/cache/connector/*.jar /llmstream/pom-free/cache/metrics/*.jar "$FLINK_LIB_DIR"/
+# Flink's S3 file system, for state, savepoints and HA data on s3:// (docs/operations.md, "State on
+# object storage"): Flink loads it only as a plugin, one folder of its own under $FLINK_HOME/plugins,
+# as jobs/dev/local_cluster.py's write_plugins_dir does for the local cluster.
+RUN mkdir -p "$FLINK_HOME"/plugins/s3-fs-hadoop \
+ && ln -s /llmstream/pom-free/cache/s3/*.jar "$FLINK_HOME"/plugins/s3-fs-hadoop/
 
 COPY setup.py ./
 COPY flink-conf ./flink-conf

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 SERVICES: dict[str, tuple[str, str]] = {
     "kafka": ("jobs.dev.kafka_cli", "start, stop or inspect the local single-node Kafka broker"),
     "cluster": ("jobs.dev.local_cluster", "start, stop or inspect a local standalone Flink cluster"),
+    "object-store": ("jobs.dev.object_store", "start, stop or inspect a local S3-compatible store (s3proxy) for state"),
     "estate": ("jobs.dev.estate.cli", "hosts as network namespaces (JobManager, TaskManagers, brokers, model) and faults"),
     "bench": ("jobs.dev.bench.main", "benchmark llmstream against hand-written consumers"),
     "status": ("jobs.observe.status", "one screen: lag, records/s, calls and latency, checkpoints, dead letters, cost"),

@@ -156,6 +156,7 @@ def ensure_image(*, log: bool = False) -> str:
         jars.ensure("connector")
         jars.ensure("metrics")
         jars.ensure("broker")
+        jars.ensure("s3")  # the image's S3 file system plugin (Dockerfile)
         ensure_wheels(base)
         steps.append(f"wheels+jars {time.monotonic() - mark:.0f}s")
         mark = time.monotonic()

@@ -89,7 +89,8 @@ def test_the_jobs_commands_work_without_the_dev_wing(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])
     assert outcome["commands"] == sorted(["run", "plan", "submit", "stop", "upgrade", "fetch-jars", "status",
-                                          "demo", "kafka", "cluster", "estate", "bench", "model-server", "scale"])
+                                          "demo", "kafka", "cluster", "object-store", "estate", "bench", "model-server",
+                                          "scale"])
     assert outcome["codes"] == {"submit": 2, "upgrade": 2, "stop": 2, "status": 2, "run": 2,
                                 "demo": 2, "bench": 2, "model-server": 2}
     assert result.stderr.count("which the installed package leaves out; run it from a source checkout") == 3
