@@ -71,6 +71,25 @@ class JobMetrics:
                 {k: float(v) for k, v in m.items() if k != "id" and _number(v) is not None}
                 for m in values or []}
 
+    def _subtask_metrics(self, vertex_id: str, parallelism: int) -> list[dict[str, dict[str, float]]]:
+        """Each inference subtask's own llmstream metrics (`/subtasks/<i>/metrics`), as `_vertex_metrics`
+        has them (each value under sum, min, max and avg alike): what a verdict per subtask reads."""
+        out: list[dict[str, dict[str, float]]] = []
+        for index in range(parallelism):
+            base = f"/jobs/{self.job_id}/vertices/{vertex_id}/subtasks/{index}/metrics"
+            ids = [m["id"] for m in self.rest.rest(base) or []]
+            wanted = [i for i in ids if _wanted(i) and _per_subtask(i)]
+            values = (self.rest.rest(base + "?get=" + urllib.parse.quote(",".join(wanted), safe=","))
+                      if wanted else [])
+            metrics: dict[str, dict[str, float]] = {}
+            for m in values or []:
+                number = _number(m.get("value"))
+                if number is not None:
+                    key = VECTORIZED_OPERATOR.sub(INFERENCE_PREFIX + ".", m["id"])
+                    metrics[key] = {"sum": number, "min": number, "max": number, "avg": number}
+            out.append(metrics)
+        return out
+
     def _taskmanagers(self) -> int | None:
         """TaskManagers registered with the job's cluster (0: none, the job cannot run)."""
         try:
@@ -99,6 +118,10 @@ class JobMetrics:
                 if "PythonCalc[" in name:  # the vectorized lane, chained behind the source
                     parallelism["inference"] = parallelism[key]
                 metrics.update(self._vertex_metrics(str(vertex["id"])))
+                inference_here = key == "inference" or "PythonCalc[" in name
+                if inference_here and parallelism.get("inference", 1) > 1:
+                    with contextlib.suppress(ClusterError):
+                        out["inference_subtasks"] = self._subtask_metrics(str(vertex["id"]), parallelism["inference"])
         out["metrics"] = metrics
         out["parallelism"] = parallelism
         out["checkpoints"] = self.rest.checkpoint_stats(self.job_id)
@@ -112,6 +135,12 @@ def _wanted(metric_id: str) -> bool:
             or metric_id.endswith((".numRecordsOut", ".numRecordsOutPerSecond", ".pendingRecords",
                                    ".records-lag-max", ".currentOffset"))
             or metric_id in ("inference.numRecordsOut", "inference.numRecordsOutPerSecond"))
+
+
+def _per_subtask(metric_id: str) -> bool:
+    """The metrics a verdict per subtask reads: llmstream's own and the stage's records out."""
+    metric_id = VECTORIZED_OPERATOR.sub(INFERENCE_PREFIX + ".", metric_id)
+    return metric_id.startswith((LLMSTREAM_GROUP, "inference.numRecordsOut"))
 
 
 def _sum(metrics: dict[str, dict[str, float]], metric_id: str) -> float | None:
@@ -184,21 +213,13 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
         "dropped": _int(llm("dropped")),
     }
     capacity = config.async_.capacity * int(((raw or {}).get("parallelism") or {}).get("inference", 1))
-    out["calls"] = {
-        "in_flight": _int(llm("in_flight")), "admitted": _int(llm("admitted")), "capacity": capacity,
-        "concurrency_limit": _int(llm("concurrency_limit")),
-        "requests": _int(llm("requests")), "retries": _int(llm("retries")), "rate_limited": _int(llm("rate_limited")),
-        "invalid_answers": _int(llm("invalid_answers")),
-        "held": _int(llm("held")), "held_oldest_s": _int(max_of("held_oldest_s")),
-        "answered": _int(llm("latency_count")),
-        "latency_p50_ms": _int(max_of("latency_p50_ms")), "latency_p99_ms": _int(max_of("latency_p99_ms")),
-        "latency_mean_ms": (_round(llm("latency_sum_ms") / llm("latency_count"))  # type: ignore[operator]
-                            if llm("latency_count") else None),
-    }
+    out["calls"] = _calls(metrics, capacity)
     by_reason = {m.group(1): int(v.get("sum", 0)) for k, v in metrics.items() if (m := REASON_METRIC.match(k))}
     out["dead_letters"] = {"by_reason": dead_letters if dead_letters is not None else by_reason,
                            "source": "topic" if dead_letters is not None else "metrics"}
     out["endpoints"] = _endpoints(metrics)
+    out["subtasks"] = _subtasks(config, (raw or {}).get("inference_subtasks") or [], previous, span,
+                                same_job=bool(previous and raw and previous["job"].get("id") == raw.get("id")))
     out["checkpoint"] = _checkpoint(raw, now)
     out["cost"] = _cost(config, llm("prompt_tokens"), llm("completion_tokens"), raw, previous, now)
     if config.lane == "provider-batch":
@@ -210,6 +231,51 @@ def figures(config: JobConfig, raw: dict[str, Any] | None, *, lag: dict[str, Any
             # What the batch price saves of the list price (model.prices x price_factor).
             "saving": round(1.0 - config.provider_batch.price_factor, 4),
         }
+    return out
+
+
+def _calls(metrics: dict[str, dict[str, float]], capacity: int) -> dict[str, Any]:
+    """The calls figures (`calls`) of the job, or of one subtask: counts summed over the subtasks the
+    metrics cover, latency and the oldest held record the worst subtask's."""
+
+    def llm(name: str) -> float | None:
+        return _sum(metrics, LLMSTREAM_GROUP + name)
+
+    def max_of(name: str) -> float | None:
+        value = metrics.get(LLMSTREAM_GROUP + name)
+        return value.get("max") if value else None
+
+    return {
+        "in_flight": _int(llm("in_flight")), "admitted": _int(llm("admitted")), "capacity": capacity,
+        "concurrency_limit": _int(llm("concurrency_limit")),
+        "requests": _int(llm("requests")), "retries": _int(llm("retries")), "rate_limited": _int(llm("rate_limited")),
+        "invalid_answers": _int(llm("invalid_answers")),
+        "held": _int(llm("held")), "held_oldest_s": _int(max_of("held_oldest_s")),
+        "answered": _int(llm("latency_count")),
+        "latency_p50_ms": _int(max_of("latency_p50_ms")), "latency_p99_ms": _int(max_of("latency_p99_ms")),
+        "latency_mean_ms": (_round(llm("latency_sum_ms") / llm("latency_count"))  # type: ignore[operator]
+                            if llm("latency_count") else None),
+    }
+
+
+def _subtasks(config: JobConfig, per_subtask: list[dict[str, dict[str, float]]], previous: dict[str, Any] | None,
+              span: float, *, same_job: bool) -> list[dict[str, Any]]:
+    """Each inference subtask's own figures (`subtasks`: records, calls, endpoints), for a verdict per
+    subtask (`verdict.subtask_verdicts`); empty at one subtask, where the job's figures are its own.
+    Records a second from the previous refresh's figures of the same subtask when there are some."""
+    before = (previous or {}).get("subtasks") or []
+    comparable = same_job and MIN_RATE_SPAN_S <= span <= 120 and len(before) == len(per_subtask)
+    out = []
+    for index, metrics in enumerate(per_subtask):
+        emitted = _sum(metrics, "inference.numRecordsOut")
+        rate = _sum(metrics, "inference.numRecordsOutPerSecond")
+        if comparable:
+            rate = _delta_rate(emitted, (before[index].get("records") or {}).get("emitted"), span, rate)
+        out.append({"index": index,
+                    "records": {"processed": _int(_sum(metrics, LLMSTREAM_GROUP + "records_in")),
+                                "emitted": _int(emitted), "out_per_s": _round(rate)},
+                    "calls": _calls(metrics, config.async_.capacity),
+                    "endpoints": _endpoints(metrics)})
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from jobs.clients.cluster_address import target
 from jobs.observe.figures import DeadLetterTally, Observer
-from jobs.observe.verdict import scaling_verdict
+from jobs.observe.verdict import scaling_verdict, subtask_summary, subtask_verdicts
 from jobs.state.location import checked_state_dir
 from jobs.state.snapshots import LocalRun, StateDir
 from udfs.config import JobConfig
@@ -165,6 +165,9 @@ def _scaling_text(scaling: dict[str, Any]) -> str:
     text = f"[bold]Scaling?[/bold] [{colour}]{scaling['verdict']}[/{colour}]: {scaling['summary']}"
     for evidence in scaling.get("evidence") or []:
         text += f"\n[dim]  {evidence}[/dim]"
+    per_subtask = subtask_summary(scaling.get("subtasks") or [])
+    if per_subtask:
+        text += f"\n  per subtask: {per_subtask}"
     return text
 
 
@@ -270,7 +273,9 @@ def _collect(observer: Observer) -> dict[str, Any]:
     previous = observer.history[0] if len(observer.history) > 1 else None
     per_subtask = observer.config.async_.capacity
     subtasks = max(1, int(fig["calls"].get("capacity") or per_subtask) // per_subtask)
-    fig["scaling"] = scaling_verdict(fig, previous if previous is not fig else None, subtasks=subtasks).to_dict()
+    before = previous if previous is not fig else None
+    fig["scaling"] = scaling_verdict(fig, before, subtasks=subtasks).to_dict()
+    fig["scaling"]["subtasks"] = subtask_verdicts(fig, before)
     return fig
 
 

@@ -242,3 +242,43 @@ def _model_evidence(current: dict[str, Any], previous: dict[str, Any] | None, sp
             endpoints.append(label)
             evidence.append(f"endpoint {label}: " + ", ".join(why))
     return tuple(evidence), tuple(endpoints)
+
+
+def subtask_verdicts(current: dict[str, Any], previous: dict[str, Any] | None = None, *,
+                     thresholds: Thresholds = Thresholds()) -> list[dict[str, Any]]:
+    """The verdict of each inference subtask (`figures`' `subtasks`), as `scaling_verdict` gives the
+    job's, each with its `subtask` index; empty at one subtask. A subtask's own calls, limits, 429s,
+    latency and endpoints decide; the input lag is the job's, shared out by the subtask's share of
+    the records processed (the keyed lane's records wait upstream of the key-by, each subtask's in
+    proportion to its buckets). One subtask model-bound while the others are not says its buckets
+    carry more records, or its endpoints more load, than the others'."""
+    subtasks = current.get("subtasks") or []
+    if len(subtasks) < 2:
+        return []
+    before = (previous or {}).get("subtasks") or []
+    before = before if len(before) == len(subtasks) else []
+    total = sum(int((s.get("records") or {}).get("processed") or 0) for s in subtasks)
+
+    def as_job(fig: dict[str, Any], sub: dict[str, Any], share: float) -> dict[str, Any]:
+        lag = _num((fig.get("input") or {}).get("lag_records"))
+        return {**fig, "records": sub.get("records") or {}, "calls": sub.get("calls") or {},
+                "endpoints": sub.get("endpoints") or {},
+                "input": {**(fig.get("input") or {}), "lag_records": None if lag is None else round(lag * share)}}
+
+    out = []
+    for index, sub in enumerate(subtasks):
+        processed = int((sub.get("records") or {}).get("processed") or 0)
+        share = processed / total if total else 1 / len(subtasks)
+        mine = as_job(current, sub, share)
+        theirs = as_job(previous, before[index], share) if previous and before else None
+        verdict = scaling_verdict(mine, theirs, subtasks=1, thresholds=thresholds)
+        out.append({"subtask": int(sub.get("index", index)), "share": round(share, 3), **verdict.to_dict()})
+    return out
+
+
+def subtask_summary(verdicts: list[dict[str, Any]]) -> str | None:
+    """`0 model-bound, 1 pipeline-bound`-style: the subtasks by verdict, when they disagree."""
+    kinds = {v["verdict"] for v in verdicts}
+    if len(kinds) < 2:
+        return None
+    return ", ".join(f"{v['subtask']} {v['verdict']}" for v in verdicts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -62,6 +63,19 @@ METRICS: dict[str, dict[str, list[dict[str, Any]]]] = {
     ]},
 }
 NOW_MS = 1_800_000_000_000
+SUBTASKS: dict[int, dict[str, float]] = {
+    # Subtask 0 at its AIMD limit with 429s, subtask 1 with room: the job's 14 admitted, 7 429s split.
+    0: {"inference.numRecordsOut": 700.0, "inference.numRecordsOutPerSecond": 23.5, "inference.llmstream.records_in": 730.0,
+        "inference.llmstream.admitted": 8.0, "inference.llmstream.concurrency_limit": 8.0,
+        "inference.llmstream.rate_limited": 7.0, "inference.llmstream.requests": 720.0,
+        "inference.llmstream.latency_p50_ms": 180.0, "inference.llmstream.endpoint.gpu-a.in_flight": 6.0,
+        "inference.llmstream.endpoint.gpu-a.limit": 8.0},
+    1: {"inference.numRecordsOut": 400.0, "inference.numRecordsOutPerSecond": 15.0, "inference.llmstream.records_in": 420.0,
+        "inference.llmstream.admitted": 6.0, "inference.llmstream.concurrency_limit": 8.0,
+        "inference.llmstream.rate_limited": 0.0, "inference.llmstream.requests": 400.0,
+        "inference.llmstream.latency_p50_ms": 120.0, "inference.llmstream.endpoint.gpu-a.in_flight": 4.0,
+        "inference.llmstream.endpoint.gpu-a.limit": 8.0, "numBytesOut": 5.0},
+}
 
 
 class FakeRest(FlinkRest):
@@ -92,6 +106,15 @@ class FakeRest(FlinkRest):
             return {"counts": {"completed": 12, "failed": 0},
                     "latest": {"completed": {"latest_ack_timestamp": NOW_MS - 3_000, "end_to_end_duration": 240,
                                              "checkpointed_size": 20480}}}
+        for index, values in SUBTASKS.items():
+            base = f"/jobs/{JOB}/vertices/{INFERENCE_V}/subtasks/{index}/metrics"
+            if path == base:
+                return [{"id": name} for name in values]
+            if path.startswith(base + "?get="):
+                asked = path.split("?get=", 1)[1].split(",")
+                return [{"id": name, "value": str(value)} for name, value in values.items() if name in asked]
+        if re.search(r"/subtasks/\d+/metrics", path):
+            return []  # a subtask of another vertex: no metrics of its own here
         for vertex, answer in METRICS.items():
             base = f"/jobs/{JOB}/vertices/{vertex}/subtasks/metrics"
             if path == base:
@@ -309,3 +332,52 @@ def test_a_job_outside_the_batch_lane_has_no_batch_table() -> None:
     out = io.StringIO()
     Console(file=out, width=140, color_system=None).print(render(fig))
     assert "Batch lane" not in out.getvalue()
+
+
+def test_each_inference_subtask_has_figures_and_a_verdict_of_its_own() -> None:
+    """With more than one inference subtask, `subtasks` holds each one's own figures (from its own
+    `/subtasks/<i>/metrics`), and `status --json`'s `scaling.subtasks` a verdict for each: here
+    subtask 0 at its AIMD limit (model-bound), subtask 1 with room while records wait."""
+    from jobs.observe.status import _collect
+
+    rest = FakeRest()
+    raw = JobMetrics(rest, JOB).collect()
+    fig = figures(config(), raw, lag={"committed": 0, "end": 5000})
+    assert [s["index"] for s in fig["subtasks"]] == [0, 1]
+    first, second = fig["subtasks"]
+    assert first["records"] == {"processed": 730, "emitted": 700, "out_per_s": 23.5}
+    assert first["calls"]["admitted"] == 8 and first["calls"]["capacity"] == 16 and first["calls"]["rate_limited"] == 7
+    assert second["endpoints"] == {"gpu-a": {"in_flight": 4, "limit": 8}}
+    assert not any("numBytesOut" in path for path in rest.paths)  # only the metrics a verdict reads
+
+    class Once:
+        history: ClassVar[list[Any]] = []
+
+        def __init__(self) -> None:
+            self.config = config()
+
+        def collect(self) -> dict[str, Any]:
+            return figures(self.config, JobMetrics(FakeRest(), JOB).collect(), lag={"committed": 0, "end": 50_000})
+
+    scaling = _collect(Once())["scaling"]  # type: ignore[arg-type]
+    per = {v["subtask"]: v for v in scaling["subtasks"]}
+    assert per[0]["verdict"] == "model-bound" and "AIMD limit 8" in per[0]["evidence"][0]
+    assert per[1]["verdict"] == "pipeline-bound" and per[1]["more_subtasks_help"] is True
+    assert per[0]["share"] + per[1]["share"] == 1.0
+    json.dumps(scaling)
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(render(_collect(Once())))  # type: ignore[arg-type]
+    assert "per subtask: 0 model-bound, 1 pipeline-bound" in out.getvalue()
+
+
+def test_one_inference_subtask_asks_for_no_subtask_metrics() -> None:
+    class OneSubtask(FakeRest):
+        def rest(self, path: str, *, method: str = "GET", body: Any = None, timeout: float = 10.0) -> Any:
+            answer = super().rest(path, method=method, body=body, timeout=timeout)
+            if path == f"/jobs/{JOB}":
+                answer["vertices"][-1]["parallelism"] = 1
+            return answer
+
+    rest = OneSubtask()
+    fig = figures(config(), JobMetrics(rest, JOB).collect())
+    assert fig["subtasks"] == [] and not any("/subtasks/0/" in path for path in rest.paths)

@@ -140,3 +140,41 @@ def test_the_provider_batch_lane_is_paced_by_the_provider() -> None:
     v = scaling_verdict(current, subtasks=1)
     assert v.verdict == MODEL_BOUND and "3 open" in v.evidence[0]
     assert "batch API sets the pace" in v.summary()
+
+
+def sub(index: int, *, processed: int, admitted: int, limit: int, rate_limited: int = 0,
+        out_per_s: float = 50.0) -> dict[str, Any]:
+    return {"index": index, "records": {"processed": processed, "out_per_s": out_per_s},
+            "calls": {"admitted": admitted, "capacity": 16, "concurrency_limit": limit,
+                      "rate_limited": rate_limited, "requests": processed, "latency_p50_ms": 100},
+            "endpoints": {}}
+
+
+def test_each_subtask_is_judged_on_its_own_calls_and_its_share_of_the_lag() -> None:
+    from jobs.observe.verdict import subtask_summary, subtask_verdicts
+
+    now = fig(at=110, lag=20_000, admitted=24, capacity=32)
+    now["subtasks"] = [sub(0, processed=3000, admitted=8, limit=8, rate_limited=30),
+                       sub(1, processed=1000, admitted=16, limit=16)]
+    before = fig(at=100, lag=19_000, admitted=24, capacity=32)
+    before["subtasks"] = [sub(0, processed=2500, admitted=8, limit=8, rate_limited=10),
+                          sub(1, processed=800, admitted=16, limit=16)]
+    verdicts = subtask_verdicts(now, before)
+    assert [v["subtask"] for v in verdicts] == [0, 1]
+    first, second = verdicts
+    assert first["verdict"] == MODEL_BOUND and any("20 429s" in e for e in first["evidence"])
+    assert first["share"] == 0.75 and first["lag_records"] == 15_000   # 3/4 of the records, 3/4 of the lag
+    assert second["verdict"] == PIPELINE_BOUND and second["lag_records"] == 5_000
+    assert second["lag_change_per_s"] == 25.0                          # (5,000 - 4,750) / 10 s
+    assert subtask_summary(verdicts) == "0 model-bound, 1 pipeline-bound"
+    same = [dict(second, subtask=0), second]
+    assert subtask_summary(same) is None
+
+
+def test_one_subtask_has_no_verdict_of_its_own() -> None:
+    from jobs.observe.verdict import subtask_verdicts
+
+    one = fig(lag=100)
+    one["subtasks"] = []
+    assert subtask_verdicts(one) == []
+    assert subtask_verdicts(fig(lag=100)) == []
