@@ -123,3 +123,16 @@ def test_the_report_shows_each_scenario_with_its_verdict() -> None:
                       {"scenario": "l", "error": "RuntimeError: boom"}], "llmstream bench --scenarios j,l")
     assert "| 2 | 190.0 | 95% |" in text
     assert "## (l) model saturates, input grows" in text and "**not judged** — RuntimeError: boom" in text
+
+
+def test_calls_a_record_count_the_results_completed_in_the_window() -> None:
+    """Results are taken by their completion time, not by when their commit or a metric showed them."""
+    bodies = [{"id": f"r{i}", "attempts": 2 if i == 3 else 1, "timestamps": {"completed": 1_000 + 100 * i}}
+              for i in range(10)]
+    bodies.append({"id": "late", "attempts": 1, "timestamps": {"completed": "1970-01-01T00:00:05Z"}})
+    assert sc.completed_between(bodies, 1_000, 1_500) == (5, 6)   # r0..r4, r3 twice tried
+    first = {"at": 10.0, "wall_ms": 1_000, "served": 100, "rejected": 4}
+    last = {"at": 15.0, "wall_ms": 1_500, "served": 105, "rejected": 6}
+    calls = sc.calls_in(first, last, bodies)
+    assert calls["results"] == 5 and calls["calls_per_record"] == 1.0
+    assert calls["sent_per_record"] == 1.4 and calls["attempts_per_record"] == 1.2 and calls["rejected_per_s"] == 0.4

@@ -52,7 +52,7 @@ import yaml
 from jobs.clients import kafka_admin
 from jobs.dev import simulator
 from jobs.dev.bench.harness import child_environment
-from jobs.dev.bench.measure import process_tree
+from jobs.dev.bench.measure import epoch_ms, process_tree
 from jobs.dev.bench.scaling import ADAPTIVE, Ramp, job_config, parse_auto_line
 from jobs.dev.bench.workload import InputProducer
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
@@ -102,7 +102,7 @@ SATURATION_CAPACITY = 16
 SATURATION_RAMP = (20.0, 120.0, 150.0)
 BUSY_POLICY_WINDOW_S = 60.0
 TARGET_UTILIZATION = 0.7
-"""Flink's autoscaler default for `job.autoscaler.target.utilization`."""
+"""The Flink operator autoscaler's default target utilization (`job.autoscaler.utilization.target`)."""
 CALLS_PER_RECORD_TARGET = 1.01
 AUTO_FLAGS = ("--auto", "--min", "1", "--max", "4", "--cooldown", "30", "--every", "10")
 
@@ -497,7 +497,7 @@ def run_doubling(say: Say) -> dict[str, Any]:
             "scale_ups_before_join": len(before), "decisions": decisions,
             "parallelism": [(round(t - joined, 1), p) for t, p in sampler.parallelism],
             "output": [(round(t - joined, 1), n) for t, n in sampler.samples],
-            "history": checked.as_json(), "served": stats["served"], "rejected": stats["rejected"],
+            "history": checked.as_json() | {"summary": checked.summary()}, "served": stats["served"], "rejected": stats["rejected"],
             "load_avg": round(os.getloadavg()[0], 2),
             "verdict": doubling_verdict(reached, checked.ok)}
 
@@ -515,7 +515,7 @@ class BusySampler(threading.Thread):
         self._halt = threading.Event()
 
     def sample(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"at": time.monotonic()}
+        row: dict[str, Any] = {"at": time.monotonic(), "wall_ms": time.time() * 1000}
         with contextlib.suppress(Exception):
             inf = self.r.vertex_metrics(self.job_id, "inference", ("busyTimeMsPerSecond", "inference.numRecordsOut",
                                                                     "inference.numRecordsOutPerSecond"))
@@ -544,17 +544,43 @@ class BusySampler(threading.Thread):
         self.join(timeout=30)
 
 
-def _calls(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
-    """Calls answered and sent (answered + 429s) a record emitted between two `BusySampler` rows."""
-    out = (last.get("out") or 0) - (first.get("out") or 0)
+def completed_between(bodies: list[dict[str, Any]], start_ms: float, end_ms: float) -> tuple[int, int]:
+    """(results, their attempts) among output `bodies` whose answer completed in [start_ms, end_ms)
+    (`timestamps.completed`): the records a window's calls were for, whatever their commit lagged."""
+    count = attempts = 0
+    for body in bodies:
+        completed = epoch_ms((body.get("timestamps") or {}).get("completed"))
+        if completed is not None and start_ms <= completed < end_ms:
+            count += 1
+            attempts += int(body.get("attempts") or 0)
+    return count, attempts
+
+
+def calls_in(first: dict[str, Any], last: dict[str, Any], bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Calls answered and sent (answered + 429s), counted at the simulator between two `BusySampler`
+    rows, a result completed between them. The results are read from the committed output by their
+    completion time, so neither the commit's lag behind the answers nor the REST API's metric
+    refresh (10 s) skews the ratio; what remains is a call answered within milliseconds of an edge."""
+    results, attempts = completed_between(bodies, first["wall_ms"], last["wall_ms"])
     served = (last.get("served") or 0) - (first.get("served") or 0)
     rejected = (last.get("rejected") or 0) - (first.get("rejected") or 0)
     seconds = last["at"] - first["at"]
-    return {"seconds": round(seconds, 1), "records_out": int(out), "records_per_s": round(out / seconds, 1) if seconds else None,
+    return {"seconds": round(seconds, 1), "results": results,
+            "results_per_s": round(results / seconds, 1) if seconds else None,
             "served": served, "rejected_429": rejected,
-            "calls_per_record": round(served / out, 4) if out > 0 else None,
-            "sent_per_record": round((served + rejected) / out, 3) if out > 0 else None,
+            "calls_per_record": round(served / results, 4) if results else None,
+            "sent_per_record": round((served + rejected) / results, 3) if results else None,
+            "attempts_per_record": round(attempts / results, 3) if results else None,
             "rejected_per_s": round(rejected / seconds, 1) if seconds else None}
+
+
+def _output_bodies(r: Rig, path: Path) -> list[dict[str, Any]]:
+    topic = yaml.safe_load(path.read_text())["kafka"]["output_topic"]
+    bodies = []
+    for record in kafka_admin.consume_committed(r.broker.bootstrap_servers, topic, timeout_s=120):
+        with contextlib.suppress(ValueError, TypeError):
+            bodies.append(json.loads(record.value))
+    return bodies
 
 
 def run_saturation(say: Say) -> dict[str, Any]:
@@ -579,7 +605,7 @@ def run_saturation(say: Say) -> dict[str, Any]:
             time.sleep(seconds)
             reader.stop()
             busy.stop()
-            first_auto = next((row for row in busy.samples if row.get("out") is not None), None)
+            first_auto = next((row for row in busy.samples if row.get("served") is not None), None)
             last_auto = busy.sample()
             tail = [row for row in busy.samples if row["at"] >= last_auto["at"] - 30 and row.get("busy_ms_per_s_avg")
                     is not None]
@@ -592,19 +618,23 @@ def run_saturation(say: Say) -> dict[str, Any]:
             forced = min(busy_p or p_now, 4)
             say(f"[l] busy {busy_avg:,.0f} ms/s at {p_now} subtask(s), input {input_rate:,.1f}/s (source reads {in_rate:,.1f}/s), out {out_rate:,.1f}/s: a "
                 f"busy-time policy would run {busy_p} subtasks; applying {forced} to measure what they cost")
-            auto_calls = _calls(first_auto, last_auto) if first_auto else {}
-            busy_calls: dict[str, Any] = {}
+            busy_window: tuple[dict[str, Any], dict[str, Any]] | None = None
             if forced > p_now:
                 r.scale_to(path, job_id, forced)
                 busy2 = BusySampler(r, job_id, sim)
                 time.sleep(15)
                 first = busy2.sample()
                 time.sleep(BUSY_POLICY_WINDOW_S)
-                last = busy2.sample()
-                busy_calls = _calls(first, last) | {"parallelism": forced,
-                                                    "busy_ms_per_s_avg": last.get("busy_ms_per_s_avg")}
+                busy_window = (first, busy2.sample())
             ramp.stop()
             producer.close()
+            time.sleep(10)  # the answers of the last window committed (checkpoints every 2 s)
+            bodies = _output_bodies(r, path)
+            auto_calls = calls_in(first_auto, last_auto, bodies) if first_auto else {}
+            busy_calls: dict[str, Any] = {}
+            if busy_window is not None:
+                busy_calls = calls_in(*busy_window, bodies) | {
+                    "parallelism": forced, "busy_ms_per_s_avg": busy_window[1].get("busy_ms_per_s_avg")}
             r.cluster.cancel(job_id)
         finally:
             sim.stop()
@@ -657,11 +687,11 @@ def render(results: list[dict[str, Any]], command: str) -> str:
         if s.key == "l" and "under_policy" in res:
             u, b = res["under_policy"], res["busy_time_policy"]
             lines += [(f"under `scale --auto`: {res['scale_ups']} scale-ups ({res['scale_ups_model_bound']} while "
-                      f"model-bound), verdicts {json.dumps(res['verdicts'])}; {u.get('records_per_s')}/s out, "
+                      f"model-bound), verdicts {json.dumps(res['verdicts'])}; {u.get('results_per_s')} results/s, "
                       f"{u.get('calls_per_record')} calls answered a record, {u.get('sent_per_record')} sent (429s "
                       f"included); inference busyTimeMsPerSecond {res['busy_ms_per_s_avg']:,.0f}"), "",
                       (f"a busy-time policy: {b.get('parallelism')} subtasks (applied {b.get('applied')}): "
-                      f"{b.get('records_per_s')}/s out, {b.get('calls_per_record')} calls answered a record, "
+                      f"{b.get('results_per_s')} results/s, {b.get('calls_per_record')} calls answered a record, "
                       f"{b.get('sent_per_record')} sent, {b.get('rejected_per_s')} 429s a second"), ""]
         lines.append("")
     return "\n".join(lines)
