@@ -50,7 +50,7 @@ from jobs.runtime import jars
 from jobs.state.snapshots import StateDir
 from udfs.config import JobConfig
 from udfs.errors import ConfigError
-from udfs.stage.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE
+from udfs.lanes.keyed import INPUT_ROW_TYPE, SINK_ROW_TYPE
 
 __all__ = ["INPUT_ROW_TYPE", "SINK_ROW_TYPE", "check", "environment", "infer", "read_kafka", "write_kafka"]
 

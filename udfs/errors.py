@@ -75,7 +75,7 @@ class InternalError(RecordError):
 
 
 class UserFunctionError(RecordError):
-    """A user function (`model.preprocess`, `output.postprocess`; udfs/stage/user_functions.py)
+    """A user function (`model.preprocess`, `output.postprocess`; udfs/lanes/user_functions.py)
     raised, returned what cannot be used, or did not return within `async.record_deadline_s`.
     `detail` names the setting, the function and what happened (the exception, or what was
     expected). Never a restart: the record is dead-lettered with reason `user_function_error`."""

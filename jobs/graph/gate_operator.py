@@ -32,7 +32,7 @@ from jobs.runtime import jars
 from jobs.state.operator_ids import holds_operator
 from udfs.config import JobConfig
 from udfs.errors import LLMStreamError
-from udfs.stage.admission import STOPPING
+from udfs.lanes.admission import STOPPING
 
 GATE_CLASS = "llmstream.AdmissionGate"
 TICKS_CLASS = "llmstream.Ticks"
@@ -172,7 +172,7 @@ def job_directory() -> str:
 
     A job's stages remove their directory when they close; a killed one leaves it, empty. Those
     older than a day are swept here; a live job whose empty directory goes with them makes it
-    again when it next pauses (`udfs.stage.admission.GateSignal.set`)."""
+    again when it next pauses (`udfs.lanes.admission.GateSignal.set`)."""
     root = Path(tempfile.gettempdir()) / "llmstream-gate"
     cutoff = time.time() - GATE_DIR_SWEEP_S
     with contextlib.suppress(OSError):

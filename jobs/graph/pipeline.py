@@ -39,9 +39,9 @@ from jobs.runtime import jars
 from jobs.state.snapshots import StateDir
 from jobs.state.storage import S3Settings, S3Store, is_secret_key
 from udfs.config import ADAPTIVE_MIN_BUNDLE, JobConfig, kafka_security
-from udfs.stage.batch_lane import BatchStage
-from udfs.stage.operators import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
-from udfs.stage.ordering import HASH_HEX_DIGITS
+from udfs.lanes.keyed import INPUT_ROW_TYPE, SINK_ROW_TYPE, InferenceStage
+from udfs.lanes.ordering import HASH_HEX_DIGITS
+from udfs.lanes.provider_batch.lane import BatchStage
 
 SOURCE_TABLE = "kafka_requests"
 SINK_TABLE = "kafka_results"
@@ -333,7 +333,7 @@ def per_key_bucket_keys(parallelism: int, max_parallelism: int | None = None) ->
 
 
 def key_hash_sql(column: str) -> str:
-    """SQL for `udfs.stage.ordering.key_hash` of a BYTES column: the first `HASH_HEX_DIGITS` hex digits
+    """SQL for `udfs.lanes.ordering.key_hash` of a BYTES column: the first `HASH_HEX_DIGITS` hex digits
     of the MD5 of its bytes read as ISO-8859-1, as an INT (NULL for a NULL key). Flink SQL has no
     public hash of a byte string (HASH_CODE is internal) nor a hex-to-number function, hence the
     digits one by one; MD5 is the same in every JVM, so a key keeps its bucket across restarts."""
@@ -357,7 +357,7 @@ HEADERS_SQL = "MAP<STRING, BYTES>"
 """The Kafka connector's `headers` metadata type, read and written (measured: what 5.0.0-2.2 accepts)."""
 INPUT_ROW_SQL = ("ROW<k BYTES, v BYTES, `topic` STRING, `partition` INT, `offset` BIGINT, "
                  f"ts TIMESTAMP_LTZ(3), `headers` {HEADERS_SQL}>")
-"""`udfs.stage.operators.INPUT_ROW_TYPE` in SQL."""
+"""`udfs.lanes.keyed.INPUT_ROW_TYPE` in SQL."""
 
 
 @dataclass(frozen=True)
@@ -485,7 +485,7 @@ def gated_ticks(env: StreamExecutionEnvironment, slots: list[int], row_type: Any
 
 def admission_gate(j_keyed: Any, gate_dir: str, parallelism: int, key_type: Any, uid: str = GATE_UID, *,
                    publish_durable: bool = False) -> Any:
-    """`j_keyed` through the admission gate (`pom-free/gate/AdmissionGate.java`, `udfs/stage/admission.py`),
+    """`j_keyed` through the admission gate (`pom-free/gate/AdmissionGate.java`, `udfs/lanes/admission.py`),
     keyed again as it was: the gate only forwards, so its output keeps the keyBy's partitioning
     (`reinterpretAsKeyedStream`) and the gate is chained into the stage's task. The gate's jar is
     in the job already (`gated_ticks`). `publish_durable`: the gate writes which checkpoint completed
@@ -634,9 +634,9 @@ VECTORIZED_FUNCTION = "llmstream_infer"
 def vectorized_lane(t_env: StreamTableEnvironment, config: JobConfig, with_headers: bool,
                     cache_file: str | None = None) -> None:
     """`stage: vectorized`: the source table through one Arrow-batched Python function
-    (`udfs/stage/vectorized.py`) into the same exactly-once sink, in SQL; no keyed state, ticks
+    (`udfs/lanes/vectorized.py`) into the same exactly-once sink, in SQL; no keyed state, ticks
     or gate. The function returns one row per input row; a skipped tombstone's row is filtered."""
-    from udfs.stage.vectorized import vectorized_function
+    from udfs.lanes.vectorized import vectorized_function
 
     t_env.create_temporary_function(VECTORIZED_FUNCTION, vectorized_function(config, cache_file))
     # Arrow maps need non-null keys: the headers cross as MAP<STRING NOT NULL, BYTES> both ways.

@@ -30,7 +30,7 @@ from jobs.state.snapshots import (
 )
 from udfs.config import JobConfig
 from udfs.cost.cache import CACHE_FILE
-from udfs.stage.user_functions import (
+from udfs.lanes.user_functions import (
     load_function,
     references,
     search_path,

@@ -277,7 +277,7 @@ def check(config: JobConfig, *, timeout_s: float = 30.0) -> None:
         _check_transactions(config, args, principal, timeout_s)
     formats.preflight(config, timeout_s=timeout_s)  # e.g. Avro's registry and its output schema
     if config.model.mode == "batch":
-        from udfs.provider_batch import providers
+        from udfs.lanes.provider_batch import providers
 
         providers.preflight(config, timeout_s=timeout_s)  # the batch API answers and takes the key
 

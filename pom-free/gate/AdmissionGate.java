@@ -23,7 +23,7 @@ import org.slf4j.LoggerFactory;
  * nothing (a spend budget paused until its window rolls over), without holding a checkpoint.
  *
  * <p>The stage says so with a file, {@code <directory>/<subtask>.closed}, which exists while it
- * is paused (the Python worker is another process; `udfs/stage/admission.py`). After forwarding a record
+ * is paused (the Python worker is another process; `udfs/lanes/admission.py`). After forwarding a record
  * the gate looks at that file (at most every {@code checkMillis}); while it exists, the gate
  * stays in {@code processElement} and runs the task's mails instead of returning for the next
  * record. Its mailbox executor has the lowest priority, so it runs every mail: timers (the
@@ -41,7 +41,7 @@ import org.slf4j.LoggerFactory;
  * learn from PyFlink: when a checkpoint completes, the gate writes {@code <directory>/<subtask>.durable}
  * holding the wall-clock time (epoch ms) at which that checkpoint's barrier reached this subtask.
  * Whatever the stage did to its state before that moment is in a completed checkpoint. The
- * provider-batch lane (`udfs/stage/batch_lane.py`) creates a batch only once its entry is durable,
+ * provider-batch lane (`udfs/lanes/provider_batch/lane.py`) creates a batch only once its entry is durable,
  * so a restore always knows every batch it made and never pays for one twice.
  */
 public final class AdmissionGate<T> extends AbstractStreamOperator<T> implements OneInputStreamOperator<T, T> {

@@ -44,7 +44,7 @@ def run(batch: int, records: int, verify_dir: str | None = None) -> tuple[float,
     from pyflink.java_gateway import get_gateway
 
     from jobs.graph.pipeline import _as_rows
-    from udfs.stage.operators import INPUT_ROW_TYPE
+    from udfs.lanes.keyed import INPUT_ROW_TYPE
 
     sink_row = sink_row_type()
     pending = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())

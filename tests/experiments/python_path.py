@@ -56,7 +56,7 @@ def run(shape: str, records: int) -> tuple[float, float]:
     from pyflink.table.udf import udf
 
     from jobs.graph.pipeline import _as_rows
-    from udfs.stage.operators import INPUT_ROW_TYPE
+    from udfs.lanes.keyed import INPUT_ROW_TYPE
 
     sink_row = sink_row_type()
     pending = MapStateDescriptor("pending", Types.STRING(), Types.PICKLED_BYTE_ARRAY())

@@ -18,7 +18,7 @@ from pyflink.common import Row
 
 from tests.support.fakes import MetricGroup
 from udfs.config import JobConfig
-from udfs.stage.operators import FLUSH_AT, InferenceStage
+from udfs.lanes.keyed import FLUSH_AT, InferenceStage
 
 if TYPE_CHECKING:
     from pyflink.datastream import KeyedProcessFunction
@@ -140,7 +140,7 @@ class Harness:
 
     def element(self, bucket: int, value: bytes | None, offset: int, key: bytes | None = b"k", *,
                 topic: str = "in", partition: int = 0, headers: dict[str, bytes | None] | None = None) -> None:
-        """One input row as the source table hands it over (`udfs.stage.operators.INPUT_ROW_TYPE`):
+        """One input row as the source table hands it over (`udfs.lanes.keyed.INPUT_ROW_TYPE`):
         `headers` is the connector's header map (empty when the record has none)."""
         self._at(bucket)
         row = Row(key, value, topic, partition, offset, 1_700_000_000_000, {} if headers is None else headers)

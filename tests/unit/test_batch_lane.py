@@ -1,4 +1,4 @@
-"""The provider-batch lane (`model.mode: batch`, udfs/stage/batch_lane.py) on the fake PyFlink runtime
+"""The provider-batch lane (`model.mode: batch`, udfs/lanes/provider_batch/lane.py) on the fake PyFlink runtime
 (tests/support/fake_flink.py) against the simulator's batch APIs over loopback HTTP: every record
 ends as one output or one dead letter with its reason, for each outcome a provider can give, and a
 restore resumes the batches it knows instead of paying for them again.
@@ -23,8 +23,8 @@ from jobs.dev.simulator.batch_config import BatchSettings
 from tests.support.fake_flink import Harness, record
 from tests.support.waiting import wait_until
 from udfs.config import ConfigError, JobConfig, config_from_dict, to_dict
-from udfs.stage import batch_lane
-from udfs.stage.batch_lane import BATCHES, BatchStage
+from udfs.lanes.provider_batch import lane as batch_lane
+from udfs.lanes.provider_batch.lane import BATCHES, BatchStage
 
 FAST = BatchSettings(validating_s=0.05, delay_s=(0.1, 0.4), finalizing_s=0.05)
 
@@ -410,9 +410,34 @@ def test_the_result_cache_answers_before_a_batch_and_is_filled_from_one(
 def test_preflight_takes_a_fleet_while_one_endpoint_serves_the_batch_api(batch_sim: ThreadedSimulator) -> None:
     """At launch every endpoint that answers must serve the batch API; one that does not answer is
     left to its circuit, unless none answers: then one line naming `model.endpoints`."""
-    from udfs.provider_batch import providers
+    from udfs.lanes.provider_batch import providers
 
     providers.preflight(fleet_config(["http://127.0.0.1:9/v1", batch_sim.url]), timeout_s=5)
     with pytest.raises(ConfigError) as info:
         providers.preflight(fleet_config(["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]), timeout_s=5)
     assert info.value.key == "model.endpoints" and "e0" in str(info.value) and "\n" not in str(info.value)
+
+
+OLD_PATH_ENTRY = (
+    "gASVtwAAAAAAAACMG3VkZnMucHJvdmlkZXJfYmF0Y2guZW50cmllc5SMCkJhdGNoRW50cnmUk5QpgZR9lCiMA2tleZSMBGtleTGUjAdoYW5k"
+    "bGVzlIwCaDGUjAJoMpSGlIwJc2VhbGVkX21zlEsFjAtwcm92aWRlcl9pZJSMB2JhdGNoXzGUjApjcmVhdGVkX21zlEsGjAVwb2xsc5RLAowM"
+    "bmV4dF9wb2xsX21zlEsHjAlyZXN1Ym1pdHOUSwB1Yi4=")
+OLD_PATH_HELD = (
+    "gASV5AAAAAAAAACMG3VkZnMucHJvdmlkZXJfYmF0Y2guZW50cmllc5SMBEhlbGSUk5QpgZR9lCiMBnJlY29yZJSMDHVkZnMucmVjb3Jkc5SM"
+    "DVBlbmRpbmdSZWNvcmSUk5QpgZR9lCiMA2tleZRDAmsxlIwFdmFsdWWUQxp7ImlkIjoiaWQtMSIsInByb21wdCI6InEifZSMBXRvcGljlIwC"
+    "aW6UjAlwYXJ0aXRpb26USwCMBm9mZnNldJRLAYwMdGltZXN0YW1wX21zlIoGAGjlz4sBjAdoZWFkZXJzlE51YowFdHJpZXOUSwF1Yi4=")
+"""A `BatchEntry` and a `Held` as a savepoint of this lane from before `udfs/lanes/` holds them
+(pickled under `udfs.provider_batch.entries`; the entry from before it named its fleet endpoint)."""
+
+
+def test_state_pickled_under_the_lanes_old_module_path_still_loads() -> None:
+    import base64
+    import pickle
+
+    from udfs.lanes.provider_batch.entries import BatchEntry, Held
+
+    entry = pickle.loads(base64.b64decode(OLD_PATH_ENTRY))
+    assert type(entry) is BatchEntry and entry.provider_id == "batch_1" and entry.handles == ("h1", "h2")
+    assert entry.endpoint is None  # written before the fleet: read at the first endpoint
+    held = pickle.loads(base64.b64decode(OLD_PATH_HELD))
+    assert type(held) is Held and held.tries == 1 and held.record.offset == 1

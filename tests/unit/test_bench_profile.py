@@ -23,7 +23,7 @@ from jobs.dev.bench.profile import (
 )
 
 BEAM = "process_bundle (apache_beam/runners/worker/sdk_worker.py:651)"
-ELEMENT = "process_element (udfs/stage/operators.py:167)"
+ELEMENT = "process_element (udfs/lanes/keyed.py:167)"
 
 
 def test_a_stack_belongs_to_the_first_stage_any_of_its_frames_names() -> None:
@@ -32,7 +32,7 @@ def test_a_stack_belongs_to_the_first_stage_any_of_its_frames_names() -> None:
     socket_in_client = ("run_forever (asyncio/base_events.py:608)", "complete (udfs/inference/client.py:120)",
                         "_request (aiohttp/client.py:500)", "write (asyncio/selector_events.py:1000)")
     assert classify(socket_in_client, PYTHON_STAGES) == "client (HTTP, retries, limits)"
-    assert classify((BEAM, ELEMENT, "submit (udfs/stage/inflight.py:80)"), PYTHON_STAGES) == "stage (admission, timers, emit)"
+    assert classify((BEAM, ELEMENT, "submit (udfs/lanes/inflight.py:80)"), PYTHON_STAGES) == "stage (admission, timers, emit)"
     assert classify((BEAM, "decode_from_stream (pyflink/fn_execution/coder_impl_fast.py:1)"),
                     PYTHON_STAGES) == "Beam crossing (gRPC, coders)"
     assert classify(("<module> (x.py:1)",), PYTHON_STAGES) == OTHER

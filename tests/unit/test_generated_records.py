@@ -41,12 +41,12 @@ from tests.support.fake_flink import Harness
 from tests.support.reasons import documented_reasons
 from tests.support.schema_store import SchemaStore
 from udfs.config import JobConfig, config_from_dict
+from udfs.lanes.keyed import FLUSH_AT
 from udfs.records import forwarded_headers
 from udfs.records.avro import wire
 from udfs.records.dead_letter import REASON_HEADER
 from udfs.records.encode import headers_size
 from udfs.records.json_format import MESSAGE_ROLES, PARAM_TYPES
-from udfs.stage.operators import FLUSH_AT
 
 REASONS = documented_reasons()
 LIMITS = {"max_record_bytes": 16_384, "max_prompt_chars": 600, "max_id_chars": 40, "max_result_bytes": 2_500}

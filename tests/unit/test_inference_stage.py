@@ -1,4 +1,4 @@
-"""The inference stage (`udfs.stage.operators.InferenceStage`) without a JVM: fake keyed state, timers
+"""The inference stage (`udfs.lanes.keyed.InferenceStage`) without a JVM: fake keyed state, timers
 and runtime context (tests/support/fake_flink.py), the simulator over loopback HTTP.
 """
 
@@ -17,7 +17,7 @@ from jobs.dev.simulator import ThreadedSimulator
 from tests.support.fake_flink import Harness, KeyedState, record
 from tests.support.waiting import wait_until
 from udfs.config import JobConfig, config_from_dict
-from udfs.stage.operators import EMIT_PERIOD_MS, FLUSH_AT
+from udfs.lanes.keyed import EMIT_PERIOD_MS, FLUSH_AT
 
 
 def job_config(endpoint: str, capacity: int = 8, **sections: dict[str, Any]) -> JobConfig:

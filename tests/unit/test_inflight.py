@@ -1,4 +1,4 @@
-"""`udfs.stage.inflight.CallRunner` on its own: admission at capacity, the wake-ups of `take`, `wait`
+"""`udfs.lanes.inflight.CallRunner` on its own: admission at capacity, the wake-ups of `take`, `wait`
 and `wait_for_slot`, and shutdown with calls in flight. Calls are coroutines held by
 `asyncio.Event` gates the test opens, so nothing depends on how fast the machine is: every
 wait is for a condition, with a generous deadline.
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support.waiting import wait_until
-from udfs.stage.inflight import CallRunner
+from udfs.lanes.inflight import CallRunner
 
 DEADLINE_S = 30.0
 """Upper bound for anything the test waits for; reached only when something is broken."""
@@ -151,7 +151,7 @@ def test_a_call_that_raises_frees_its_slot_and_leaves_none(make_runner: Callable
                                                            caplog: pytest.LogCaptureFixture) -> None:
     runner = make_runner(1)
     call = submitted(runner, "b", "h", error=ZeroDivisionError("a bug"))
-    with caplog.at_level(logging.ERROR, logger="udfs.stage.inflight"):
+    with caplog.at_level(logging.ERROR, logger="udfs.lanes.inflight"):
         call.open()
         assert runner.wait(DEADLINE_S, "b")
     assert runner.take("b") == [("h", None)]

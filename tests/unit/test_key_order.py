@@ -1,4 +1,4 @@
-"""Per-key order as a pure module (`udfs.stage.ordering`): what is released when, and the key hash the
+"""Per-key order as a pure module (`udfs.lanes.ordering`): what is released when, and the key hash the
 pipeline's SQL reproduces. The stage's use of it is in tests/unit/test_inference_stage.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from udfs.lanes.ordering import KeyOrder, key_bucket, key_hash, restore_order
 from udfs.records import PendingRecord
-from udfs.stage.ordering import KeyOrder, key_bucket, key_hash, restore_order
 
 
 def test_an_outcome_waits_for_the_earlier_records_of_its_key_only() -> None:

@@ -2,9 +2,9 @@
 same in each, on the fake PyFlink runtime (tests/support/fake_flink.py) against the simulator over
 loopback HTTP (its realtime API, and its batch API for the provider-batch lane).
 
-A lane decides only how records are grouped and when their calls are made (`udfs/stage/lane.py`);
+A lane decides only how records are grouped and when their calls are made (`udfs/lanes/base.py`);
 decode, the user's functions, the call's answer, the output record, the dead letters and their
-reasons, skipped and forwarded tombstones are one record path (`udfs/stage/record_path.py`) and
+reasons, skipped and forwarded tombstones are one record path (`udfs/lanes/record_path.py`) and
 one client. These tests hold each lane to that. What only one lane does (a provider's batch
 outcomes, per-key order, the keyed lane's restore) is tested in that lane's own module.
 """
@@ -25,10 +25,10 @@ from jobs.dev.simulator.batch_config import BatchSettings
 from tests.support.fake_flink import Harness
 from tests.support.reasons import documented_reasons
 from udfs.config import JobConfig, config_from_dict
+from udfs.lanes import record_path
+from udfs.lanes.provider_batch.lane import BatchStage
+from udfs.lanes.vectorized import VectorizedInference
 from udfs.records import PendingRecord
-from udfs.stage import record_path
-from udfs.stage.batch_lane import BatchStage
-from udfs.stage.vectorized import VectorizedInference
 
 LANES = ["keyed", "vectorized", "provider-batch"]
 FAST = BatchSettings(validating_s=0.05, delay_s=(0.05, 0.2), finalizing_s=0.05)

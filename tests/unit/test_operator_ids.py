@@ -71,7 +71,7 @@ def test_killed_jobs_empty_gate_directories_are_swept_and_a_live_one_comes_back(
     import os
     import tempfile
 
-    from udfs.stage.admission import GateSignal
+    from udfs.lanes.admission import GateSignal
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     root = tmp_path / "llmstream-gate"

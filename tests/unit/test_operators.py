@@ -1,4 +1,4 @@
-"""Nothing raises out of the Flink function (`udfs.stage.operators.InferenceStage`).
+"""Nothing raises out of the Flink function (`udfs.lanes.keyed.InferenceStage`).
 
 An exception out of `process_element` or `on_timer` fails the task and restarts the job, which
 then meets the same record again: one bad record would stop the stream for good. Every way a
@@ -30,9 +30,9 @@ from udfs.errors import (
     ResponseTooLarge,
     RetryableError,
 )
+from udfs.lanes import record_path
+from udfs.lanes.keyed import epoch_ms
 from udfs.records import Completion, PendingRecord, Request
-from udfs.stage import record_path
-from udfs.stage.operators import epoch_ms
 
 TS = 1_700_000_000_000
 

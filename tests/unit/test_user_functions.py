@@ -1,5 +1,5 @@
 """Your own Python around the model (`model.preprocess`, `output.postprocess`,
-udfs/stage/user_functions.py): through the real keyed stage on the fake PyFlink runtime
+udfs/lanes/user_functions.py): through the real keyed stage on the fake PyFlink runtime
 (tests/support/fake_flink.py) against the simulator over HTTP, plus the launch's loading and shipping.
 
 What a user sees is asserted: the output records their functions make, and for bad user code a

@@ -12,7 +12,7 @@ import yaml
 
 from udfs.config import DEFAULT_CONFIG, config_from_dict
 from udfs.errors import ConfigError
-from udfs.stage.vectorized import VectorizedInference
+from udfs.lanes.vectorized import VectorizedInference
 
 
 def _vectorized(**overrides: Any) -> dict[str, Any]:
@@ -129,10 +129,10 @@ def test_a_batchs_calls_keep_to_capacity_and_a_call_that_fails_or_outlives_the_b
     call answered in its row when one raises (a bug) or never ends (past the batch's guard)."""
     import asyncio
 
+    from udfs.lanes.base import LaneParts
+    from udfs.lanes.record_path import Settled
     from udfs.metrics import InferenceMetrics
     from udfs.records import PendingRecord, Request
-    from udfs.stage.lane import LaneParts
-    from udfs.stage.record_path import Settled
 
     config = config_from_dict(_vectorized(**{"async": {"capacity": 3}}))
     function = VectorizedInference(config)

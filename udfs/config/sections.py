@@ -77,7 +77,7 @@ AVRO_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 FUNCTION_REF = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 FUNCTION = Rule(lambda v: FUNCTION_REF.fullmatch(v) is not None,
                 "expected 'package.module:function' (a function of an importable module), got {value!r}")
-"""`model.preprocess` / `output.postprocess`: a user function by reference (`udfs/stage/user_functions.py`)."""
+"""`model.preprocess` / `output.postprocess`: a user function by reference (`udfs/lanes/user_functions.py`)."""
 FORMAT = Rule(lambda v: v in FORMATS, lambda v: f"expected one of {' | '.join(map(repr, FORMATS))}, got {v!r}")
 """`input.format` / `output.format`: a name in `FORMATS` (`udfs/records/format_names.py`)."""
 
@@ -478,7 +478,7 @@ ADAPTIVE_MIN_BUNDLE = 10
 
 @dataclass(frozen=True)
 class VectorizedConfig:
-    """The vectorized lane (`lane: vectorized`, `udfs/stage/vectorized.py`): Flink hands the
+    """The vectorized lane (`lane: vectorized`, `udfs/lanes/vectorized.py`): Flink hands the
     Python function `batch_size` records at once (`python.fn-execution.arrow.batch.size`), and
     the Python bundle is the same size, so a checkpoint waits for about one batch, not for
     Flink's default 100,000 rows (docs/tuning.md, "Which lane")."""
@@ -546,7 +546,7 @@ class BudgetConfig:
     its share; past it the stage waits (backpressure), it never fails or drops a record.
     `max_cost_per_hour` is priced from `model.prices`. `window_s` is the window's length and
     the caps apply per window. A pause lasts up to a window; the admission gate in front of the
-    stage (`udfs/stage/admission.py`) stops its input meanwhile without holding a checkpoint, which needs
+    stage (`udfs/lanes/admission.py`) stops its input meanwhile without holding a checkpoint, which needs
     unaligned checkpoints (checked)."""
 
     max_cost_per_hour: PositiveFloat | None = None
@@ -633,7 +633,7 @@ class SchemaRegistryConfig:
 
 @dataclass(frozen=True)
 class ProviderBatchConfig:
-    """The provider-batch lane (`lane: provider-batch`, `udfs/stage/batch_lane.py`, docs/cost.md): records
+    """The provider-batch lane (`lane: provider-batch`, `udfs/lanes/provider_batch/lane.py`, docs/cost.md): records
     are collected into a provider's batch (OpenAI `/v1/batches`, Anthropic Message Batches), sold
     at about half the price of the same calls, answered within `completion_window`.
 

@@ -35,7 +35,7 @@ class SpendBudget:
 
     `paused` is true while a call waits for the next window; `on_pause` hears every change
     (the `budget_paused` metric). Use from one event loop; the inference stage reads `paused`
-    from its own thread (a bool: no lock needed) to close its admission gate (`udfs/stage/admission.py`).
+    from its own thread (a bool: no lock needed) to close its admission gate (`udfs/lanes/admission.py`).
     """
 
     def __init__(self, config: BudgetConfig, prices: PriceConfig | None, subtasks: int = 1, *,

@@ -1,7 +1,7 @@
 """The inference call: one `Request` in, one `Completion` out, or an `InferenceError`.
 
-`InferenceClient` is created in the inference stage's `open()` (`udfs/stage/operators.py`) and its
-calls run on the stage's `CallRunner` event loop (`udfs/stage/inflight.py`), which outlives Flink's
+`InferenceClient` is created in the inference stage's `open()` (`udfs/lanes/keyed.py`) and its
+calls run on the stage's `CallRunner` event loop (`udfs/lanes/inflight.py`), which outlives Flink's
 bundles; so it does no network I/O in `__init__` and its HTTP session is created on first
 use, in the running loop. What it builds on, each in its own module:
 
@@ -225,7 +225,7 @@ class InferenceClient:
         cooldown or Retry-After while calls wait (the fleet's `stalled`; with `model.endpoint`,
         the one server's Retry-After), or the calls already queued at the rate limit taking
         longer than `PAUSE_AFTER_S` to be let through; None when calls can start. The stage parks new records and closes its admission
-        gate meanwhile (`udfs/stage/operators.py`), rather than waiting for a slot inside a bundle that
+        gate meanwhile (`udfs/lanes/keyed.py`), rather than waiting for a slot inside a bundle that
         a checkpoint waits for. Read from Flink's thread; reads only."""
         if self.budget.paused:
             return "the spend budget is paused"

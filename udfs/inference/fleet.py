@@ -278,7 +278,7 @@ class Fleet:
         """Calls wait and no endpoint may take one before a cooldown or a `Retry-After` ends:
         every circuit open (a probe out, or none due yet) or paused. Endpoints that are only
         full do not stall the fleet: a slot frees within a call's latency. The inference stage
-        reads this from Flink's thread to close its admission gate (`udfs/stage/admission.py`): reads only."""
+        reads this from Flink's thread to close its admission gate (`udfs/lanes/admission.py`): reads only."""
         if not self._waiters:
             return False
         now = self._clock()

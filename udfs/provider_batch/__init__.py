@@ -1,3 +1,15 @@
-"""The provider-batch lane's own pieces (`lane: provider-batch`, docs/cost.md): the providers' batch APIs
-in one shape (`providers.py`) and what the lane keeps of a batch in Flink state (`entries.py`).
-The Flink function that drives them is `udfs/stage/batch_lane.py`."""
+"""The provider-batch lane's modules under their paths before `udfs/lanes/provider_batch/`. A
+savepoint of that lane holds `Held` and `BatchEntry` pickled as `udfs.provider_batch.entries.*`
+(`Types.PICKLED_BYTE_ARRAY` state), so each old module name is the new module itself and such a
+savepoint restores (`tests/unit/test_batch_lane.py`). Nothing of the project imports this package."""
+
+import importlib
+import sys
+
+MOVED = {
+    "entries": "udfs.lanes.provider_batch.entries",
+    "providers": "udfs.lanes.provider_batch.providers",
+}
+
+for _old, _new in MOVED.items():
+    sys.modules.setdefault(f"{__name__}.{_old}", importlib.import_module(_new))

@@ -36,7 +36,7 @@ class RecordFormat(Protocol):
 
     def read(self, value: bytes, limits: LimitsConfig) -> dict[str, Any]:
         """The value as the record it holds, whatever its fields (`BadInput` if it holds none): what
-        a user's preprocess gets (`udfs/stage/user_functions.py`); `decode` is `read` and the
+        a user's preprocess gets (`udfs/lanes/user_functions.py`); `decode` is `read` and the
         format's own rules for a request."""
 
     def decode(self, key: bytes | None, value: bytes, source: SourceRef, limits: LimitsConfig) -> Request: ...

@@ -113,7 +113,7 @@ def lane_ceiling(endpoint: str, seconds: float, concurrency: int, batch_size: in
     import pandas as pd
 
     from udfs.config import load_config, with_overrides
-    from udfs.stage.vectorized import VectorizedInference
+    from udfs.lanes.vectorized import VectorizedInference
 
     model = {**_model(endpoint), "api": api}
     if api == "embeddings":

@@ -51,7 +51,7 @@ PYTHON_STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("keyed state (PyFlink state over Beam)", ("pyflink/fn_execution/state_impl", "pyflink/fn_execution/internal_state",
                                                "apache_beam/runners/worker/sdk_worker.py:_StateRequest",
                                                "apache_beam/runners/worker/bundle_processor.py:_StateBackedIterable")),
-    ("stage (admission, timers, emit)", ("udfs/stage/operators.py", "udfs/stage/inflight.py", "udfs/stage/ordering.py",
+    ("stage (admission, timers, emit)", ("udfs/lanes/keyed.py", "udfs/lanes/inflight.py", "udfs/lanes/ordering.py",
                                          "udfs/records/__init__.py", "udfs/metrics.py", "udfs/records/dead_letter.py")),
     ("Beam crossing (gRPC, coders)", ("apache_beam/", "grpc/", "pyflink/fn_execution/", "google/protobuf/",
                                       "pyflink/common/", "cloudpickle")),

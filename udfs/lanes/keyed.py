@@ -8,7 +8,7 @@ replaced PyFlink's `AsyncDataStream`, whose operator drains every call at each b
 and checkpoint barrier (see README, "Architecture", and docs/architecture.md for the measurements).
 
 What every lane shares (set-up, emitting, dead letters, the bucket skeleton and its timers) is
-`udfs/stage/lane.py`; the rules for a record `udfs/stage/record_path.py`. This lane decides only
+`udfs/lanes/base.py`; the rules for a record `udfs/lanes/record_path.py`. This lane decides only
 when a record's call is made: at once, up to `async.capacity` in flight. Keys are a few buckets
 (the input offset modulo `buckets`, computed before the shuffle), only so that keyed state and
 timers exist; they have no meaning. Per bucket:
@@ -33,7 +33,7 @@ whose answer is already downstream.
 
 `ordering: per_key` (the buckets are then a hash of the Kafka key, `jobs/graph/pipeline.py`): every
 outcome of a keyed record, dead letters and forwarded tombstones included, goes through a
-`udfs.stage.ordering.KeyOrder` and leaves only after the earlier records of its key; a record that
+`udfs.lanes.ordering.KeyOrder` and leaves only after the earlier records of its key; a record that
 must wait is kept in state like a call in flight. A restore admits a bucket's pending records
 again sorted by (topic, partition, offset). `ordering: none` takes none of these steps.
 
@@ -58,8 +58,7 @@ from pyflink.common import Row, Types
 from pyflink.datastream import RuntimeContext
 from pyflink.datastream.state import MapStateDescriptor
 
-from udfs.records import PendingRecord, Request
-from udfs.stage.lane import (
+from udfs.lanes.base import (
     FLUSH_AT,
     INPUT_ROW_TYPE,
     SINK_ROW_TYPE,
@@ -67,8 +66,9 @@ from udfs.stage.lane import (
     epoch_ms,
     salvage,
 )
-from udfs.stage.ordering import KeyOrder, restore_order
-from udfs.stage.record_path import SKIP, Settled
+from udfs.lanes.ordering import KeyOrder, restore_order
+from udfs.lanes.record_path import SKIP, Settled
+from udfs.records import PendingRecord, Request
 
 __all__ = ["EMIT_PERIOD_MS", "FLUSH_AT", "INPUT_ROW_TYPE", "PENDING_STATE", "SINK_ROW_TYPE", "InferenceStage",
            "epoch_ms"]
@@ -88,7 +88,7 @@ class InferenceStage(KeyedLane):
     """The keyed lane (`KeyedLane`: input rows keyed by bucket or ticks, output sink rows).
 
     `capacity` bounds the calls in flight per subtask (`async.capacity`). `gate_dir`: the
-    job has an admission gate in front (`udfs/stage/admission.py`: a spend budget, a fleet or a rate limit); while no
+    job has an admission gate in front (`udfs/lanes/admission.py`: a spend budget, a fleet or a rate limit); while no
     call can start before a window or a cooldown ends (`InferenceClient.pause_reason`) the stage
     parks what it cannot start (it is in state already) instead of waiting for a slot inside
     the bundle, and tells the gate to stop its input. `cache_file`: the local result cache's file
@@ -105,7 +105,7 @@ class InferenceStage(KeyedLane):
         self._parked: deque[tuple[Any, str, Callable[[], Coroutine[Any, Any, Settled]]]] = deque()
         self._gate = None
         if self._gate_dir is not None:
-            from udfs.stage.admission import GateSignal
+            from udfs.lanes.admission import GateSignal
             self._gate = GateSignal(self._gate_dir, runtime_context.get_index_of_this_subtask())
         model = self._config.model
         where = model.endpoint or ", ".join(e.url for e in model.endpoints or [])

@@ -1,8 +1,8 @@
 """What every lane is made of, written once: the seam the three lanes vary.
 
-A lane (keyed `udfs/stage/operators.py`, vectorized `udfs/stage/vectorized.py`, provider-batch
-`udfs/stage/batch_lane.py`) decides only how records are grouped and when their calls are made.
-Everything else is here or in the record path (`udfs/stage/record_path.py`):
+A lane (keyed `udfs/lanes/keyed.py`, vectorized `udfs/lanes/vectorized.py`, provider-batch
+`udfs/lanes/provider_batch/lane.py`) decides only how records are grouped and when their calls are made.
+Everything else is here or in the record path (`udfs/lanes/record_path.py`):
 
 - `LaneParts`: set-up and tear-down (metrics, the client with its cache, the formats, the record
   path, a call loop), and the one place a record leaves (`emit`: its row, its dead letter counted
@@ -27,14 +27,14 @@ from pyflink.datastream import KeyedProcessFunction, RuntimeContext
 
 from udfs.config import JobConfig
 from udfs.errors import InternalError
+from udfs.lanes.record_path import RecordPath, Settled
 from udfs.records import PendingRecord, SinkRow
-from udfs.stage.record_path import RecordPath, Settled
 
 if TYPE_CHECKING:
     from udfs.inference.client import InferenceClient
+    from udfs.lanes.inflight import CallRunner
     from udfs.metrics import InferenceMetrics
     from udfs.records.formats import JobFormats
-    from udfs.stage.inflight import CallRunner
 
 log = logging.getLogger("llmstream.udfs")
 
@@ -105,9 +105,9 @@ class LaneParts:
         kept in Python only). `capacity`: the call loop's slots. `cache_file`: the local result cache's
         file as the job's launch decided it (`udfs.cost.cache.open_cache`)."""
         from udfs.inference.client import InferenceClient
+        from udfs.lanes.inflight import CallRunner
         from udfs.metrics import InferenceMetrics
         from udfs.records.formats import JobFormats
-        from udfs.stage.inflight import CallRunner
 
         metrics = InferenceMetrics(metrics_group.add_group("llmstream") if metrics_group is not None else None)
         runner = CallRunner(capacity, name=runner_name)
@@ -160,7 +160,7 @@ class KeyedLane(KeyedProcessFunction):
 
     def __init__(self, config: JobConfig, gate_dir: str | None = None, cache_file: str | None = None) -> None:
         """`gate_dir`: the directory the admission gate in front and this lane share
-        (`udfs/stage/admission.py`), when the job has one."""
+        (`udfs/lanes/admission.py`), when the job has one."""
         self._config = config
         self._gate_dir = gate_dir
         self._cache_file = cache_file

@@ -1,12 +1,12 @@
 """What one input record becomes, in every lane: a result row, a dead letter, a forwarded
 tombstone, or nothing (a skipped tombstone, or a record the user's functions drop).
 
-The keyed lane (`udfs/stage/operators.py`), the vectorized lane (`udfs/stage/vectorized.py`) and
-the provider-batch lane (`udfs/stage/batch_lane.py`) differ only in how records are grouped and
+The keyed lane (`udfs/lanes/keyed.py`), the vectorized lane (`udfs/lanes/vectorized.py`) and
+the provider-batch lane (`udfs/lanes/provider_batch/lane.py`) differ only in how records are grouped and
 when their calls are made (keyed state and a call loop outside Flink's bundles, the Arrow batch
 in progress, a provider's batch); the rules for a record are the same, so they are written once here: tombstones by `input.tombstones`, decode with its dead letters, the call
 through `InferenceClient` (retries, deadlines, fleet, cache, budget), the user's own functions
-around it (`model.preprocess`, `output.postprocess`: `udfs/stage/user_functions.py`), the output
+around it (`model.preprocess`, `output.postprocess`: `udfs/lanes/user_functions.py`), the output
 record, the forwarded headers, and the one place a record becomes a dead letter. Nothing here raises for a
 record: every failure is a dead letter with its reason.
 """
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from udfs.config import JobConfig
 from udfs.errors import BadInput, InternalError, RecordError, UserFunctionError
+from udfs.lanes.user_functions import UserFunctions, provisional_id, references
 from udfs.records import (
     Completion,
     PendingRecord,
@@ -33,7 +34,6 @@ from udfs.records.decode import decode, record_id
 from udfs.records.encode import result_row, sized_row
 from udfs.records.json_format import CONTRACT_FIELDS
 from udfs.records.result import result_record
-from udfs.stage.user_functions import UserFunctions, provisional_id, references
 
 if TYPE_CHECKING:
     from udfs.inference.client import InferenceClient
@@ -47,7 +47,7 @@ log = logging.getLogger("llmstream.udfs")
 class Settled:
     """What one record came to: the `row` it leaves as (None: nothing leaves, a record the user's
     functions drop) and, for a dead letter, its `dead_letter_reason`. Every lane hands these to
-    `LaneParts.emit` (`udfs/stage/lane.py`), the one place a record leaves."""
+    `LaneParts.emit` (`udfs/lanes/base.py`), the one place a record leaves."""
 
     row: SinkRow | None
     dead_letter_reason: str | None = None

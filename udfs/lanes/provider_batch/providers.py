@@ -1,5 +1,5 @@
 """The providers' batch APIs in one shape: OpenAI's `/v1/batches` (and the hosts that copy it) and
-Anthropic's Message Batches, as the batch lane (`udfs/stage/batch_lane.py`) uses them.
+Anthropic's Message Batches, as the batch lane (`udfs/lanes/provider_batch/lane.py`) uses them.
 
 A batch is made of request lines, each named `r<index>` (its place in the lane's batch entry, so
 an answer finds its record whatever order results come in, and the name fits both providers'

@@ -2,7 +2,7 @@
 client and exactly-once sink as the keyed lane, with the calls made through a provider's batch API
 at its batch price instead of one at a time.
 
-`BatchStage` is a `KeyedLane` (`udfs/stage/lane.py`) over the same buckets and ticks as the keyed
+`BatchStage` is a `KeyedLane` (`udfs/lanes/base.py`) over the same buckets and ticks as the keyed
 lane; what it decides is how records are grouped (a provider's batch) and when their calls are
 made (once a checkpoint holds the batch). A record is decoded once by the same `RecordPath`, its
 request body made once by the client's one builder (`InferenceClient.payload`), an answer read by
@@ -14,9 +14,9 @@ and `model.response_format` included) and cached in the client's one cache. Per 
    hold its answer, looked up there first: a hit is emitted at once and never enters a batch.
 2. The bucket's records wait in a collection (in memory; rebuilt from state after a restore) until it
    holds `provider_batch.max_requests` records or `max_bytes` of requests, or its oldest record has
-   waited `max_wait_s`; then it becomes a batch: a `BatchEntry` (`udfs/provider_batch/entries.py`) in
+   waited `max_wait_s`; then it becomes a batch: a `BatchEntry` (`udfs/lanes/provider_batch/entries.py`) in
    state (`BATCHES`), each record marked as in it (`ASSIGNED`).
-3. Talking to the provider (`udfs/provider_batch/providers.py`) is done on a loop of its own
+3. Talking to the provider (`udfs/lanes/provider_batch/providers.py`) is done on a loop of its own
    (`CallRunner`), never on the task thread: creating the batch, viewing it on a timer with backoff,
    reading its results. The task thread hands work to the loop and takes what came back on its next
    element, tick or timer, so a checkpoint never waits for a batch: it holds records and batch ids.
@@ -63,9 +63,9 @@ from pyflink.datastream.state import MapStateDescriptor
 
 from udfs.config import JobConfig
 from udfs.errors import BadInput, InvalidModelOutput, ProviderBatchError, RecordError
+from udfs.lanes.base import KeyedLane, salvage
+from udfs.lanes.record_path import SKIP, Settled
 from udfs.records import PendingRecord, Request, now_ms
-from udfs.stage.lane import KeyedLane, salvage
-from udfs.stage.record_path import SKIP, Settled
 
 log = logging.getLogger("llmstream.udfs")
 
@@ -128,7 +128,7 @@ class BatchStage(KeyedLane):
 
     # ------------------------------------------------------------------ lifecycle
     def _opened(self, runtime_context: RuntimeContext) -> None:
-        from udfs.provider_batch.providers import provider_for
+        from udfs.lanes.provider_batch.providers import provider_for
 
         self._records = runtime_context.get_map_state(RECORDS)
         self._assigned = runtime_context.get_map_state(ASSIGNED)
@@ -181,7 +181,7 @@ class BatchStage(KeyedLane):
     def _adopt(self, bucket: Any, ctx: Any) -> Iterator[Row]:
         """First sight of `bucket` in this instance: what its state holds (after a restore) is taken
         up again: unassigned records into the collection, batches to be viewed (or found or made)."""
-        from udfs.provider_batch.entries import BatchEntry
+        from udfs.lanes.provider_batch.entries import BatchEntry
 
         entries: dict[str, BatchEntry] = {key: entry for key, entry in self._batches.items()}
         assigned = {handle for handle, _ in self._assigned.items()}
@@ -209,7 +209,7 @@ class BatchStage(KeyedLane):
         """A record read (bad input and tombstones settled at once) and held; then shaped by the
         preprocess and looked up in the cache on the loop when either applies, else its body made
         and into the collection at once."""
-        from udfs.provider_batch.entries import Held
+        from udfs.lanes.provider_batch.entries import Held
 
         prepared = self._path.prepare(record)
         if prepared is SKIP:
@@ -282,7 +282,7 @@ class BatchStage(KeyedLane):
 
     def _seal(self, bucket: Any, *, force: bool = False) -> None:
         """The collection as a new batch, when it is full or its oldest record has waited long enough."""
-        from udfs.provider_batch.entries import BatchEntry
+        from udfs.lanes.provider_batch.entries import BatchEntry
 
         collection = self._collections[bucket]
         if not collection.handles:
@@ -324,7 +324,7 @@ class BatchStage(KeyedLane):
                 self._sending[key] = chosen
                 yield from self._submit(bucket, ("create", key), self._creator(bucket, entry, chosen.index))
             elif (index := self._route(entry)) is None:
-                from udfs.provider_batch.providers import BatchView
+                from udfs.lanes.provider_batch.providers import BatchView
 
                 yield from self._viewed(bucket, entry, BatchView(entry.provider_id, "gone", "its endpoint left the fleet"))
             else:
@@ -359,7 +359,7 @@ class BatchStage(KeyedLane):
         """A creation answered (or failed): its slot back to the fleet, with what the answer says of
         the endpoint's health (`udfs/inference/statuses.py`): a batch API that fails opens its circuit."""
         from udfs.inference.statuses import Outcome, of_status
-        from udfs.provider_batch.providers import ProviderError
+        from udfs.lanes.provider_batch.providers import ProviderError
 
         endpoint = self._sending.pop(key, None)
         if endpoint is None:
@@ -410,7 +410,7 @@ class BatchStage(KeyedLane):
         been sent: its endpoint, or every one when its entry names none. Only the chosen endpoint's
         failure to answer that question fails the creation; another's (its circuit opened, so the
         fleet chose elsewhere) is passed over, and there that batch may be paid twice."""
-        from udfs.provider_batch.providers import ProviderError
+        from udfs.lanes.provider_batch.providers import ProviderError
 
         records = [(handle, self._unbatched.pop(handle, None) or self._stored(handle)) for handle in entry.handles]
         known = {handle: self._shaped[handle] for handle in entry.handles if handle in self._shaped}
@@ -472,7 +472,7 @@ class BatchStage(KeyedLane):
 
     # ------------------------------------------------------------------ what came back
     def _events(self, bucket: Any) -> Iterator[Row]:
-        from udfs.provider_batch.providers import BatchView, ProviderError
+        from udfs.lanes.provider_batch.providers import BatchView, ProviderError
 
         for op, value in self._runner.take(bucket):
             kind, name = cast(tuple[str, str], op)
@@ -566,7 +566,7 @@ class BatchStage(KeyedLane):
                  "found at the provider" if how == "found" else "created", provider_id, label, len(entry.handles))
 
     def _viewed(self, bucket: Any, entry: Any, view: Any) -> Iterator[Row]:
-        from udfs.provider_batch.entries import poll_delay_s
+        from udfs.lanes.provider_batch.entries import poll_delay_s
 
         settings = self._config.provider_batch
         if view.phase == "running":
@@ -615,7 +615,7 @@ class BatchStage(KeyedLane):
 
     def _answered(self, bucket: Any, entry: Any, results: list[Any], loaded: dict[str, Any]) -> Iterator[Row]:
         """`results` of `entry`; `loaded`: its records still in state (`_load`)."""
-        from udfs.provider_batch.providers import Answered, Refused
+        from udfs.lanes.provider_batch.providers import Answered, Refused
 
         settings = self._config.provider_batch
         for result in results:
@@ -663,7 +663,7 @@ class BatchStage(KeyedLane):
         self._retry_later(bucket, entry)
 
     def _retry_later(self, bucket: Any, entry: Any) -> None:
-        from udfs.provider_batch.entries import poll_delay_s
+        from udfs.lanes.provider_batch.entries import poll_delay_s
 
         settings = self._config.provider_batch
         delay = poll_delay_s(entry.polls, settings.poll_initial_s, settings.poll_max_s)
@@ -763,7 +763,7 @@ class BatchStage(KeyedLane):
         return {handle: held for handle, held in self._records.items() if handle in wanted}
 
     def _stored(self, handle: str) -> Any:
-        from udfs.provider_batch.entries import Held
+        from udfs.lanes.provider_batch.entries import Held
 
         value = self._records.get(handle)
         if isinstance(value, Held):

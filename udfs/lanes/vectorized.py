@@ -6,9 +6,9 @@ crossing and that state are most of a record's CPU when the model answers in a m
 Flink hands Python a whole Arrow batch of records (`vectorized.batch_size` rows) at once; the
 function starts every call of the batch on its call loop (at most `async.capacity` at a time),
 waits for all of them, and returns one outgoing record per input row, in input order. The rules
-for a record are every lane's (`udfs/stage/record_path.py`): the same decode, client
+for a record are every lane's (`udfs/lanes/record_path.py`): the same decode, client
 (retries, per-attempt and per-record deadlines, rate limits, AIMD, fleet, cache), output record
-and dead letters; set-up and emitting are `udfs/stage/lane.py`'s `LaneParts`. The lane decides only
+and dead letters; set-up and emitting are `udfs/lanes/base.py`'s `LaneParts`. The lane decides only
 that a record's call is made with its Arrow batch's.
 
 Its price is head-of-line blocking: a batch is done when its slowest call is, and a checkpoint
@@ -35,9 +35,9 @@ from pyflink.table.udf import (
 )
 
 from udfs.config import JobConfig
+from udfs.lanes.base import LaneParts
+from udfs.lanes.record_path import SKIP, Settled
 from udfs.records import PendingRecord, Request
-from udfs.stage.lane import LaneParts
-from udfs.stage.record_path import SKIP, Settled
 
 log = logging.getLogger("llmstream.udfs")
 

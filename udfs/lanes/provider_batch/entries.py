@@ -1,4 +1,4 @@
-"""What the batch lane keeps in Flink state, per bucket (`udfs/stage/batch_lane.py`).
+"""What the batch lane keeps in Flink state, per bucket (`udfs/lanes/provider_batch/lane.py`).
 
 - every record not yet emitted, as a `Held` (the `PendingRecord` and the batches it went through);
 - which batch a record is in (its handle -> the batch's `key`);
