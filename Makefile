@@ -122,7 +122,9 @@ estate: venv jars
 	$(BIN)/llmstream estate start
 
 # The fault table on the estate (docs/operations.md, "Faults on a real estate"): partitions of 60 and
-# 200 s, a TaskManager host, a broker leader and the JobManager host killed; ~20 min. Not in `make test`.
+# 200 s and one past a 60 s transaction timeout, a TaskManager host, a broker leader, the transaction
+# coordinator's broker and the JobManager host killed, a slow and a stalled link to the model
+# (toxiproxy, built with `go install` on first use), rescales in three lanes; ~60 min. Not in `make test`.
 fault-estate: estate
 	$(BIN)/llmstream estate fault --table
 

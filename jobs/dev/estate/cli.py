@@ -23,7 +23,8 @@ a JobManager (jm), two TaskManagers (tm1, tm2), three brokers (kafka1-3), a mode
   llmstream estate fault kill HOST            / restart HOST          (every process on it / its services again)
   llmstream estate fault kill-leader TOPIC [--partition P]
   llmstream estate fault --table [--scenarios partition-60,leader-kill] [--records N]
-      scenarios: baseline, partition-60, partition-200, tm-host-kill, leader-kill, jm-host-kill (faults),
+      scenarios: baseline, partition-60, partition-200, partition-past-tx-timeout, tm-host-kill, leader-kill,
+      coordinator-kill, model-slow-link, model-stalled-link, jm-host-kill (faults),
       rescale-keyed (1→4→2, per_key), rescale-vectorized (1→3→1), rescale-provider-batch (1→2→1)
   llmstream estate stop
 """

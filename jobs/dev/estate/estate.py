@@ -11,7 +11,9 @@ Faults, as a Python API (tests) and as ``llmstream estate fault`` (a person):
 - `partition` / `heal` two hosts or groups (``tm1`` from ``kafka1,kafka2,kafka3``), `isolate` /
   `rejoin` one host, each also `partitioned` / `isolated` for a while (a context manager);
 - `kill_host` (every process on it, SIGKILL) and `restart_host` (its services again);
-- `kill_leader` of a topic partition: the broker host leading it killed.
+- `kill_leader` of a topic partition: the broker host leading it killed;
+- a slow or stalled link to the model: `model_proxy` (toxiproxy on the model host, which a job
+  reaches instead of the model server when its config says so).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from typing import Any
 from jobs.clients.flink_rest import FlinkRest
 from jobs.dev.estate.network import EstateError, Host, Network
 from jobs.dev.estate.services import (
+    MODEL_PORT,
     EstateKafka,
     FlinkDaemon,
     FlinkLayout,
     ModelServer,
     prepare_flink,
 )
+from jobs.dev.estate.toxiproxy import Toxiproxy
 from jobs.runtime import jars
 
 log = logging.getLogger("llmstream.estate")
@@ -74,6 +78,8 @@ class Estate:
         self.taskmanagers = {name: FlinkDaemon(host(name), "taskmanager", self.layout, flink_settings)
                              for name in ("tm1", "tm2")}
         self.model = ModelServer(host("model"), self.work_dir, list(model_args))
+        self.model_proxy = Toxiproxy(host("model"), self.work_dir, "model", f"{host('model').address}:{MODEL_PORT}")
+        """A slow link to the model: started by the scenarios that use it (`jobs/dev/estate/toxiproxy.py`)."""
         self.rest = FlinkRest(self.layout.rest_url)
 
     # ------------------------------------------------------------------ facts
@@ -115,6 +121,8 @@ class Estate:
         for daemon in (*self.taskmanagers.values(), self.jobmanager):
             with contextlib.suppress(Exception):
                 daemon.stop()
+        with contextlib.suppress(Exception):
+            self.model_proxy.stop()
         with contextlib.suppress(Exception):
             self.model.stop()
         with contextlib.suppress(Exception):

@@ -9,6 +9,7 @@ integration test runs one. The results are written to ``var/estate/fault-table.j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ class Run:
     name: str
     config_path: Path
     output_topic: str
+    transactional_id_prefix: str = ""
     job_id: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -57,9 +59,18 @@ Fault = Callable[[Run], None]
 
 @dataclass(frozen=True)
 class Scenario:
+    """A fault and what it does; ``sections`` change the job's config for this scenario only
+    (`job_config`), e.g. a transaction timeout short enough to run out during a partition."""
+
     name: str
     fault: Fault
     about: str
+    sections: dict[str, Any] = field(default_factory=dict)
+    prepare: Callable[[Estate], dict[str, Any]] | None = None
+    """Set up what the fault needs before the job starts; returns more config sections."""
+
+    def config_sections(self, estate: Estate) -> dict[str, Any]:
+        return {**self.sections, **(self.prepare(estate) if self.prepare else {})}
 
 
 def _partition_from_brokers(seconds: float) -> Fault:
@@ -86,6 +97,67 @@ def _kill_leader(run: Run) -> None:
     run.estate.restart_host(host)
 
 
+def transaction_coordinator(run: Run, timeout: float = 60.0) -> int:
+    """The broker coordinating most of the job's open transactions (ListTransactions on every
+    broker, state Ongoing, ids starting with the job's prefix): the one whose loss hits the sink's
+    transactions in flight. Waits until one is open (between checkpoints there may be none)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts: dict[int, int] = {}
+        with contextlib.suppress(Exception), kafka_admin.admin(run.estate.bootstrap_servers, 10) as client:
+            listed = client.list_transactions(state_filters=["Ongoing"])
+            for broker, transactions in listed.items():
+                ours = [t for t in transactions if t.transactional_id.startswith(run.transactional_id_prefix)]
+                if ours:
+                    counts[int(broker)] = len(ours)
+        if counts:
+            return max(counts, key=lambda broker: counts[broker])
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no open transaction of {run.transactional_id_prefix} within {timeout:g} s")
+        time.sleep(0.2)
+
+
+def _kill_transaction_coordinator(run: Run) -> None:
+    node = transaction_coordinator(run)
+    host = run.estate.kafka.host_of(node).name
+    run.estate.kill_host(host)
+    run.notes.append(f"{host} (coordinator of the sink's open transactions) killed, back after 20 s")
+    time.sleep(20)
+    run.estate.restart_host(host)
+
+
+SHORT_TRANSACTIONS: dict[str, Any] = {
+    "kafka": {"transaction_timeout_ms": 60_000},
+    "checkpointing": {"timeout_ms": 30_000, "max_restart_ms": 28_000},
+}
+"""A 60 s sink transaction timeout, the least the transaction-timeout rule allows with a checkpoint
+every 2 s once the checkpoint timeout (30 s) and the restart budget (28 s) are cut to fit."""
+
+
+def _model_through_proxy(estate: Estate) -> dict[str, Any]:
+    """The model reached through toxiproxy on its host, so its link can be slowed or stalled."""
+    estate.model_proxy.start()
+    return {"model": {"endpoint": f"http://{estate.model_proxy.listen}/v1"}}
+
+
+def _slow_model_link(latency_ms: int, jitter_ms: int, seconds: float) -> Fault:
+    def fault(run: Run) -> None:
+        run.notes.append(f"TaskManager ↔ model answers delayed {latency_ms} ± {jitter_ms} ms for {seconds:g} s")
+        with run.estate.model_proxy.toxic("slow", "latency", latency=latency_ms, jitter=jitter_ms):
+            time.sleep(seconds)
+
+    return fault
+
+
+def _stalled_model_link(seconds: float) -> Fault:
+    def fault(run: Run) -> None:
+        run.notes.append(f"TaskManager ↔ model stalled {seconds:g} s (connections open, nothing answered)")
+        with run.estate.model_proxy.toxic("stall", "timeout", stream="upstream", timeout=0):
+            time.sleep(seconds)
+
+    return fault
+
+
 def _kill_jobmanager_host(run: Run) -> None:
     run.estate.kill_host("jm")
     run.notes.append("jm killed (no HA: the job is gone), started again, the job resubmitted")
@@ -100,8 +172,18 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("baseline", _no_fault, "no fault: what the estate does undisturbed"),
     Scenario("partition-60", _partition_from_brokers(60), "the job's TaskManager host ↔ every broker, 60 s"),
     Scenario("partition-200", _partition_from_brokers(200), "the job's TaskManager host ↔ every broker, 200 s"),
+    Scenario("partition-past-tx-timeout", _partition_from_brokers(150),
+             "the job's TaskManager host ↔ every broker, 150 s, with a 60 s transaction timeout",
+             sections=SHORT_TRANSACTIONS),
     Scenario("tm-host-kill", _kill_taskmanager_host, "the job's TaskManager host killed (SIGKILL to all), restarted"),
     Scenario("leader-kill", _kill_leader, "the broker host leading the output partition killed, back after 20 s"),
+    Scenario("coordinator-kill", _kill_transaction_coordinator,
+             "the broker host coordinating the sink's open transactions killed, back after 20 s"),
+    Scenario("model-slow-link", _slow_model_link(500, 250, 60),
+             "TaskManager ↔ model through toxiproxy: answers 500 ± 250 ms late for 60 s", prepare=_model_through_proxy),
+    Scenario("model-stalled-link", _stalled_model_link(60),
+             "TaskManager ↔ model through toxiproxy: stalled 60 s (a toxiproxy timeout toxic)",
+             prepare=_model_through_proxy),
     Scenario("jm-host-kill", _kill_jobmanager_host, "the JobManager host killed, restarted, the job resubmitted"),
 )}
 
@@ -122,13 +204,17 @@ class Row:
     calls_per_record: float | None
     notes: str
     verdict: str
+    resumed_s: float | None = None
+    """Seconds from the fault's end (healed, host restarted) until committed output grew again."""
+    order_violations: int = 0
 
     @classmethod
     def of(cls, name: str, verdict: Verdict, *, restarts: int | None, exit_code: int | None, seconds: float,
-           notes: str) -> Row:
+           notes: str, resumed_s: float | None = None) -> Row:
         return cls(name, verdict.records_in, verdict.out, verdict.dead, verdict.duplicates, verdict.lost, restarts,
                    exit_code, round(seconds, 1), None if verdict.calls_per_record is None
-                   else round(verdict.calls_per_record, 3), notes, "ok" if verdict.ok else "; ".join(verdict.problems()))
+                   else round(verdict.calls_per_record, 3), notes, "ok" if verdict.ok else "; ".join(verdict.problems()),
+                   None if resumed_s is None else round(resumed_s, 1), verdict.order_violations)
 
 
 def job_config(estate: Estate, tag: str, **sections: Any) -> dict[str, Any]:
@@ -192,6 +278,22 @@ def wait_for(check: Callable[[], bool], timeout: float, interval: float = 1.0) -
     return check()
 
 
+def _output_resumed(bootstrap: str, topic: str, process: subprocess.Popen[bytes], timeout: float = 600.0) -> float | None:
+    """Seconds from now (a fault just ended) until a read_committed reader sees more output than
+    now; None if the run ended first with nothing more to commit, or not within ``timeout``."""
+    ended = time.monotonic()
+    level = committed_count(bootstrap, topic)
+    while time.monotonic() - ended < timeout:
+        now = committed_count(bootstrap, topic)
+        if level >= 0 and now > level:
+            return time.monotonic() - ended
+        level = now if level < 0 else level
+        if process.poll() is not None:
+            return None
+        time.sleep(0.5)
+    return None
+
+
 def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, timeout: float = 900.0,
                  fraction: float = 0.2) -> tuple[Row, Verdict]:
     """One scenario start to end; the row and the history checker's verdict. The estate is made
@@ -202,18 +304,20 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
     tag = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
     directory = estate.work_dir / "runs"
     directory.mkdir(parents=True, exist_ok=True)
-    data = job_config(estate, tag)
+    data = job_config(estate, tag, **scenario.config_sections(estate))
     config_path = directory / f"{tag}.yaml"
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
     bootstrap = estate.bootstrap_servers
     batch = unique_records(records, tag)
     kafka_admin.produce(bootstrap, data["kafka"]["input_topic"], batch)
     estate.model.configure("/stats/reset", {})
-    run = Run(estate, data["name"], config_path, data["kafka"]["output_topic"])
+    run = Run(estate, data["name"], config_path, data["kafka"]["output_topic"],
+              data["kafka"]["transactional_id_prefix"])
     started = time.monotonic()
     log_path = directory / f"{tag}.log"
     process = submit(config_path, estate, log_path)
     code: int | None = None
+    resumed_s: float | None = None
     try:
         def live() -> bool:
             jobs = estate.rest.live_jobs(run.name)
@@ -236,6 +340,8 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
             # The JobManager took the job with it; the submit's wait fails, so the user submits again.
             process.wait(timeout=120)
             process = submit(config_path, estate, log_path)
+        if run.job_id:
+            resumed_s = _output_resumed(bootstrap, run.output_topic, process)
         remaining = max(30.0, timeout - (time.monotonic() - started))
         try:
             code = process.wait(timeout=remaining)
@@ -257,18 +363,21 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
     verdict = read_history(bootstrap, run.output_topic, data["kafka"]["dead_letter_topic"],
                            model_calls=served).check([k.decode() for k, _ in batch])
     row = Row.of(scenario.name, verdict, restarts=restarts, exit_code=code, seconds=seconds,
-                 notes="; ".join(run.notes))
+                 notes="; ".join(run.notes), resumed_s=resumed_s)
     log.info("estate: %s: %s", scenario.name, verdict.summary())
     return row, verdict
 
 
 def render(rows: list[Row]) -> str:
-    lines = ["| scenario | in | out | dead | dup | lost | restarts | submit exit | s | calls/record | verdict | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| scenario | in | out | dead | dup | lost | order violations | restarts | output resumed (s after the "
+              "fault) | submit exit | s | calls/record | verdict | notes |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         calls = "-" if r.calls_per_record is None else f"{r.calls_per_record:.3f}"
+        resumed = "-" if r.resumed_s is None else f"{r.resumed_s:.0f}"
         lines.append(f"| {r.scenario} | {r.records_in} | {r.out} | {r.dead} | {r.duplicates} | {r.lost} "
-                     f"| {'-' if r.restarts is None else r.restarts} | {'-' if r.exit_code is None else r.exit_code} "
+                     f"| {r.order_violations} | {'-' if r.restarts is None else r.restarts} | {resumed} "
+                     f"| {'-' if r.exit_code is None else r.exit_code} "
                      f"| {r.seconds:.0f} | {calls} | {r.verdict} | {r.notes} |")
     return "\n".join(lines)
 
