@@ -455,7 +455,7 @@ def stop_on_signals(stop: StopRequest, report: Callable[[str], None]) -> Iterato
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RunEnd:
     """How a driven job ended."""
 
     state: str
@@ -551,7 +551,7 @@ class Backfill:
 def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, backfill: Backfill | None = None,
           figures: RunFigures | None = None, progress_every_s: float = 0.0, stop_timeout_s: float = 60.0,
           cancel_on_timeout: bool = True, on_stop: Callable[[], None] | None = None,
-          report: Callable[[str], None] = print) -> Outcome:
+          report: Callable[[str], None] = print) -> RunEnd:
     """Watches the job until it ends.
 
     ``stop.savepoint`` set: stop with a savepoint; ``stop.cancel`` set: cancel. With ``backfill``
@@ -630,7 +630,7 @@ def drive(driver: JobDriver, stop: StopRequest, *, savepoints_uri: str, backfill
         cause = _first_and_last(failures, driver.failure())
     drained = state == "FINISHED" and (draining or not stopper.started)
     held = backfill.last_held[0] if backfill is not None and backfill.last_held is not None else None
-    return Outcome(state=state, savepoint=stopper.savepoint, cause=cause,
+    return RunEnd(state=state, savepoint=stopper.savepoint, cause=cause,
                    stop_error=stopper.error if stopper.started else None, drained=drained, held=held,
                    lost_taskmanager=lost_taskmanager and not driver.taskmanagers_return and state == "CANCELED")
 

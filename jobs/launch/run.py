@@ -39,7 +39,7 @@ from jobs.launch.driver import (
     BackfillIncomplete,
     FlinkLog,
     MiniClusterDriver,
-    Outcome,
+    RunEnd,
     StopRequest,
     drive,
     stop_on_signals,
@@ -146,7 +146,7 @@ def check_local_ports(config: JobConfig) -> None:
 
 def _run(config: JobConfig, options: RunOptions, plan: LaunchPlan, archive: GatewayArchive | None, *,
          progress_every_s: float, report: Callable[[str], None], stop: StopRequest, stop_timeout_s: float,
-         drain_timeout_s: float | None) -> tuple[str, Outcome]:
+         drain_timeout_s: float | None) -> tuple[str, RunEnd]:
     state, restore, targets = plan.build.state, plan.restore, plan.end_offsets
     with contextlib.ExitStack() as stack:
         progress = stack.enter_context(contextlib.closing(GroupProgress(config)))
@@ -270,7 +270,7 @@ INCOMPLETE = "INCOMPLETE"
 cancelled or cut short while the stage still held records. Its exit code is 3."""
 
 
-def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report: Callable[[str], None], *,
+def _conclude(outcome: RunEnd, progress: GroupProgress, state: StateDir, report: Callable[[str], None], *,
               backfill: bool = False) -> str:
     """Says how the run ended, what it left and where the next one resumes from; returns the job's
     final state (`INCOMPLETE` for a backfill that ended before its records were out)."""
@@ -298,14 +298,14 @@ def _conclude(outcome: Outcome, progress: GroupProgress, state: StateDir, report
     return outcome.state
 
 
-def _left(outcome: Outcome) -> str:
+def _left(outcome: RunEnd) -> str:
     """What the stage held when the job stopped, as far as it was counted."""
     if outcome.held is None:
         return "the records the stage held (not counted)"
     return f"at most {outcome.held} records" if outcome.held else "the records the stage still held"
 
 
-def ended_line(state_name: str, outcome: Outcome, state: StateDir) -> str:
+def ended_line(state_name: str, outcome: RunEnd, state: StateDir) -> str:
     """How the run ended, for `llmstream status` once it is over."""
     if state_name == INCOMPLETE:
         return f"backfill not finished: {_left(outcome)} left in {state.location}; the same command finishes them"

@@ -21,9 +21,9 @@ from typing import Any
 
 from jobs.clients.flink_rest import ClusterError, FlinkRest
 from jobs.state.snapshots import LocalRun, StateDir
+from udfs.clock import now_ms as epoch_now_ms
 from udfs.config import JobConfig
 from udfs.cost import pricing
-from udfs.records import now_ms as epoch_now_ms
 
 log = logging.getLogger("llmstream.status")
 

@@ -456,7 +456,7 @@ def test_how_a_run_ends_is_its_exit_code_and_one_line_that_says_what_it_left(tmp
     """`llmstream run`'s conclusion: a backfill is done (exit 0) only when drained; stopped, cancelled
     or cut short it is INCOMPLETE (exit 3) and says how many records the state keeps, where, and that
     the same command finishes them; a plain run stopped by the user exits 0 and says what it left."""
-    from jobs.launch.driver import Outcome
+    from jobs.launch.driver import RunEnd
     from jobs.launch.run import INCOMPLETE, _conclude, exit_code
     from jobs.state.snapshots import StateDir
 
@@ -466,27 +466,27 @@ def test_how_a_run_ends_is_its_exit_code_and_one_line_that_says_what_it_left(tmp
 
     state = StateDir(tmp_path)
 
-    def concluded(outcome: Outcome, *, until_end: bool) -> tuple[str, int, str]:
+    def concluded(outcome: RunEnd, *, until_end: bool) -> tuple[str, int, str]:
         said: list[str] = []
         name = _conclude(outcome, Committed(), state, said.append, backfill=until_end)  # type: ignore[arg-type]
         return name, exit_code(name), " ".join(said)
 
-    done = Outcome("FINISHED", "file:///s/savepoint-1", "", None, drained=True, held=0)
+    done = RunEnd("FINISHED", "file:///s/savepoint-1", "", None, drained=True, held=0)
     name, code, said = concluded(done, until_end=True)
     assert (name, code) == ("FINISHED", 0)
     assert "committed 718/718 input records; every record present at start is in output or dead letters" in said
 
-    cut = Outcome("CANCELED", None, "", "timed out", drained=False, held=9)
+    cut = RunEnd("CANCELED", None, "", "timed out", drained=False, held=9)
     name, code, said = concluded(cut, until_end=True)
     assert (name, code) == (INCOMPLETE, 3)
     assert "backfill not finished: at most 9 records in the job's state" in said
     assert f"the last checkpoint in {state.location}" in said and "the same command finishes them" in said
 
-    stopped = Outcome("FINISHED", "file:///s/savepoint-2", "", None, drained=False, held=4)
+    stopped = RunEnd("FINISHED", "file:///s/savepoint-2", "", None, drained=False, held=4)
     name, code, said = concluded(stopped, until_end=True)
     assert (name, code) == (INCOMPLETE, 3) and "savepoint file:///s/savepoint-2" in said
 
-    failed = Outcome("FAILED", None, "java.lang.RuntimeException: boom", None)
+    failed = RunEnd("FAILED", None, "java.lang.RuntimeException: boom", None)
     name, code, said = concluded(failed, until_end=True)
     assert (name, code) == ("FAILED", 1) and "the same command resumes it from the last checkpoint" in said
 
@@ -581,12 +581,12 @@ def test_a_run_whose_mini_cluster_lost_its_taskmanager_starts_a_new_one_from_the
     from types import SimpleNamespace
 
     from jobs.launch import run
-    from jobs.launch.driver import Outcome
+    from jobs.launch.driver import RunEnd
     from jobs.launch.plan import RunOptions
     from jobs.state.snapshots import StateDir
 
-    lost = Outcome("CANCELED", None, "", None, lost_taskmanager=True, held=3)
-    finished = Outcome("FINISHED", None, "", None, drained=True)
+    lost = RunEnd("CANCELED", None, "", None, lost_taskmanager=True, held=3)
+    finished = RunEnd("FINISHED", None, "", None, drained=True)
     prepared: list[RunOptions] = []
     claims: list[str] = []
 

@@ -19,15 +19,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
+from udfs.clock import Clock, Sleep
 from udfs.config import BudgetConfig, PriceConfig
 from udfs.cost import pricing
 
 log = logging.getLogger(__name__)
-
-Clock = Callable[[], float]
-Sleep = Callable[[float], Awaitable[object]]
 
 
 class SpendBudget:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from udfs.clock import now_ms
 from udfs.cost.cache import ResultCache
 from udfs.metrics import InferenceMetrics
 from udfs.records import Completion
@@ -32,7 +33,7 @@ def cached_completion(stored: Stored, *, model: str, endpoint: str, priced: bool
     """A stored answer as a record's completion: 0 attempts, cost 0 when the job prices answers,
     latency since `looked_up` (a `time.perf_counter()`); `model` is the one asked for, used when
     the stored answer does not name one."""
-    now = time.time_ns() // 1_000_000
+    now = now_ms()
     return Completion(
         output=stored["output"], model=str(stored.get("model") or model), finish_reason=stored.get("finish_reason"),
         prompt_tokens=int(stored.get("prompt_tokens") or 0),

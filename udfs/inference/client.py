@@ -50,6 +50,7 @@ from typing import Any, Self
 
 import aiohttp
 
+from udfs.clock import now_ms
 from udfs.config import EndpointConfig, JobConfig, RateLimitConfig
 from udfs.cost import pricing
 from udfs.cost.budget import SpendBudget
@@ -77,7 +78,7 @@ from udfs.inference.statuses import Outcome, of_error
 from udfs.inference.structured import Invalid, StructuredOutput
 from udfs.inference.transport import Transport
 from udfs.metrics import InferenceMetrics
-from udfs.records import Completion, Request, now_ms
+from udfs.records import Completion, Request
 
 log = logging.getLogger(__name__)
 

@@ -36,17 +36,16 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from udfs.clock import Clock
 from udfs.config import CircuitConfig
 from udfs.inference.ratelimit import AdaptiveConcurrency
 from udfs.inference.statuses import Outcome
 from udfs.metrics import Distribution
 
 log = logging.getLogger(__name__)
-
-Clock = Callable[[], float]
 
 
 class CircuitState(enum.IntEnum):

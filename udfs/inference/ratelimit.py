@@ -16,18 +16,17 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from udfs.clock import Clock, Sleep
 from udfs.config import RateLimitConfig
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
 _EPSILON = 1e-9
 MAX_DEBT_S = 60.0
 """The longest wait one correction (`TokenBucket.adjust`) can cause."""
-Sleep = Callable[[float], Awaitable[object]]
 
 
 class TokenBucket:

@@ -9,7 +9,6 @@ carries, and the row written for a result or a dead letter.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -20,12 +19,6 @@ SinkHeaders = dict[str, bytes | None]
 """Headers as the Kafka table connector writes them: a map, so one value per name."""
 ForwardHeaders = Literal["all", "none"] | list[str]
 """`kafka.forward_headers`: which input headers an outgoing record carries."""
-
-
-def now_ms() -> int:
-    """Now, in milliseconds since the epoch: the clock of every time a record carries (a result's
-    `started_ms`/`completed_ms`, a dead letter's `dead_lettered_at`, a provider batch's times)."""
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True)

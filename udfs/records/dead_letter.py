@@ -18,8 +18,9 @@ import hashlib
 import json
 from typing import Any
 
+from udfs.clock import now_ms
 from udfs.errors import InvalidModelOutput, RecordError
-from udfs.records import SinkHeaders, SinkRow, SourceRef, now_ms
+from udfs.records import SinkHeaders, SinkRow, SourceRef
 
 ORIGINAL_LIMIT_BYTES = 256 * 1024
 REASON_HEADER = "llmstream-reason"

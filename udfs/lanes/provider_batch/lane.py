@@ -61,11 +61,12 @@ from pyflink.common import Row, Types
 from pyflink.datastream import RuntimeContext
 from pyflink.datastream.state import MapStateDescriptor
 
+from udfs.clock import now_ms
 from udfs.config import JobConfig
 from udfs.errors import BadInput, InvalidModelOutput, ProviderBatchError, RecordError
 from udfs.lanes.base import KeyedLane, salvage
 from udfs.lanes.record_path import SKIP, Settled
-from udfs.records import PendingRecord, Request, now_ms
+from udfs.records import PendingRecord, Request
 
 log = logging.getLogger("llmstream.udfs")
 
