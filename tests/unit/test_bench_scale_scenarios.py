@@ -106,8 +106,8 @@ def test_the_doubling_job_lists_both_endpoints_at_their_servers_slots(tmp_path: 
                                               capacity=spec.capacity, inference=spec.inference))
     assert [e.max_concurrency for e in config.model.endpoints] == list(sc.FLEET_SLOTS)
     assert config.model.circuit.max_cooldown_s == 10.0
-    # One subtask holds one endpoint's worth of calls: the doubled fleet needs a second subtask.
-    assert config.async_.capacity == sc.FLEET_SLOTS[0]
+    # One subtask fills one endpoint (twice its slots, admission to emission), not the doubled fleet.
+    assert config.async_.capacity == 2 * sc.FLEET_SLOTS[0] < 2 * sum(sc.FLEET_SLOTS)
 
 
 def test_bench_takes_the_scaling_scenarios_by_letter() -> None:

@@ -12,7 +12,7 @@ broker and simulator, the job submitted with `llmstream submit` and rescaled thr
   share in the same window; efficiency against linear. Where the machine's CPU is saturated the
   point says so: the 2-core machine, not the job, stops the curve there.
 - **(k) the model's capacity doubles**: a fleet of two endpoints (8 slots each, 100 ms: 80/s
-  each), the second one down at the start; the job (capacity 8 a subtask, submitted for 4
+  each), the second one down at the start; the job (capacity 16 a subtask, submitted for 4
   subtasks and brought to 1) under `llmstream scale --auto`; input above the doubled limit. When
   the second endpoint comes up, the job should notice (pipeline-bound: its one subtask is full, the
   endpoints have room), scale, and answer at >= 90% of the new limit (160/s) within 2 minutes; the
@@ -89,7 +89,10 @@ CPU_SATURATED = 0.9
 
 FLEET_SLOTS = (8, 8)
 FLEET_LATENCY_MS = 100.0
-DOUBLING_CAPACITY = 8
+DOUBLING_CAPACITY = 16
+"""Twice one endpoint's slots: a subtask's capacity counts a record from admission to emission, so
+at one endpoint's slots it leaves that endpoint a third idle (54/s of 80/s, the first run), and the
+verdict rightly asks for more subtasks before the fleet grows."""
 DOUBLING_INPUT_PER_S = 170.0
 DOUBLING_BEFORE_S = 45.0
 DOUBLING_AFTER_S = 150.0
@@ -125,8 +128,9 @@ def curve_job(parallelism: int, url: str) -> JobSpec:
 
 
 def doubling_job(urls: list[str]) -> JobSpec:
-    """(k): the fleet, each endpoint at its server's slots; a subtask holds as many calls as one
-    endpoint takes, so one subtask can use one endpoint and no more. Submitted for 4 subtasks
+    """(k): the fleet, each endpoint at its server's slots (`max_concurrency` is per subtask); a
+    subtask holds twice one endpoint's slots, so one subtask fills one endpoint (model-bound while
+    the other is down) and not two. Submitted for 4 subtasks
     (buckets that spread evenly over 1, 2 and 4) and brought to 1 before the input starts. The
     circuit's cooldown is capped at 10 s so that the endpoint that comes back is probed within 10 s."""
     endpoints = [{"url": url, "max_concurrency": slots, "name": f"ep{i}"}
