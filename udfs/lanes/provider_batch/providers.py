@@ -177,6 +177,16 @@ class Provider:
             raise ProviderError(f"{method} {url}: HTTP {status} answer is not JSON", status=status,
                                 retryable=False) from None
 
+    async def _batch(self, url: str) -> dict[str, Any] | None:
+        """A batch as the provider describes it at `url`, or None when it no longer knows it (404)."""
+        try:
+            batch = await self._call("GET", url)
+        except ProviderError as err:
+            if err.status == 404:
+                return None
+            raise
+        return batch if isinstance(batch, dict) else {}
+
     async def _lines(self, url: str, budget: list[int]) -> list[dict[str, Any]]:
         """The JSON lines of a result file, read as a stream within the lane's byte budget."""
         out: list[dict[str, Any]] = []
@@ -225,6 +235,11 @@ def _parsed(line: bytes) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _counts(batch: dict[str, Any]) -> dict[str, int] | None:
+    counts = batch.get("request_counts")
+    return counts if isinstance(counts, dict) else None
 
 
 def _completed(results: dict[int, LineResult], count: int, why: Why) -> list[LineResult]:
@@ -295,15 +310,12 @@ class OpenAIBatches(Provider):
             after = str(data[-1].get("id"))
 
     async def view(self, batch_id: str) -> BatchView:
-        try:
-            batch = await self._call("GET", f"{self.base}/batches/{batch_id}")
-        except ProviderError as err:
-            if err.status == 404:
-                return BatchView(batch_id, "gone", "not found")
-            raise
+        batch = await self._batch(f"{self.base}/batches/{batch_id}")
+        if batch is None:
+            return BatchView(batch_id, "gone", "not found")
         status = str(batch.get("status"))
-        counts = batch.get("request_counts") if isinstance(batch.get("request_counts"), dict) else None
-        refs = {"results_ref": batch.get("output_file_id"), "errors_ref": batch.get("error_file_id")}
+        counts = _counts(batch)
+        refs: dict[str, Any] = {"results_ref": batch.get("output_file_id"), "errors_ref": batch.get("error_file_id")}
         if status == "failed":
             errors = (batch.get("errors") or {}).get("data") or []
             found = tuple((e.get("line"), f"{e.get('code')}: {e.get('message')}") for e in errors if isinstance(e, dict))
@@ -373,14 +385,11 @@ class AnthropicBatches(Provider):
         return None  # Message Batches keep no metadata: nothing names the lane's key
 
     async def view(self, batch_id: str) -> BatchView:
-        try:
-            batch = await self._call("GET", f"{self.base}/messages/batches/{batch_id}")
-        except ProviderError as err:
-            if err.status == 404:
-                return BatchView(batch_id, "gone", "not found")
-            raise
+        batch = await self._batch(f"{self.base}/messages/batches/{batch_id}")
+        if batch is None:
+            return BatchView(batch_id, "gone", "not found")
         status = str(batch.get("processing_status"))
-        counts = batch.get("request_counts") if isinstance(batch.get("request_counts"), dict) else None
+        counts = _counts(batch)
         if status == "ended":
             results_url = batch.get("results_url") or f"{self.base}/messages/batches/{batch_id}/results"
             return BatchView(batch_id, "ended", status, unfinished="expired", counts=counts, results_ref=results_url)
