@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 HeaderPairs = tuple[tuple[str, bytes | None], ...]
 """Kafka record headers as (name, value) pairs, in the order given; a value may be null."""
@@ -35,8 +35,20 @@ class SourceRef:
                 "timestamp": self.timestamp_ms}
 
 
+class KeptInState:
+    """A dataclass Flink state holds pickled (`Types.PICKLED_BYTE_ARRAY`): unpickling what was
+    written before a field was added gives that field its default, so such a savepoint restores."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling: a field added after the state was written takes its default."""
+        for f in dataclasses.fields(cast(Any, self)):  # a dataclass that inherits this
+            if f.name not in state and f.default is not dataclasses.MISSING:
+                state[f.name] = f.default
+        self.__dict__.update(state)
+
+
 @dataclass(frozen=True)
-class PendingRecord:
+class PendingRecord(KeptInState):
     """One input record as the inference stage keeps it in keyed state (pickled) from the moment
     its call starts until its result or dead letter is emitted: all it needs to start the call
     again after a restore, and to write a dead letter with the original bytes.
@@ -73,13 +85,6 @@ class PendingRecord:
             key, value, topic, partition, offset, timestamp_ms = stored
             return cls(key, value, topic, partition, offset, timestamp_ms)
         raise TypeError(f"not a pending record: {type(stored).__name__}")
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickling: a field added after the state was written takes its default."""
-        for f in dataclasses.fields(self):
-            if f.name not in state and f.default is not dataclasses.MISSING:
-                state[f.name] = f.default
-        self.__dict__.update(state)
 
 
 def forwarded_headers(headers: Iterable[tuple[str, bytes | None]] | None, forward: ForwardHeaders) -> SinkHeaders:

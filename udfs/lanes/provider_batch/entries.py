@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-from udfs.records import PendingRecord
+from udfs.records import KeptInState, PendingRecord
 
 
 @dataclass(frozen=True)
-class Held:
+class Held(KeptInState):
     """A record the lane holds until its result or dead letter is emitted. `tries`: the batches it
     was in that did not answer it (a refused request, an expired or cancelled batch)."""
 
@@ -28,7 +27,7 @@ class Held:
 
 
 @dataclass(frozen=True)
-class BatchEntry:
+class BatchEntry(KeptInState):
     """One batch of a bucket. `key`: the lane's name for it (the provider's `metadata`), unique.
     `handles`: its records in line order. `provider_id`: None until the creation is answered.
     `sealed_ms`: when the lane made it; `created_ms`: when the provider took it. `polls`: views
@@ -53,13 +52,6 @@ class BatchEntry:
 
     def polled(self, next_poll_ms: int) -> BatchEntry:
         return dataclasses.replace(self, polls=self.polls + 1, next_poll_ms=next_poll_ms)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickling: a field added after the state was written takes its default."""
-        for f in dataclasses.fields(self):
-            if f.name not in state and f.default is not dataclasses.MISSING:
-                state[f.name] = f.default
-        self.__dict__.update(state)
 
 
 def poll_delay_s(polls: int, initial_s: float, max_s: float) -> float:
