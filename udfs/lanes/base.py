@@ -115,6 +115,14 @@ class LaneParts:
         formats = JobFormats.open(config)  # e.g. Avro's registry client and output schema
         return cls(config, metrics, client, formats, RecordPath(config, client, formats, metrics), runner)
 
+    def announce(self, lane: str, extra: str = "") -> None:
+        """The lane's start-up line: the model's API, where it is served, the model and the capacity
+        (and `extra`, the lane's own settings)."""
+        model = self.config.model
+        where = model.endpoint or ", ".join(e.url for e in model.endpoints or [])
+        log.info("%s: %s %s model=%s capacity=%s%s", lane, model.api, where, model.model,
+                 self.config.async_.capacity, extra)
+
     def close(self, before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
         """The call loop stopped (after `before_stop` and the client's close ran on it), then the
         formats' connections and the user functions."""

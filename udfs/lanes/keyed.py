@@ -107,11 +107,8 @@ class InferenceStage(KeyedLane):
         if self._gate_dir is not None:
             from udfs.lanes.admission import GateSignal
             self._gate = GateSignal(self._gate_dir, runtime_context.get_index_of_this_subtask())
-        model = self._config.model
-        where = model.endpoint or ", ".join(e.url for e in model.endpoints or [])
-        log.info("inference subtask %s/%s: %s %s model=%s capacity=%s",
-                 runtime_context.get_index_of_this_subtask() + 1, runtime_context.get_number_of_parallel_subtasks(),
-                 model.api, where, model.model, self._config.async_.capacity)
+        self._parts.announce(f"inference subtask {runtime_context.get_index_of_this_subtask() + 1}/"
+                             f"{runtime_context.get_number_of_parallel_subtasks()}")
 
     def _closed(self) -> None:
         gate = getattr(self, "_gate", None)

@@ -105,10 +105,7 @@ class VectorizedInference(ScalarFunction):
             cache_file=self._cache_file, capacity=self._config.async_.capacity,
             runner_name="llmstream-vectorized-calls")
         self._metrics, self._path, self._runner = parts.metrics, parts.path, parts.runner
-        model = self._config.model
-        log.info("vectorized inference: %s %s model=%s capacity=%s batch=%s", model.api,
-                 model.endpoint or ", ".join(e.url for e in model.endpoints or []), model.model,
-                 self._config.async_.capacity, self._config.vectorized.batch_size)
+        parts.announce("vectorized inference", f" batch={self._config.vectorized.batch_size}")
 
     def close(self) -> None:
         parts = getattr(self, "_parts", None)
