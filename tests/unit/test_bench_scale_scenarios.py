@@ -25,7 +25,7 @@ def test_the_curve_is_judged_at_four_when_the_cpu_allows() -> None:
     assert verdict["efficiency"] == {1: 1.0, 2: 0.975, 4: 0.9, 8: 0.625}
     assert verdict["met"] is True and verdict["judged_at"] == 4
     assert verdict["cpu_bound"] == [8]
-    assert "CPU stops the curve at 8 subtasks (machine 97% busy" in verdict["detail"]
+    assert "CPU stops the curve at 8 subtasks (machine 97% busy, the job 0.5 cores of it" in verdict["detail"]
 
 
 def test_a_point_the_cpu_stopped_is_not_held_against_the_job() -> None:

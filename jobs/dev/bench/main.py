@@ -300,8 +300,12 @@ def _standalone_ready(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Execute parsed `add_arguments` flags: 0 if every run saw output with 0 lost and 0 duplicated."""
     if args.render:
-        paths = report.render(args.out or RESULTS_DIR)
-        print("bench: re-rendered " + ", ".join(str(p) for p in paths.values()))
+        out = args.out or RESULTS_DIR
+        if (out / "scale.json").exists():
+            print(f"bench: re-rendered {scale_scenarios.rerender(out)}")
+        if (out / "latest.json").exists() or not (out / "scale.json").exists():
+            paths = report.render(out)
+            print("bench: re-rendered " + ", ".join(str(p) for p in paths.values()))
         return 0
     # kafka-python logs every refused connection while the broker starts, at ERROR; the
     # harness raises on what matters, so its clients' chatter stays out of the progress lines.

@@ -176,8 +176,8 @@ def curve_verdict(points: list[CurvePoint], target: float = CURVE_TARGET) -> dic
     judged = [p for p in sorted(by_p) if 1 < p <= 4 and p not in cpu_bound]
     first_cpu = min(cpu_bound) if cpu_bound else None
     cpu_text = (f"CPU stops the curve at {first_cpu} subtasks (machine {by_p[first_cpu].machine_busy:.0%} busy, "
-                f"load {by_p[first_cpu].load_avg:.1f} on {os.cpu_count()} cores)" if first_cpu else
-                "the CPU never ran out")
+                f"the job {by_p[first_cpu].job_cores} cores of it, load {by_p[first_cpu].load_avg:.1f} on "
+                f"{os.cpu_count()} cores)" if first_cpu else "the CPU never ran out")
     if not judged:
         return {"met": None, "efficiency": efficiency, "cpu_bound": cpu_bound,
                 "detail": f"no point between 2 and 4 subtasks had CPU to spare: {cpu_text}"}
@@ -699,6 +699,16 @@ def render(results: list[dict[str, Any]], command: str) -> str:
                       f"{b.get('sent_per_record')} sent, {b.get('rejected_per_s')} 429s a second"), ""]
         lines.append("")
     return "\n".join(lines)
+
+
+def rerender(out_dir: Path) -> Path:
+    """scale.md again from the scale.json in `out_dir` (its verdicts recomputed), after a report change."""
+    data = json.loads((out_dir / "scale.json").read_text())
+    for result in data["results"]:
+        if result["scenario"] == "j" and result.get("points"):
+            result["verdict"] = curve_verdict([CurvePoint(**p) for p in result["points"]])
+    (out_dir / "scale.md").write_text(render(data["results"], data["command"]))
+    return out_dir / "scale.md"
 
 
 def run(keys: list[str], out_dir: Path, command: str, say: Say) -> int:
