@@ -175,3 +175,23 @@ def test_auto_scales_down_one_when_idle_but_not_below_min() -> None:
     assert decide(verdict(INPUT_BOUND, idle=True), current=2, minimum=2, maximum=8, since_change_s=600,
                   cooldown_s=120).target == 2
     assert decide(verdict(INPUT_BOUND), current=1, minimum=2, maximum=8, since_change_s=0, cooldown_s=120).target == 2
+
+
+def test_a_scale_up_that_added_no_output_blocks_the_next() -> None:
+    """(k)'s second run: 2 -> 3 subtasks at 164/s, then 162/s at 3: the servers queued the calls the
+    verdict could not see; a fourth subtask would add nothing either."""
+    from jobs.launch.scale import ScaleUp, ineffective
+
+    last = ScaleUp(before=2, after=3, rate_before=164.0)
+    why = ineffective(last, 3, 162.0)
+    assert why is not None and "2 -> 3, added -2/s of the 82/s expected" in why
+    hold = decide(verdict(PIPELINE_BOUND, growing=True, growth=14.0), current=3, minimum=1, maximum=4,
+                  since_change_s=600, cooldown_s=30, blocked=why)
+    assert hold.target == 3 and hold.reason.startswith("pipeline-bound, but the last scale-up")
+    # An effective one (1 -> 2 took 87/s to 168/s), another subtask count, or no scale-up: no block.
+    assert ineffective(ScaleUp(1, 2, 87.0), 2, 168.0) is None
+    assert ineffective(last, 4, 162.0) is None and ineffective(None, 3, 162.0) is None
+    assert ineffective(last, 3, None) is None
+    # Blocked only matters for a scale-up: an idle job still scales down.
+    assert decide(verdict(INPUT_BOUND, idle=True), current=3, minimum=1, maximum=4, since_change_s=600,
+                  cooldown_s=30, blocked=why).target == 2
