@@ -206,7 +206,8 @@ class Row:
     verdict: str
     resumed_s: float | None = None
     """Seconds from the fault's end (healed, host restarted) until committed output grew again."""
-    order_violations: int = 0
+    order_violations: int | None = None
+    """Per-key order violations; None when the job did not ask for ``ordering: per_key``."""
 
     @classmethod
     def of(cls, name: str, verdict: Verdict, *, restarts: int | None, exit_code: int | None, seconds: float,
@@ -214,7 +215,8 @@ class Row:
         return cls(name, verdict.records_in, verdict.out, verdict.dead, verdict.duplicates, verdict.lost, restarts,
                    exit_code, round(seconds, 1), None if verdict.calls_per_record is None
                    else round(verdict.calls_per_record, 3), notes, "ok" if verdict.ok else "; ".join(verdict.problems()),
-                   None if resumed_s is None else round(resumed_s, 1), verdict.order_violations)
+                   None if resumed_s is None else round(resumed_s, 1),
+                   verdict.order_violations if verdict.ordering == "per_key" else None)
 
 
 def job_config(estate: Estate, tag: str, **sections: Any) -> dict[str, Any]:
@@ -376,7 +378,7 @@ def render(rows: list[Row]) -> str:
         calls = "-" if r.calls_per_record is None else f"{r.calls_per_record:.3f}"
         resumed = "-" if r.resumed_s is None else f"{r.resumed_s:.0f}"
         lines.append(f"| {r.scenario} | {r.records_in} | {r.out} | {r.dead} | {r.duplicates} | {r.lost} "
-                     f"| {r.order_violations} | {'-' if r.restarts is None else r.restarts} | {resumed} "
+                     f"| {'-' if r.order_violations is None else r.order_violations} | {'-' if r.restarts is None else r.restarts} | {resumed} "
                      f"| {'-' if r.exit_code is None else r.exit_code} "
                      f"| {r.seconds:.0f} | {calls} | {r.verdict} | {r.notes} |")
     return "\n".join(lines)
