@@ -174,7 +174,9 @@ def test_a_wake_takes_up_one_slice_of_answers_and_leaves_the_rest_for_later(
     monkeypatch.setattr(batch_lane, "TAKE_UP_WINDOW_S", 0.05)
     monkeypatch.setattr(batch_lane, "TAKE_UP_SHARE_S", 1e-9)
     monkeypatch.setattr(batch_lane, "TAKE_UP_CHUNK", 10)
-    h = lane(lane_config(batch_sim.url, max_requests=100, max_wait_s=0.05), harnesses)
+    # One provider batch of all 100 (made when the 100th arrives, however slowly they are fed), so
+    # every wake but the last can find a whole chunk.
+    h = lane(lane_config(batch_sim.url, max_requests=100, max_wait_s=600), harnesses)
     feed(h, range(100), buckets=1)
     per_wake: list[int] = []
 
