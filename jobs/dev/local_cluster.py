@@ -72,7 +72,7 @@ from jobs.clients.flink_cli import (
 )
 from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
 from jobs.clients.flink_rest import TERMINAL_STATES, ClusterError, FlinkRest
-from jobs.dev.processes import children, cmdline, terminate
+from jobs.dev.processes import children, cmdline, log_tail, terminate
 from jobs.dev.zookeeper import ZooKeeper, ZooKeeperConfig
 from jobs.runtime import jars
 from jobs.runtime.pids import pid_alive, wait_gone
@@ -666,7 +666,7 @@ class LocalCluster(FlinkRest):
         line = " ".join(cmdline(pid))
         return pid if pid_alive(pid) and SUPERVISOR_MODULE in line and str(self.work_dir) in line else None
 
-    def start_supervisor(self, taskmanagers: int) -> int:
+    def start_supervisor(self, taskmanagers: int, timeout: float = 30.0) -> int:
         """Start the process that keeps ``taskmanagers`` TaskManagers running (`jobs/dev/cluster_supervisor.py`),
         replacing one that keeps another count; returns its pid."""
         running = self.supervisor_pid()
@@ -684,6 +684,14 @@ class LocalCluster(FlinkRest):
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 cwd=jars.repo_root(), env=env)
         self.supervisor_pid_file.write_text(f"{process.pid}\n")
+        # Until it has said what it keeps, so the status printed next is whole; a supervisor that
+        # cannot start fails the start with its log, instead of leaving a cluster nobody watches.
+        deadline = time.monotonic() + timeout
+        while (record := SupervisorRecord.read(self.work_dir)) is None or record.pid != process.pid:
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log_tail(self.log_dir / "supervisor.log", 5)
+                raise ClusterError(f"the cluster supervisor did not start (exit {process.poll()}): {tail}")
+            time.sleep(0.1)
         return process.pid
 
     def stop_supervisor(self, timeout: float = 10.0) -> bool:
