@@ -136,3 +136,9 @@ def test_calls_a_record_count_the_results_completed_in_the_window() -> None:
     calls = sc.calls_in(first, last, bodies)
     assert calls["results"] == 5 and calls["calls_per_record"] == 1.0
     assert calls["sent_per_record"] == 1.4 and calls["attempts_per_record"] == 1.2 and calls["rejected_per_s"] == 0.4
+
+
+def test_a_hold_that_quotes_an_earlier_scale_up_is_a_hold() -> None:
+    hold = parse_auto_line("llmstream: 3 subtasks: more subtasks would help: yes, about 52/s each; hold (pipeline-bound, "
+                           "but the last scale-up, 2 -> 3, added -2/s of the 79/s expected: the limit is past the job)")
+    assert hold is not None and (hold.current, hold.kind, hold.target) == (3, "pipeline-bound", None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -216,7 +217,9 @@ def parse_auto_line(line: str) -> AutoLine | None:
         return None
     kind = ("model-bound" if "the model is the limit" in rest else "input-bound" if "input is the limit" in rest
             else "pipeline-bound" if ": yes" in rest else "unknown")
-    target = int(rest.rsplit(" -> ", 1)[1].split(" ", 1)[0]) if " -> " in rest else None
+    # The decision is "; -> N (why)" or "; hold (why)", and a hold's why may quote an earlier "2 -> 3".
+    change = re.search(r"; -> (\d+) \(", rest)
+    target = int(change.group(1)) if change else None
     return AutoLine(int(head), kind, target)
 
 
