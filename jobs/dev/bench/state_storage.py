@@ -28,6 +28,7 @@ import json
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,9 @@ class StorageRun:
     checkpoints: list[float] = field(default_factory=list)
     savepoints: list[dict[str, Any]] = field(default_factory=list)
     failed_checkpoints: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    """Why the triggered checkpoints that failed did (the rest were refused at the trigger: see
+    `CheckpointSampler`)."""
     state_bytes_p50: float | None = None
 
     def row(self) -> str:
@@ -214,6 +218,7 @@ def measure(scenario: Scenario, lane: str, store: str, records: int, broker: loc
     result.seen = observer.seen
     result.checkpoints = history.checkpoint_durations()
     result.failed_checkpoints = int(((history.latest or {}).get("counts") or {}).get("failed") or 0)
+    result.failures = dict(Counter(history.failed.values()))
     result.state_bytes_p50 = percentile(history.state_sizes(), 50)
     if result.exit_code != 0:
         say(f"{label} exit code {result.exit_code}; last lines:\n{proc.tail()}")
