@@ -27,7 +27,7 @@ from jobs.dev.simulator.batch_engine import LIVE
 from tests.conftest import SHELL_ENV
 from tests.support.committed import check_exactly_once, final_tally
 from tests.support.job_setup import (
-    FAULT_LANES,
+    LATER_LANE,
     LLMSTREAM,
     SpawnSimulator,
     lane_sections,
@@ -42,8 +42,6 @@ DRAIN_S = "60"
 """The test's drain bound: the stage's last records are waited for 60 s once every task runs, then the
 drain 60 s more. The second run must finish within it, restoring and calling again on a loaded machine;
 the first run's hung calls outlast both waits by minutes, whatever the machine's speed."""
-LATER_LANES = pytest.mark.skipif(FAULT_LANES == "keyed", reason="the vectorized and provider-batch lanes' runs "
-                                 "are in the full fault run (LLMSTREAM_FAULT_LANES=both)")
 NOT_FINISHED = re.compile(r"backfill not finished: at most (\d+) records in the job's state, kept in (.+?); "
                           r"the same command finishes them")
 
@@ -59,8 +57,8 @@ def _live_batch_ids(sim: SpawnedSimulator) -> list[str]:
     return [b["id"] for b in sim.batches() if b.get("status") in LIVE]
 
 
-@pytest.mark.parametrize("lane", ["keyed", pytest.param("vectorized", marks=LATER_LANES),
-                                  pytest.param("provider-batch", marks=LATER_LANES)])
+@pytest.mark.parametrize("lane", ["keyed", pytest.param("vectorized", marks=LATER_LANE),
+                                  pytest.param("provider-batch", marks=LATER_LANE)])
 def test_a_backfill_exits_0_only_with_every_record_out_and_the_same_command_finishes_it(
         tmp_path: Path, kafka_broker: local_kafka.LocalBroker, spawn_simulator: SpawnSimulator, lane: str) -> None:
     if lane == "provider-batch":

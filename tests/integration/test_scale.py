@@ -1,9 +1,13 @@
-"""`llmstream scale` on a standalone cluster with the adaptive scheduler: a keyed job submitted with
-`llmstream submit`, scaled 1 -> 2 -> 1 inference subtasks in place while records flow, every id once."""
+"""`llmstream scale` on a standalone cluster with the adaptive scheduler: a job submitted with
+`llmstream submit`, scaled 1 -> 2 -> 1 in place while records flow, every id once, in each lane (the
+keyed lane in `make test`, the others in the full fault run): the keyed and provider-batch lanes scale
+their ``inference`` vertex, the vectorized lane the source vertex its model step is chained to; in the
+provider-batch lane no request is paid for twice."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -15,10 +19,18 @@ from kafka import KafkaProducer
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import ClusterConfig, LocalCluster
 from jobs.dev.simulator import SpawnedSimulator
+from jobs.launch.scale import INFERENCE_VERTEX, SOURCE_VERTEX
 from tests.conftest import SHELL_ENV
 from tests.support.cluster import wait_for_checkpoints
 from tests.support.committed import check_exactly_once, final_tally
-from tests.support.job_setup import LLMSTREAM, SpawnSimulator, make_job, unique_records
+from tests.support.job_setup import (
+    LATER_LANE,
+    LLMSTREAM,
+    SpawnSimulator,
+    lane_sections,
+    make_job,
+    unique_records,
+)
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -75,11 +87,20 @@ def _llmstream(*args: str) -> subprocess.CompletedProcess[str]:
                           env=SHELL_ENV)
 
 
+@pytest.mark.parametrize("lane", ["keyed", pytest.param("vectorized", marks=LATER_LANE),
+                                  pytest.param("provider-batch", marks=LATER_LANE)])
 def test_scale_in_place_while_records_flow(adaptive_cluster: LocalCluster, spawn_simulator: SpawnSimulator,
-                                           kafka_broker: local_kafka.LocalBroker, tmp_path: Path) -> None:
+                                           kafka_broker: local_kafka.LocalBroker, tmp_path: Path, lane: str) -> None:
     cluster = adaptive_cluster
-    simulator: SpawnedSimulator = spawn_simulator(["--latency", "fixed:40", "--seed", "7"])
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name="scale")
+    simulator: SpawnedSimulator = spawn_simulator(["--latency", "fixed:40", "--seed", "7", "--batch-validating-s", "0.2",
+                                                   "--batch-delay-s", "1", "--batch-finalizing-s", "0.2"])
+    if lane == "provider-batch":
+        sections = {"lane": "provider-batch",
+                    "provider_batch": {"max_requests": 20, "max_wait_s": 1, "poll_initial_s": 0.5, "poll_max_s": 1}}
+    else:
+        sections = lane_sections(lane, batch_size=20)
+    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, simulator.url, name=f"scale-{lane}", **sections)
+    vertex = SOURCE_VERTEX if lane == "vectorized" else INFERENCE_VERTEX
     submitted = _llmstream("submit", "--config", str(setup.path), "--jobmanager", cluster.address)
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     [job] = cluster.live_jobs(setup.config.name)
@@ -93,9 +114,10 @@ def test_scale_in_place_while_records_flow(adaptive_cluster: LocalCluster, spawn
             scaled = _llmstream("scale", "--config", str(setup.path), "--jobmanager", cluster.address,
                                 "--inference", str(n))
             assert scaled.returncode == 0, scaled.stderr[-2000:]
-            assert f"inference runs at {n} subtasks" in scaled.stdout, scaled.stdout
+            # The vertex's name goes on with what is chained to it (the provider-batch lane's admission gate).
+            assert re.search(rf"llmstream: {re.escape(vertex)}[^\n]* runs at {n} subtasks", scaled.stdout), scaled.stdout
             assert next(p for name, p in cluster.vertex_parallelism(job_id).items()
-                        if name.startswith("inference")) == n
+                        if name.startswith(vertex)) == n
             wait_for_checkpoints(cluster, job_id, n=2)
         status = _llmstream("status", "--config", str(setup.path), "--jobmanager", cluster.address, "--json")
         assert status.returncode == 0, status.stderr[-2000:]
@@ -109,4 +131,7 @@ def test_scale_in_place_while_records_flow(adaptive_cluster: LocalCluster, spawn
     result = wait_until(lambda: final_tally(setup, expected), timeout=240, interval=3, or_last=True,
                         done=lambda tally: tally.out + tally.dead >= len(expected))
     check_exactly_once(result)
+    if lane == "provider-batch":
+        submitted = int(simulator.stats()["batches"]["requests_submitted"])
+        assert submitted == len(expected), f"{submitted} requests paid for {len(expected)} records"
     cluster.cancel(job_id)

@@ -49,6 +49,11 @@ LONG_FAULT = pytest.mark.skipif(
 """The mark of a fault test too long for `make test`: a frozen broker, a JobManager failover, the estate."""
 
 
+LATER_LANE = pytest.mark.skipif(FAULT_LANES == "keyed", reason="this lane's run is in the full fault run "
+                                "(LLMSTREAM_FAULT_LANES=both)")
+"""The mark of a test's vectorized or provider-batch parameter whose keyed run is in `make test` already."""
+
+
 def fault_lanes() -> list[Any]:
     """The `stage` parameters of an outage test: keyed, and vectorized unless `FAULT_LANES` is `keyed`."""
     return ["keyed", pytest.param("vectorized", marks=pytest.mark.skipif(
