@@ -98,8 +98,8 @@ fault: venv jars redis docker
 # `make test`'s 150 (LLMSTREAM_FUZZ_EXAMPLES=N for another count); what fails is kept in
 # var/hypothesis and tried first next time. Counts and times: docs/testing.md.
 fuzz: venv
-	LLMSTREAM_HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest tests/unit/test_generated_records.py \
-		tests/unit/test_generated_config.py -q -n 0 --durations=10 $(PYTEST_ARGS)
+	LLMSTREAM_HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest tests/unit/udfs/records/test_generated_records.py \
+		tests/unit/udfs/config/test_generated_config.py -q -n 0 --durations=10 $(PYTEST_ARGS)
 
 # `python -m jobs.cli` from here: the bench and its children run this checkout's code.
 bench: venv jars

@@ -44,7 +44,7 @@ KEPT_WHOLE = frozenset({
     "tests/integration/test_compose.py", "tests/integration/test_containers.py",
     "tests/integration/test_kubernetes.py", "tests/integration/test_preflight.py",
     "tests/integration/test_real_models.py", "tests/integration/test_security.py",
-    "tests/unit/test_jars.py", "tests/unit/test_model_tls.py",
+    "tests/unit/jobs/runtime/test_jars.py", "tests/unit/udfs/inference/test_model_tls.py",
 })
 """Modules whose tests share a module fixture (a compose project, a model server, the smoke bench, a
 broker of their own): `make test`'s workers take each of them whole, in file order. Every other test

@@ -16,7 +16,7 @@ can only remove a record from state under its own bucket, and a key's records sh
 (the bucket is a hash of the key, `jobs/graph/pipeline.py`). Records with a null key have nothing to
 order by and pass straight through.
 
-Pure Python, no Flink: `tests/unit/test_key_order.py`.
+Pure Python, no Flink: `tests/unit/udfs/lanes/test_key_order.py`.
 """
 
 from __future__ import annotations

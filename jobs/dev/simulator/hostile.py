@@ -6,7 +6,7 @@ a ``Retry-After`` of thirty years, a redirect, a reset in the middle of a body, 
 certificate. Each kind (named and described in ``config.KINDS``) is one such answer, given
 instead of the simulator's usual one (after the request was validated, the fault scenario and
 the rate limits passed). What llmstream's client makes of each is documented in
-docs/operations.md ("Bad input from every side") and asserted by ``tests/unit/test_hostile.py``,
+docs/operations.md ("Bad input from every side") and asserted by ``tests/unit/udfs/inference/test_hostile.py``,
 which drives the real client against every kind.
 
 Every hostile answer that has room for text quotes the request's headers, the API key among

@@ -57,7 +57,7 @@ def test_the_command_line_stays_quiet_until_the_process_exits() -> None:
     from an atexit hook, as PyFlink's worker server stop makes the harness print it."""
     program = textwrap.dedent("""
         import atexit, sys
-        from tests.unit.test_python_worker_shutdown import _beams_report
+        from tests.unit.jobs.runtime.test_python_worker_shutdown import _beams_report
         report = _beams_report()
         atexit.register(lambda: print(report, file=sys.stderr))
         sys.argv = ["llmstream", "fetch-jars", "--help"]

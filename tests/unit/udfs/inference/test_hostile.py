@@ -53,7 +53,7 @@ from udfs.inference.client import InferenceClient
 from udfs.inference.transport import MAX_DETAIL_CHARS
 from udfs.records import Completion
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 ATTEMPTS = 2
 TRICKLE_TIMEOUT_S = 0.5
 """The per-attempt timeout where an answer trickles: it never completes, so any timeout ends it."""

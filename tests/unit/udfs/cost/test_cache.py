@@ -77,7 +77,7 @@ def test_any_record_parameter_or_prompt_changes_the_key(params: dict[str, Any]) 
 
 
 def test_the_key_is_stable_across_processes() -> None:
-    code = ("from tests.unit.test_cache import key_of, model; print(key_of(model()))")
+    code = ("from tests.unit.udfs.cost.test_cache import key_of, model; print(key_of(model()))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == key_of(model())
 

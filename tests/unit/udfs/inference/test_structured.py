@@ -32,7 +32,7 @@ from udfs.inference.structured import (
 from udfs.records import Completion, Request, SourceRef, dead_letter
 from udfs.records.encode import result_value
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "jobs" / "examples" / "structured-sentiment.yaml"
+EXAMPLE = Path(__file__).resolve().parents[4] / "jobs" / "examples" / "structured-sentiment.yaml"
 SCHEMA: dict[str, Any] = {
     "title": "Sentiment and topic",
     "type": "object",

@@ -23,7 +23,7 @@ from tests.support.fake_flink import Harness
 from udfs.config import JobConfig, config_from_dict
 from udfs.errors import ConfigError
 
-EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "jobs" / "examples" / "user_functions"
+EXAMPLE_DIR = Path(__file__).resolve().parents[4] / "jobs" / "examples" / "user_functions"
 
 # One module of user functions, good and bad, written where the test's config points `python.path`.
 MODULE = '''

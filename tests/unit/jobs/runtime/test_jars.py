@@ -12,7 +12,7 @@ import pytest
 
 from jobs.runtime import jars
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture(scope="module")

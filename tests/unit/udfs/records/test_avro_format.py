@@ -203,7 +203,7 @@ LABEL = {"type": "record", "name": "Label", "namespace": "team", "fields": [
 def test_with_a_postprocess_the_users_records_are_written_under_output_schema_and_checked() -> None:
     """`output.postprocess` decides the record: `output.schema` is registered instead of the result
     schema, and a dict it does not accept raises ValueError naming the field (the stage makes that
-    a `user_function_error` dead letter, tests/unit/test_user_functions.py) instead of writing it."""
+    a `user_function_error` dead letter, tests/unit/udfs/lanes/test_user_functions.py) instead of writing it."""
     c, store = avro_format(config(output={"carry_fields": None, "postprocess": "m:f", "schema": LABEL}))
     c.open()
     assert store.schemas[c.output_id] == LABEL and store.subjects == {"summaries-value": [c.output_id]}

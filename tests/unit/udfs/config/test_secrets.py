@@ -170,7 +170,7 @@ def test_the_secured_kafka_example_loads_with_its_secrets_in_files(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The example's secrets are references: with the files and variable in place it loads, and the
     loaded config holds no secret."""
-    example = Path(__file__).resolve().parents[2] / "jobs" / "examples" / "secured-kafka.yaml"
+    example = Path(__file__).resolve().parents[4] / "jobs" / "examples" / "secured-kafka.yaml"
     text = example.read_text()
     for original in ("/run/secrets/kafka-password", "/run/secrets/openai-key", "/etc/llmstream/kafka-ca.pem"):
         stand_in = tmp_path / Path(original).name
