@@ -10,7 +10,7 @@ v2/v4 signatures, so Flink's S3 file system and boto3 use it as they would use S
 environment a job's state needs to live there.
 
 The identity and credential are fixed development values (`DEV_IDENTITY`, `DEV_CREDENTIAL`): the
-server only listens on loopback.
+server listens on loopback, or on the estate's private bridge (``ObjectStoreConfig.host``).
 """
 
 from __future__ import annotations
@@ -67,10 +67,15 @@ class ObjectStoreConfig:
     identity: str = DEV_IDENTITY
     credential: str = DEV_CREDENTIAL
     heap: str = "256m"
+    host: str = "127.0.0.1"
+    """The address it listens on and is reached at."""
+    launcher: tuple[str, ...] = ()
+    """Words before ``java`` in its command, e.g. ``ip netns exec <ns>`` to run it on a host of the
+    estate (`jobs/dev/estate/`), whose ``host`` address only that namespace has."""
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class ObjectStore:
@@ -145,15 +150,15 @@ class ObjectStore:
         """Start the store, wait until it answers, and make ``bucket`` (if given); a no-op start
         when it already runs."""
         if self.pid() is None:
-            if port_in_use(self.config.port):
-                raise ObjectStoreError(f"port {self.config.port} on 127.0.0.1 is already in use; pick another (--port)")
+            if not self.config.launcher and port_in_use(self.config.port, self.config.host):
+                raise ObjectStoreError(f"port {self.config.port} on {self.config.host} is already in use; pick another (--port)")
             jars.ensure("objectstore")
             self._write_properties()
             java = shutil.which("java", path=str(Path(os.environ["JAVA_HOME"]) / "bin")) \
                 if os.environ.get("JAVA_HOME") else shutil.which("java")
             if java is None:
                 raise ObjectStoreError("java not found (need Java 17+ on PATH or JAVA_HOME)")
-            cmd = [java, f"-Xmx{self.config.heap}", f"-Dlogback.configurationFile={self.logback_file}", "-cp", jars.classpath("objectstore"), MAIN_CLASS,
+            cmd = [*self.config.launcher, java, f"-Xmx{self.config.heap}", f"-Dlogback.configurationFile={self.logback_file}", "-cp", jars.classpath("objectstore"), MAIN_CLASS,
                    "--properties", str(self.properties_file)]
             with self.log_file.open("ab") as out:
                 self._process = subprocess.Popen(cmd, cwd=self.config.data_dir, stdin=subprocess.DEVNULL,
@@ -199,7 +204,7 @@ class ObjectStore:
         while True:
             if not self._alive():
                 raise ObjectStoreError(f"s3proxy exited during start-up; last lines of {self.log_file}:\n{log_tail(self.log_file, 15)}")
-            if port_in_use(self.config.port) and self._answers():
+            if self._answers():
                 return
             if time.monotonic() > deadline:
                 raise ObjectStoreError(f"s3proxy not ready after {timeout:g} s at {self.endpoint}; "

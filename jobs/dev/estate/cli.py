@@ -87,7 +87,7 @@ def _print_status(status: dict[str, object]) -> None:
         link = "" if not host["up"] else (" link up" if host["link"] else " LINK DOWN")
         print(f"  {name:<7} {host['address']:<11} {state}{link}, {host['processes']} processes")
     print(f"  partitions: {status['partitions'] or 'none'}")
-    for key in ("kafka", "flink", "model"):
+    for key in ("kafka", "flink", "model", "objects"):
         print(f"  {key}: {status[key]}")
 
 

@@ -1,10 +1,13 @@
 """`Estate`: the hosts, their services and the faults, started and stopped as one.
 
 The estate's machines (`HOSTS`): a JobManager host, two TaskManager hosts (2 slots each), three
-broker hosts (one KRaft node each, replication 3, min ISR 2) and a model-server host. Their state
+broker hosts (one KRaft node each, replication 3, min ISR 2), a model-server host and an ``objects``
+host running s3proxy (`jobs/dev/object_store.py`): the daemons load Flink's S3 file system and
+carry the store's endpoint and key pair, so a job's ``checkpointing.directory`` may be
+``s3://llmstream/…`` there. Their state
 lives under ``var/estate/`` (git-ignored): ``kafka/``, ``flink/<host>/`` (conf, logs, pids), the
 shared ``flink/checkpoints`` and ``flink/savepoints`` every host reads (a shared file system's part),
-``model/``.
+``model/``, ``objects/`` (the store's buckets).
 
 Faults, as a Python API (tests) and as ``llmstream estate fault`` (a person):
 
@@ -36,6 +39,12 @@ from jobs.dev.estate.services import (
     prepare_flink,
 )
 from jobs.dev.estate.toxiproxy import Toxiproxy
+from jobs.dev.object_store import (
+    DEFAULT_BUCKET,
+    DEFAULT_PORT,
+    ObjectStore,
+    ObjectStoreConfig,
+)
 from jobs.runtime import jars
 
 log = logging.getLogger("llmstream.estate")
@@ -50,6 +59,7 @@ HOSTS: tuple[Host, ...] = (
     Host("kafka2", "10.77.0.22"),
     Host("kafka3", "10.77.0.23"),
     Host("model", "10.77.0.30"),
+    Host("objects", "10.77.0.40"),
 )
 MODEL_ARGS = ["--latency", "fixed:40", "--seed", "7"]
 """The simulator's settings: ~40 ms a call, as the fault tests' (tests/support/job_setup.py)."""
@@ -69,17 +79,25 @@ class Estate:
     def __init__(self, work_dir: Path | None = None, *, model_args: Sequence[str] = MODEL_ARGS,
                  flink_settings: dict[str, Any] | None = None) -> None:
         self.work_dir = Path(work_dir or default_work_dir()).resolve()
-        flink_settings = {**FLINK_SETTINGS, **(flink_settings or {})}
         self.network = Network(HOSTS)
         host = self.network.host
+        self.objects = ObjectStore(ObjectStoreConfig(host=host("objects").address, data_dir=self.work_dir / "objects",
+                                                     launcher=tuple(host("objects").exec_prefix())))
+        """s3proxy on the objects host: the S3 a job's state goes to with ``s3://`` + `state_bucket`."""
+        flink_settings = {**FLINK_SETTINGS, **self.objects.flink_settings(), **(flink_settings or {})}
+        aws = self.objects.credentials_env()
         self.kafka = EstateKafka([host("kafka1"), host("kafka2"), host("kafka3")], self.work_dir / "kafka")
         self.layout = FlinkLayout(host("jm"), self.work_dir / "flink")
-        self.jobmanager = FlinkDaemon(host("jm"), "jobmanager", self.layout, flink_settings)
-        self.taskmanagers = {name: FlinkDaemon(host(name), "taskmanager", self.layout, flink_settings)
+        self.jobmanager = FlinkDaemon(host("jm"), "jobmanager", self.layout, flink_settings, aws)
+        self.taskmanagers = {name: FlinkDaemon(host(name), "taskmanager", self.layout, flink_settings, aws)
                              for name in ("tm1", "tm2")}
         self.model = ModelServer(host("model"), self.work_dir, list(model_args))
         self.model_proxy = Toxiproxy(host("model"), self.work_dir, "model", f"{host('model').address}:{MODEL_PORT}")
         """A slow link to the model: started by the scenarios that use it (`jobs/dev/estate/toxiproxy.py`)."""
+        self.objects_proxy = Toxiproxy(host("objects"), self.work_dir, "objects",
+                                       f"{host('objects').address}:{DEFAULT_PORT}")
+        """A slow link to the object store, in use after `route_objects` ``(through_proxy=True)``."""
+        self.objects_through_proxy = False
         self.rest = FlinkRest(self.layout.rest_url)
 
     # ------------------------------------------------------------------ facts
@@ -91,6 +109,32 @@ class Estate:
     def jobmanager_address(self) -> str:
         """``HOST:PORT`` for ``llmstream submit --jobmanager``."""
         return self.layout.address
+
+    state_bucket = DEFAULT_BUCKET
+    """The bucket on the objects host (made at start)."""
+
+    @property
+    def objects_endpoint(self) -> str:
+        """Where the daemons and ``llmstream submit`` reach the object store now (`route_objects`)."""
+        return f"http://{self.objects_proxy.listen}" if self.objects_through_proxy else self.objects.endpoint
+
+    def objects_settings(self) -> dict[str, str]:
+        """The ``s3.*`` keys of the daemons and of a job's ``flink:`` section, for `objects_endpoint`."""
+        return {**self.objects.flink_settings(), "s3.endpoint": self.objects_endpoint}
+
+    def route_objects(self, *, through_proxy: bool, timeout: float = 240.0) -> None:
+        """Send the cluster's S3 traffic through toxiproxy on the objects host (a link that can be
+        slowed) or straight to s3proxy. Flink's S3 file system takes ``s3.endpoint`` when a daemon
+        starts, so a change restarts the JobManager and the TaskManagers (no job may be running)."""
+        if through_proxy:
+            self.objects_proxy.start()
+        if through_proxy == self.objects_through_proxy:
+            return
+        self.objects_through_proxy = through_proxy
+        for daemon in (*self.taskmanagers.values(), self.jobmanager):
+            daemon.stop()
+            daemon.settings.update(self.objects_settings())
+        self.start(timeout)
 
     @property
     def state_root(self) -> Path:
@@ -110,6 +154,8 @@ class Estate:
         prepare_flink(self.layout)
         self.kafka.start(timeout=left())
         self.model.start(timeout=min(60.0, left()))
+        self.objects.config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.objects.start(timeout=min(90.0, left()))
         self.jobmanager.start()
         self.rest._wait("the JobManager's REST API", self.rest.overview, left())
         for tm in self.taskmanagers.values():
@@ -125,6 +171,10 @@ class Estate:
             self.model_proxy.stop()
         with contextlib.suppress(Exception):
             self.model.stop()
+        with contextlib.suppress(Exception):
+            self.objects_proxy.stop()
+        with contextlib.suppress(Exception):
+            self.objects.stop()
         with contextlib.suppress(Exception):
             self.kafka.stop()
         self.network.down()
@@ -153,6 +203,7 @@ class Estate:
             "flink": {"rest": self.layout.rest_url, "taskmanagers": overview.get("taskmanagers") if overview else None,
                       "jobs_running": overview.get("jobs-running") if overview else None},
             "model": {"url": self.model.url, "healthy": present.get("model", False) and self.model.healthy(1.0)},
+            "objects": {"endpoint": self.objects_endpoint, "running": self.objects.pid() is not None},
         }
 
     # ------------------------------------------------------------------ faults
@@ -207,6 +258,10 @@ class Estate:
             self.kafka.restart(node, timeout)
         elif name == "model":
             self.model.start(timeout=timeout)
+        elif name == "objects":
+            self.objects.start(timeout=timeout)
+            if self.objects_through_proxy:
+                self.objects_proxy.start(timeout=timeout)
         elif name == "jm":
             self.jobmanager.start()
             self.rest._wait("the JobManager's REST API", self.rest.overview, timeout)

@@ -6,7 +6,8 @@
 - `FlinkDaemon`: a JobManager or a TaskManager from the pip package's ``bin/jobmanager.sh`` /
   ``taskmanager.sh``, with a ``FLINK_CONF_DIR`` per host generated from ``flink-conf/`` (the
   addresses and the shared checkpoint directory changed, as `LocalCluster` changes ports);
-- `ModelServer`: the simulator on the model host.
+- `ModelServer`: the simulator on the model host;
+- the object store (`jobs/dev/object_store.py`, s3proxy) on the objects host, made in `Estate`.
 
 Each keeps its files under the estate's work dir, in a folder per host, and is found again by its
 pid file, so ``llmstream estate stop|status|fault`` work from another process than ``start``.
@@ -29,7 +30,7 @@ from jobs.clients.flink_cli import client_env, flink_home
 from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
 from jobs.clients.flink_rest import FlinkRest
 from jobs.dev.estate.network import EstateError, Host
-from jobs.dev.local_cluster import render_config, write_lib_dir
+from jobs.dev.local_cluster import render_config, write_lib_dir, write_plugins_dir
 from jobs.dev.local_kafka import (
     BrokerConfig,
     ClusterConfig,
@@ -168,18 +169,26 @@ class FlinkLayout:
     def lib_dir(self) -> Path:
         return self.work_dir / "lib"
 
+    @property
+    def plugins_dir(self) -> Path:
+        """``FLINK_PLUGINS_DIR``: Flink's S3 file system, for jobs whose state is on the objects host."""
+        return self.work_dir / "plugins"
+
 
 class FlinkDaemon:
     """A JobManager (``role`` ``jobmanager``) or a TaskManager on ``host``, with its own conf, log,
     pid and tmp dirs under ``<work_dir>/<host>/``."""
 
-    def __init__(self, host: Host, role: str, layout: FlinkLayout, settings: dict[str, Any] | None = None) -> None:
+    def __init__(self, host: Host, role: str, layout: FlinkLayout, settings: dict[str, Any] | None = None,
+                 environment: dict[str, str] | None = None) -> None:
         if role not in ("jobmanager", "taskmanager"):
             raise ValueError(f"role must be jobmanager or taskmanager, got {role!r}")
         self.host = host
         self.role = role
         self.layout = layout
         self.settings = dict(settings or {})
+        self.environment = dict(environment or {})
+        """More environment of the daemon: the object store's key pair (the AWS standard chain)."""
         self.dir = layout.work_dir / host.name
 
     @property
@@ -219,7 +228,8 @@ class FlinkDaemon:
 
     def env(self) -> dict[str, str]:
         env = client_env(self.conf_dir, self.log_dir)
-        env.update(FLINK_LIB_DIR=str(self.layout.lib_dir), FLINK_PID_DIR=str(self.pid_dir), FLINK_IDENT_STRING=IDENT)
+        env.update(FLINK_LIB_DIR=str(self.layout.lib_dir), FLINK_PLUGINS_DIR=str(self.layout.plugins_dir),
+                   FLINK_PID_DIR=str(self.pid_dir), FLINK_IDENT_STRING=IDENT, **self.environment)
         return env
 
     def write_conf(self) -> None:
@@ -263,8 +273,10 @@ class FlinkDaemon:
 
 
 def prepare_flink(layout: FlinkLayout) -> None:
-    """The cluster's shared ``lib/`` (the package's jars, flink-python, the Kafka connector)."""
+    """The cluster's shared ``lib/`` (the package's jars, flink-python, the Kafka connector) and
+    ``plugins/`` (the S3 file system)."""
     write_lib_dir(layout.lib_dir)
+    write_plugins_dir(layout.plugins_dir)
 
 
 def flink_rest(layout: FlinkLayout) -> FlinkRest:

@@ -68,9 +68,17 @@ class Scenario:
     sections: dict[str, Any] = field(default_factory=dict)
     prepare: Callable[[Estate], dict[str, Any]] | None = None
     """Set up what the fault needs before the job starts; returns more config sections."""
+    report: Callable[[Run], None] | None = None
+    """Add to the notes what the job did, once the run has ended (its job still known to the REST API)."""
 
     def config_sections(self, estate: Estate) -> dict[str, Any]:
-        return {**self.sections, **(self.prepare(estate) if self.prepare else {})}
+        sections = {name: dict(values) if isinstance(values, dict) else values for name, values in self.sections.items()}
+        for name, values in (self.prepare(estate) if self.prepare else {}).items():
+            if isinstance(values, dict) and isinstance(sections.get(name), dict):
+                sections[name].update(values)
+            else:
+                sections[name] = values
+        return sections
 
 
 def _partition_from_brokers(seconds: float) -> Fault:
@@ -158,6 +166,60 @@ def _stalled_model_link(seconds: float) -> Fault:
     return fault
 
 
+def _state_on_objects(through_proxy: bool) -> Callable[[Estate], dict[str, Any]]:
+    """The job's state (checkpoints, savepoints, its run record) in the objects host's bucket, with
+    Flink's own ``s3.*`` keys, as a job on S3 is configured (docs/operations.md, "State on object
+    storage"); the key pair reaches ``llmstream submit`` and the daemons through the environment.
+    ``through_proxy``: the cluster reaches the store through toxiproxy (`Estate.route_objects`)."""
+    def prepare(estate: Estate) -> dict[str, Any]:
+        estate.route_objects(through_proxy=through_proxy)
+        return {"checkpointing": {"directory": f"s3://{estate.state_bucket}/estate-{uuid.uuid4().hex[:8]}"},
+                "flink": estate.objects_settings()}
+
+    return prepare
+
+
+def _slow_object_store(latency_ms: int, jitter_ms: int, seconds: float) -> Fault:
+    def fault(run: Run) -> None:
+        before = _checkpoint_counts(run)
+        with run.estate.objects_proxy.toxic("slow", "latency", latency=latency_ms, jitter=jitter_ms):
+            time.sleep(seconds)
+        run.notes.append(f"cluster ↔ object store answers delayed {latency_ms} ± {jitter_ms} ms for {seconds:g} s "
+                         f"(checkpoints before: {before})")
+
+    return fault
+
+
+def _object_store_down(seconds: float) -> Fault:
+    def fault(run: Run) -> None:
+        before = _checkpoint_counts(run)
+        pids = run.estate.kill_host("objects")
+        time.sleep(seconds)
+        run.estate.restart_host("objects")
+        run.notes.append(f"objects host killed ({len(pids)} processes) {seconds:g} s mid-run, s3proxy started again "
+                         f"(checkpoints before: {before})")
+
+    return fault
+
+
+def _checkpoint_counts(run: Run) -> str:
+    """Completed / failed checkpoints of the run's job and the longest one, from the REST API.
+    Failures to trigger while the job's tasks start count as failed too (and never toward
+    ``tolerable-failed-checkpoints``)."""
+    try:
+        stats = run.estate.rest.rest(f"/jobs/{run.job_id}/checkpoints")
+    except Exception as exc:  # noqa: BLE001 - the JobManager may be busy; the note says so
+        return f"unknown ({type(exc).__name__})"
+    counts = stats.get("counts", {})
+    longest = ((stats.get("summary") or {}).get("end_to_end_duration") or {}).get("max")
+    return (f"{counts.get('completed', '?')} completed, {counts.get('failed', '?')} failed"
+            + (f", longest {int(longest) / 1000:.0f} s" if longest else ""))
+
+
+def _report_checkpoints(run: Run) -> None:
+    run.notes.append(f"checkpoints at the end: {_checkpoint_counts(run)}")
+
+
 def _kill_jobmanager_host(run: Run) -> None:
     run.estate.kill_host("jm")
     run.notes.append("jm killed (no HA: the job is gone), started again, the job resubmitted")
@@ -185,6 +247,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "TaskManager ↔ model through toxiproxy: stalled 60 s (a toxiproxy timeout toxic)",
              prepare=_model_through_proxy),
     Scenario("jm-host-kill", _kill_jobmanager_host, "the JobManager host killed, restarted, the job resubmitted"),
+    Scenario("object-store-down", _object_store_down(60),
+             "state on S3 (s3proxy on the objects host): the objects host killed 60 s mid-run, then started again",
+             prepare=_state_on_objects(False), report=_report_checkpoints),
+    Scenario("object-store-down-20s-checkpoint-timeout", _object_store_down(60),
+             "as object-store-down, with checkpointing.timeout_ms 20000: a checkpoint expires during the outage",
+             sections={"checkpointing": {"timeout_ms": 20_000}}, prepare=_state_on_objects(False),
+             report=_report_checkpoints),
+    Scenario("object-store-slow", _slow_object_store(500, 250, 60),
+             "state on S3 through toxiproxy on the objects host: its answers 500 ± 250 ms late for 60 s",
+             prepare=_state_on_objects(True), report=_report_checkpoints),
 )}
 
 
@@ -263,6 +335,7 @@ def committed_count(bootstrap: str, topic: str) -> int:
 def submit(config_path: Path, estate: Estate, log_path: Path, *, until_end: bool = True) -> subprocess.Popen[bytes]:
     """``llmstream submit [--until-end]`` as a user runs it, in its own process group."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYFLINK_", "_PYFLINK"))}
+    env.update(estate.objects.credentials_env())  # for a job whose state is on the objects host
     with log_path.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "jobs.cli", "submit", "--config", str(config_path), "--jobmanager",
@@ -354,6 +427,8 @@ def run_scenario(estate: Estate, scenario: Scenario, *, records: int = RECORDS, 
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+        if scenario.report and run.job_id:
+            scenario.report(run)
         for job in estate.rest.live_jobs(run.name) if estate.rest.overview() else []:
             estate.rest.cancel(str(job["jid"]))
     seconds = time.monotonic() - started
