@@ -153,3 +153,8 @@ class ReleaseBuild:
 FLINK_2_2 = ReleaseBuild(name="llmstream-7b3e867-flink-2.2.1", commit="7b3e86702b4777103dca166e1615165abbce6377",
                          flink_version="2.2.1")
 """main at 7b3e867: apache-flink 2.2.1, flink-sql-connector-kafka 5.0.0-2.2, the Prometheus reporter 2.2.1."""
+
+BEFORE_LANES = ReleaseBuild(name="llmstream-5c33062-flink-2.3.0", commit="5c3306271b94ca29ed0548107041372d30f6bd3a",
+                            flink_version="2.3.0")
+"""main at 5c33062, the last commit before the lanes moved to `udfs/lanes/` (90b96cf): its provider-batch
+lane keeps `Held` and `BatchEntry` in state pickled under `udfs.provider_batch.entries`."""
