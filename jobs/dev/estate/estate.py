@@ -97,7 +97,11 @@ class Estate:
         self.objects_proxy = Toxiproxy(host("objects"), self.work_dir, "objects",
                                        f"{host('objects').address}:{DEFAULT_PORT}")
         """A slow link to the object store, in use after `route_objects` ``(through_proxy=True)``."""
-        self.objects_through_proxy = False
+        self.objects_through_proxy = bool(self.jobmanager.pids()) and \
+            self.jobmanager.configured("s3.endpoint") == f"http://{self.objects_proxy.listen}"
+        """What the running daemons were started with (another process may have routed them)."""
+        for daemon in (self.jobmanager, *self.taskmanagers.values()):
+            daemon.settings.update(self.objects_settings())
         self.rest = FlinkRest(self.layout.rest_url)
 
     # ------------------------------------------------------------------ facts
@@ -156,6 +160,8 @@ class Estate:
         self.model.start(timeout=min(60.0, left()))
         self.objects.config.data_dir.mkdir(parents=True, exist_ok=True)
         self.objects.start(timeout=min(90.0, left()))
+        if self.objects_through_proxy:
+            self.objects_proxy.start()
         self.jobmanager.start()
         self.rest._wait("the JobManager's REST API", self.rest.overview, left())
         for tm in self.taskmanagers.values():

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+import yaml
 
 from jobs.clients.flink_cli import client_env, flink_home
 from jobs.clients.flink_cli import flink_conf_dir as conf_source_dir
@@ -243,6 +244,13 @@ class FlinkDaemon:
         for sub in (self.log_dir, self.pid_dir, self.dir / "tmp", self.layout.checkpoint_dir,
                     self.layout.savepoint_dir):
             sub.mkdir(parents=True, exist_ok=True)
+
+    def configured(self, key: str) -> Any:
+        """``key`` of the config the daemon was last started with; None without one."""
+        try:
+            return (yaml.safe_load((self.conf_dir / "config.yaml").read_text()) or {}).get(key)
+        except (OSError, yaml.YAMLError):
+            return None
 
     def pids(self) -> list[int]:
         try:
