@@ -121,7 +121,7 @@ estate: venv jars
 	command -v ip >/dev/null || (apt-get update && apt-get install -y iproute2)
 	$(BIN)/llmstream estate start
 
-# The fault table on the estate (docs/operations.md, "Faults on a real estate"): partitions of 60 and
+# The fault table on the estate (docs/estate.md): partitions of 60 and
 # 200 s and one past a 60 s transaction timeout, a TaskManager host, a broker leader, the transaction
 # coordinator's broker and the JobManager host killed, a slow and a stalled link to the model
 # (toxiproxy, built with `go install` on first use), rescales in three lanes; ~60 min. Not in `make test`.

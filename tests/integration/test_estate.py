@@ -1,7 +1,7 @@
 """The estate (`jobs/dev/estate/`): the job on hosts of their own, faulted across real interfaces.
 
 One scenario of the fault table (``llmstream estate fault --table``, the full table is in
-docs/operations.md, "Faults on a real estate"): the job submitted to the estate's JobManager host
+docs/estate.md): the job submitted to the estate's JobManager host
 with ``llmstream submit --until-end``, its TaskManager host cut off from all three broker hosts for
 60 s mid-run; the history checker then finds every id once. Needs root and ``ip netns``.
 """

@@ -11,7 +11,7 @@ Faults are network states, each undone by its opposite:
 - `partition` / `heal`: two hosts stop hearing each other and nobody else: each gets a permanent
   neighbour entry for the other pointing to a MAC that no interface has, so frames between them
   are dropped silently (no RST, no ICMP: what a real partition looks like). This kernel has no
-  netem, no tc actions and no iptables/nftables (docs/operations.md, "Faults on a real estate");
+  netem, no tc actions and no iptables/nftables (docs/estate.md);
   a blackhole route would fail a local send at once instead of dropping it.
 
 Needs root and ``ip`` (iproute2).
