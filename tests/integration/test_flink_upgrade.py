@@ -137,9 +137,7 @@ def test_a_savepoint_of_llmstream_run_on_flink_2_2_resumes_in_llmstream_run_on_2
             old.signal_group(signal.SIGINT)  # Ctrl-C: stop with a savepoint
             code = old.wait(timeout=300)
         finally:
-            if old.process.poll() is None:
-                old.signal_group(signal.SIGKILL)
-                old.wait(timeout=60)
+            old.kill_if_running()
         out = old.output()
         assert code == 0, out[-3000:]
         assert "resumes from savepoint" in out and "no savepoint in time" not in out, out[-3000:]

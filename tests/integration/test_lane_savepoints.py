@@ -77,9 +77,7 @@ def test_a_provider_batch_savepoint_from_before_the_lanes_moved_resumes_without_
         old.signal_group(signal.SIGINT)  # Ctrl-C: stop with a savepoint
         code = old.wait(timeout=300)
     finally:
-        if old.process.poll() is None:
-            old.signal_group(signal.SIGKILL)
-            old.wait(timeout=60)
+        old.kill_if_running()
     said = old.output()
     assert code == 0, said[-3000:]
     assert "resumes from savepoint" in said, said[-3000:]

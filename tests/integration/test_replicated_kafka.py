@@ -10,7 +10,6 @@ replication, which this checks too.
 
 from __future__ import annotations
 
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -124,7 +123,6 @@ def test_run_survives_the_output_leader_killed_and_restarted(
     finally:
         if reader is not None:
             reader.stop()
-        if run is not None and run.process.poll() is None:
-            run.signal_group(signal.SIGKILL)
-            run.wait(timeout=60)
+        if run is not None:
+            run.kill_if_running()
         cluster.stop()

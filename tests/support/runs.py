@@ -6,6 +6,7 @@ submitted; then the test injects its fault and `Run.finish` counts what a consum
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -116,3 +117,9 @@ class LocalRun:
             return self.process.wait(timeout=timeout)
         finally:
             self._log.close()
+
+    def kill_if_running(self) -> None:
+        """kill -9 of the group if the run is still there: a test that failed mid-run leaves no JVM behind."""
+        if self.process.poll() is None:
+            self.signal_group(signal.SIGKILL)
+            self.wait(timeout=60)
