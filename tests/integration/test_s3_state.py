@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,17 +177,28 @@ def test_a_run_on_s3_stops_resumes_and_refuses_a_second_run(
     assert result.dead == 0, result.dead_reasons
 
 
+@pytest.fixture
+def s3_cluster(object_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalCluster]:
+    """A standalone cluster of its own whose daemons have the store's S3 settings and, in their
+    environment, its credentials (a cluster reads its file systems' settings when it starts)."""
+    for name, value in object_store.credentials_env().items():
+        monkeypatch.setenv(name, value)
+    cluster = LocalCluster(ClusterConfig.ephemeral(tmp_path / "flink", settings=object_store.flink_settings()))
+    cluster.start(taskmanagers=1, timeout=180)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there(
-        kafka_broker: LocalBroker, object_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        kafka_broker: LocalBroker, object_store: ObjectStore, s3_cluster: LocalCluster, tmp_path: Path) -> None:
     """On a standalone cluster whose S3 settings are its own (`llmstream cluster start --setting`) and
     whose daemons have the credentials in their environment: `llmstream submit`; `upgrade` to a larger
     capacity stops the job with a savepoint in the bucket and resubmits from it; an upgrade to another
     lane or group is refused while the job runs on; `status` finds the new job; `stop` puts a savepoint
     in the bucket and `submit --until-end` resumes from it and finishes. Every id once."""
-    for name, value in object_store.credentials_env().items():
-        monkeypatch.setenv(name, value)
-    cluster = LocalCluster(ClusterConfig.ephemeral(tmp_path / "flink", settings=object_store.flink_settings()))
-    cluster.start(taskmanagers=1, timeout=180)
+    cluster = s3_cluster
     sim = simulator.spawn(["--latency", "fixed:100", "--seed", "3"])
     reader: CommittedReader | None = None
     try:
@@ -233,7 +245,6 @@ def test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there(
         if reader is not None:
             reader.stop()
         sim.stop()
-        cluster.stop()
     check_exactly_once(final_tally(setup, [k.decode() for k, _ in records]))
 
 
@@ -310,15 +321,12 @@ def test_a_wrong_secret_fails_the_command_in_one_line(kafka_broker: LocalBroker,
 @pytest.mark.fault
 @LONG_FAULT
 def test_a_taskmanager_killed_with_state_on_s3_restores_from_the_bucket_and_loses_nothing(
-        kafka_broker: LocalBroker, object_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        kafka_broker: LocalBroker, object_store: ObjectStore, s3_cluster: LocalCluster, tmp_path: Path) -> None:
     """`kill -9` of a standalone cluster's only TaskManager while the job's checkpoints are in the
     bucket; a new TaskManager is started: the job restarts from its last checkpoint there (read back
     through Flink's S3 file system), and every id arrives once (`jobs/dev/history.py`). Prints the
     times from the kill to the job running again and to the first output after it."""
-    for name, value in object_store.credentials_env().items():
-        monkeypatch.setenv(name, value)
-    cluster = LocalCluster(ClusterConfig.ephemeral(tmp_path / "flink", settings=object_store.flink_settings()))
-    cluster.start(taskmanagers=1, timeout=180)
+    cluster = s3_cluster
     sim = simulator.spawn(["--latency", "fixed:40", "--seed", "5"])
     reader: CommittedReader | None = None
     try:
@@ -354,5 +362,4 @@ def test_a_taskmanager_killed_with_state_on_s3_restores_from_the_bucket_and_lose
         if reader is not None:
             reader.stop()
         sim.stop()
-        cluster.stop()
     check_exactly_once(final_tally(setup, ids))
