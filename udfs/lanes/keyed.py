@@ -44,7 +44,7 @@ headers as `kafka.forward_headers` lets through (`records.forwarded_headers`).
 
 Nothing raises out of the function: an unexpected exception is a bug, an `InternalError`;
 it becomes an `internal_error` dead letter and is logged with its traceback
-(tests/unit/udfs/lanes/test_operators.py).
+(tests/unit/udfs/lanes/test_keyed.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Per-key order as a pure module (`udfs.lanes.ordering`): what is released when, and the key hash the
-pipeline's SQL reproduces. The stage's use of it is in tests/unit/udfs/lanes/test_inference_stage.py."""
+pipeline's SQL reproduces. The stage's use of it is in tests/unit/udfs/lanes/test_keyed.py."""
 
 from __future__ import annotations
 

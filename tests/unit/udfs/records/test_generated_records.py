@@ -1,8 +1,8 @@
 """Generated records (Hypothesis) through the keyed inference stage: decode, the call, encode.
 
 Each record goes through `InferenceStage` on the fake PyFlink runtime (tests/support/fake_flink.py)
-against the simulator over loopback HTTP, as in test_inference_stage.py, with small `limits.*` so
-sizes at and over each limit are cheap. The property, for every input: nothing raises out of the
+against the simulator over loopback HTTP, as in tests/unit/udfs/lanes/test_keyed.py, with small
+`limits.*` so sizes at and over each limit are cheap. The property, for every input: nothing raises out of the
 Flink function, the record leaves keyed state, and it ends as exactly one output record (its key
 and forwarded headers, under `limits.max_result_bytes`) or one dead letter whose reason is in the
 documented list (docs/record-contract.md) and is not `internal_error` (a bug), with the original
