@@ -13,7 +13,7 @@ history, never the job's own metrics):
 - **calls per record**: the model calls the server answered (the simulator's ``/stats``
   ``served``; it keeps no per-id log) per input record, when given.
 
-`History` holds what was read (`Outcome` per record), `History.check` gives the `Verdict`;
+`History` holds what was read (a `CommittedRecord` each), `History.check` gives the `Verdict`;
 `read_history` reads a job's two topics. The command line::
 
     python -m jobs.dev.history --config job.yaml --ids ids.txt [--model-stats URL] [--json]
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
+    "CommittedRecord",
     "History",
-    "Outcome",
     "SourceOffset",
     "Verdict",
     "read_history",
@@ -58,7 +58,7 @@ class SourceOffset:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CommittedRecord:
     """One committed record of the output or dead-letter topic, as a consumer reads it.
 
     ``partition``/``offset`` are the record's place in its own topic (-1 when unknown, e.g. a
@@ -76,8 +76,8 @@ class Outcome:
 
     @classmethod
     def from_body(cls, body: Any, *, dead: bool, key: bytes | None = None, partition: int = -1,
-                  offset: int = -1) -> Outcome:
-        """An outcome from a record's decoded JSON (anything that is not an object has no id)."""
+                  offset: int = -1) -> CommittedRecord:
+        """A committed record from its decoded JSON (anything that is not an object has no id)."""
         if not isinstance(body, dict):
             return cls(None, dead=dead, key=key, partition=partition, offset=offset)
         source = body.get("source")
@@ -90,8 +90,8 @@ class Outcome:
                    cached=body.get("cached") is True)
 
     @classmethod
-    def from_record(cls, record: Any, *, dead: bool) -> Outcome:
-        """An outcome from a kafka-python ``ConsumerRecord`` (``key``, ``value``, ``partition``, ``offset``)."""
+    def from_record(cls, record: Any, *, dead: bool) -> CommittedRecord:
+        """A committed record from a kafka-python ``ConsumerRecord`` (``key``, ``value``, ``partition``, ``offset``)."""
         try:
             body = json.loads(record.value)
         except (ValueError, TypeError):
@@ -157,30 +157,30 @@ class Verdict:
 class History:
     """Every committed output and dead-letter record of a run, in the order they were read."""
 
-    def __init__(self, outcomes: Iterable[Outcome], *, model_calls: int | None = None) -> None:
-        self.outcomes = list(outcomes)
+    def __init__(self, records: Iterable[CommittedRecord], *, model_calls: int | None = None) -> None:
+        self.records = list(records)
         self.model_calls = model_calls
 
     @classmethod
     def from_ids(cls, out_ids: Iterable[str | None], dead: Iterable[dict[str, Any] | None], *,
                  model_calls: int | None = None) -> History:
         """A history from bare output ids and dead-letter bodies (no keys, no order to check)."""
-        outcomes = [Outcome(i) for i in out_ids]
-        outcomes += [Outcome.from_body(body or {}, dead=True) for body in dead]
-        return cls(outcomes, model_calls=model_calls)
+        records = [CommittedRecord(i) for i in out_ids]
+        records += [CommittedRecord.from_body(body or {}, dead=True) for body in dead]
+        return cls(records, model_calls=model_calls)
 
     @classmethod
     def from_records(cls, out: Iterable[Any], dead: Iterable[Any], *, model_calls: int | None = None) -> History:
         """A history from kafka-python records of the output and the dead-letter topic."""
-        outcomes = [Outcome.from_record(r, dead=False) for r in out]
-        outcomes += [Outcome.from_record(r, dead=True) for r in dead]
-        return cls(outcomes, model_calls=model_calls)
+        records = [CommittedRecord.from_record(r, dead=False) for r in out]
+        records += [CommittedRecord.from_record(r, dead=True) for r in dead]
+        return cls(records, model_calls=model_calls)
 
     def check(self, expected_ids: Iterable[str], *, ordering: Ordering = "none") -> Verdict:
         expected = set(expected_ids)
-        results = [o for o in self.outcomes if not o.dead]
-        letters = [o for o in self.outcomes if o.dead]
-        seen = Counter(o.id for o in self.outcomes)
+        results = [o for o in self.records if not o.dead]
+        letters = [o for o in self.records if o.dead]
+        seen = Counter(o.id for o in self.records)
         doubled = sorted(i for i, c in seen.items() if c > 1 and i is not None)
         lost = sorted(expected - set(seen))
         unexpected = sorted(str(i) for i in seen if i not in expected)
@@ -198,7 +198,7 @@ class History:
         return verdict
 
 
-def order_violations(results: Sequence[Outcome]) -> list[str]:
+def order_violations(results: Sequence[CommittedRecord]) -> list[str]:
     """Each result that came out after a result of the same key read later from the same input
     partition, named ``key: id@offset after id@offset``.
 
@@ -206,13 +206,13 @@ def order_violations(results: Sequence[Outcome]) -> list[str]:
     share an output partition); a result without a ``source`` cannot be placed, nor one without a
     key be ordered against others, so both are skipped.
     """
-    by_key: dict[tuple[bytes | None, str, int], list[Outcome]] = defaultdict(list)
+    by_key: dict[tuple[bytes | None, str, int], list[CommittedRecord]] = defaultdict(list)
     for result in sorted(results, key=lambda o: (o.partition, o.offset)):
         if result.source is not None and result.key is not None:
             by_key[(result.key, result.source.topic, result.source.partition)].append(result)
     found = []
     for (key, _, _), seq in by_key.items():
-        latest: Outcome | None = None
+        latest: CommittedRecord | None = None
         for result in seq:
             assert result.source is not None
             if latest is not None and latest.source is not None and result.source.offset < latest.source.offset:
@@ -272,9 +272,9 @@ def _input_ids(bootstrap: Any, topics: Iterable[str], timeout_s: float) -> list[
     ids = []
     for topic in topics:
         for record in kafka_admin.consume_committed(bootstrap, topic, timeout_s=timeout_s):
-            outcome = Outcome.from_record(record, dead=False)
-            if outcome.id is not None:
-                ids.append(outcome.id)
+            read = CommittedRecord.from_record(record, dead=False)
+            if read.id is not None:
+                ids.append(read.id)
     return ids
 
 

@@ -131,7 +131,7 @@ def run_rescale(estate: Estate, rescale: Rescale, *, records: int = 3000, timeou
 
         def all_out() -> bool:
             history = read_history(bootstrap, out_topic, dead_topic, timeout_s=30)
-            return len({o.id for o in history.outcomes}) >= records
+            return len({o.id for o in history.records}) >= records
 
         if job_id and not wait_for(all_out, max(60.0, timeout - (time.monotonic() - started)), interval=5):
             notes.append(f"not every id out within {timeout:g} s")

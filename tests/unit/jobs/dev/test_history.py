@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from jobs.dev import history
-from jobs.dev.history import History, Outcome, SourceOffset
+from jobs.dev.history import CommittedRecord, History, SourceOffset
 from udfs.config import load_config, to_dict
 
 
@@ -98,8 +98,8 @@ def test_keys_in_two_input_partitions_are_two_sequences() -> None:
 
 def test_an_unreadable_record_counts_as_an_unexpected_outcome() -> None:
     out = [Record(b"k", b"\xff not json", 0, 0)]
-    outcome = Outcome.from_record(out[0], dead=False)
-    assert outcome.id is None and outcome.source is None
+    read = CommittedRecord.from_record(out[0], dead=False)
+    assert read.id is None and read.source is None
     assert History.from_records(out, []).check([]).unexpected == 1
 
 
@@ -109,9 +109,9 @@ def test_from_ids_keeps_the_old_tally_shape() -> None:
     assert verdict.dead_reasons == {"timeout": 1, "None": 1}
 
 
-def test_outcome_reads_the_source_field() -> None:
-    outcome = Outcome.from_body({"id": "x", "source": {"topic": "t", "partition": 2, "offset": 41}}, dead=False)
-    assert outcome.source == SourceOffset("t", 2, 41)
+def test_a_committed_record_reads_the_source_field() -> None:
+    read = CommittedRecord.from_body({"id": "x", "source": {"topic": "t", "partition": 2, "offset": 41}}, dead=False)
+    assert read.source == SourceOffset("t", 2, 41)
 
 
 def test_the_command_line_reads_both_topics_and_exits_by_the_verdict(
