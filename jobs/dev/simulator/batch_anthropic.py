@@ -24,7 +24,7 @@ from jobs.dev.simulator.batch_engine import (
     BatchEngine,
     Flavor,
     Item,
-    Outcome,
+    RequestResult,
 )
 from jobs.dev.simulator.batch_http import (
     HttpError,
@@ -214,11 +214,11 @@ class AnthropicBatches(Flavor):
 
     # ----------------------------------------------------------------- the engine's calls
 
-    def _errored(self, status: int, message: str, request_id: str) -> Outcome:
-        return Outcome("errored", {"type": "error", "error": {"type": error_type(status), "message": message},
+    def _errored(self, status: int, message: str, request_id: str) -> RequestResult:
+        return RequestResult("errored", {"type": "error", "error": {"type": error_type(status), "message": message},
                                    "request_id": request_id}, status, request_id)
 
-    def answer(self, batch: Batch, item: Item, engine: BatchEngine) -> Outcome:
+    def answer(self, batch: Batch, item: Item, engine: BatchEngine) -> RequestResult:
         request_id = engine.request_id()
         params: dict[str, Any] = item.request
         problem = _params_problem(params)
@@ -247,13 +247,13 @@ class AnthropicBatches(Flavor):
             "usage": {"input_tokens": call.prompt_tokens, "output_tokens": call.completion_tokens,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "service_tier": "batch"},
         }
-        return Outcome("succeeded", message, 200, request_id)
+        return RequestResult("succeeded", message, 200, request_id)
 
     def failed(self, batch: Batch, engine: BatchEngine) -> None:
         """A batch refused as a whole (forced): every request is an ``errored`` result naming why."""
         message = "; ".join(f"{e['message']}" for e in batch.errors[:3])
         for item in batch.items:
-            item.outcome = self._errored(400, message, engine.request_id())
+            item.result = self._errored(400, message, engine.request_id())
         for _ in self.finish(batch, engine):
             pass
 
@@ -265,14 +265,14 @@ class AnthropicBatches(Flavor):
         for number, item in enumerate(order, 1):
             if number % FINISH_CHUNK == 0:
                 yield
-            outcome = item.outcome
-            if outcome is None:
+            decided = item.result
+            if decided is None:
                 continue
-            result: dict[str, Any] = {"type": "canceled" if outcome.kind == "cancelled" else outcome.kind}
-            if outcome.kind == "succeeded":
-                result["message"] = outcome.body
-            elif outcome.kind == "errored":
-                result["error"] = outcome.body
+            result: dict[str, Any] = {"type": "canceled" if decided.kind == "cancelled" else decided.kind}
+            if decided.kind == "succeeded":
+                result["message"] = decided.body
+            elif decided.kind == "errored":
+                result["error"] = decided.body
             lines.append(dumps({"custom_id": item.custom_id, "result": result}))
-            outcome.body = None
+            decided.body = None
         batch.extra["results"] = b"\n".join(lines) + b"\n" if lines else b""

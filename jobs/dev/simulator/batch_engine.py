@@ -52,7 +52,7 @@ _MIN_STEP_S = 0.05
 
 
 @dataclass(eq=False, slots=True)
-class Outcome:
+class RequestResult:
     """What became of one request: ``succeeded`` (``body``), ``errored`` (``status``, ``body`` the
     provider's error object), ``expired`` or ``cancelled``."""
 
@@ -65,12 +65,12 @@ class Outcome:
 @dataclass(eq=False, slots=True)
 class Item:
     """One request of a batch: its ``custom_id``, its request (OpenAI ``body``, Anthropic
-    ``params``), its line (1-based) and, once decided, its ``outcome``."""
+    ``params``), its line (1-based) and, once decided, its ``result``."""
 
     custom_id: str
     request: Any
     line: int
-    outcome: Outcome | None = None
+    result: RequestResult | None = None
 
 
 class Flavor:
@@ -87,7 +87,7 @@ class Flavor:
         """The validation errors that fail the batch (none: it goes on)."""
         return []
 
-    def answer(self, batch: Batch, item: Item, engine: BatchEngine) -> Outcome:
+    def answer(self, batch: Batch, item: Item, engine: BatchEngine) -> RequestResult:
         raise NotImplementedError
 
     def failed(self, batch: Batch, engine: BatchEngine) -> None:
@@ -134,10 +134,10 @@ class Batch:
         return self.status in ENDED
 
     def count(self, kind: str) -> int:
-        return sum(1 for item in self.items if item.outcome is not None and item.outcome.kind == kind)
+        return sum(1 for item in self.items if item.result is not None and item.result.kind == kind)
 
     def counts(self) -> Counter[str]:
-        return Counter(item.outcome.kind for item in self.items if item.outcome is not None)
+        return Counter(item.result.kind for item in self.items if item.result is not None)
 
     def summary(self) -> dict[str, Any]:
         """One line of ``GET /admin/batches``."""
@@ -293,10 +293,10 @@ class BatchEngine:
         api = batch.flavor.api
         for _ in range(min(count, len(batch.pending))):
             item = batch.items[batch.pending.pop()]
-            item.outcome = outcome = batch.flavor.answer(batch, item, self)
+            item.result = result = batch.flavor.answer(batch, item, self)
             item.request = None  # answered: a 100,000-record bench keeps only what it still needs
             batch.answered += 1
-            self.bump(api, "requests_succeeded" if outcome.kind == "succeeded" else "requests_errored")
+            self.bump(api, "requests_succeeded" if result.kind == "succeeded" else "requests_errored")
 
     def _set(self, batch: Batch, status: str) -> None:
         batch.status = status
@@ -305,8 +305,8 @@ class BatchEngine:
     def _unanswered(self, batch: Batch, kind: str) -> None:
         api = batch.flavor.api
         for item in batch.items:
-            if item.outcome is None:
-                item.outcome = Outcome(kind)
+            if item.result is None:
+                item.result = RequestResult(kind)
                 self.bump(api, f"requests_{kind}")
         batch.pending = []
 
@@ -372,10 +372,10 @@ class BatchEngine:
             raise ValueError(f"cannot fail batch {batch.id}: it is {batch.status}")
         self._stop_driver(batch)
         for item in batch.items:  # refused as a whole: what was answered is never delivered
-            if item.outcome is not None:
-                self.bump(batch.flavor.api, "requests_succeeded" if item.outcome.kind == "succeeded"
+            if item.result is not None:
+                self.bump(batch.flavor.api, "requests_succeeded" if item.result.kind == "succeeded"
                           else "requests_errored", -1)
-            item.outcome = None
+            item.result = None
         batch.answered = 0
         line = 1 if line is None and batch.items else line
         self._fail(batch, [{"code": code, "line": line, "param": None,

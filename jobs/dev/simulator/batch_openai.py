@@ -27,7 +27,7 @@ from jobs.dev.simulator.batch_engine import (
     BatchEngine,
     Flavor,
     Item,
-    Outcome,
+    RequestResult,
 )
 from jobs.dev.simulator.batch_http import (
     MIB_BODY,
@@ -358,18 +358,18 @@ class OpenAIBatches(Flavor):
     def failed(self, batch: Batch, engine: BatchEngine) -> None:
         batch.extra.pop("line_errors", None)
 
-    def answer(self, batch: Batch, item: Item, engine: BatchEngine) -> Outcome:
+    def answer(self, batch: Batch, item: Item, engine: BatchEngine) -> RequestResult:
         request_id = engine.request_id()
         config = engine.config()
         try:
             call = ENDPOINTS[batch.extra["endpoint"]](config, item.request)
         except BadRequest as exc:
-            return Outcome("errored", {"error": {"message": str(exc), "type": "invalid_request_error",
+            return RequestResult("errored", {"error": {"message": str(exc), "type": "invalid_request_error",
                                                  "param": exc.param, "code": None}}, 400, request_id)
         settings = engine.settings()
         if settings.error_rate and engine.rng.random() < settings.error_rate:
             status = settings.error_status
-            return Outcome("errored", {"error": {
+            return RequestResult("errored", {"error": {
                 "message": f"Simulated error {status} (simulator: batch fault injection)",
                 "type": "server_error" if status >= 500 else "invalid_request_error", "param": None,
                 "code": "simulated_fault"}}, status, request_id)
@@ -378,7 +378,7 @@ class OpenAIBatches(Flavor):
         body = call.respond(lambda prefix: f"{prefix}-{engine.new_id('simb')}")
         engine.bump(self.api, "prompt_tokens", call.prompt_tokens)
         engine.bump(self.api, "completion_tokens", call.completion_tokens)
-        return Outcome("succeeded", body, 200, request_id)
+        return RequestResult("succeeded", body, 200, request_id)
 
     def finish(self, batch: Batch, engine: BatchEngine) -> Iterator[None]:
         """Write the output file (successes) and the error file (the rest), each in random order."""
@@ -390,18 +390,18 @@ class OpenAIBatches(Flavor):
         for number, item in enumerate(order, 1):
             if number % FINISH_CHUNK == 0:
                 yield
-            outcome = item.outcome
-            if outcome is None:
+            decided = item.result
+            if decided is None:
                 continue
             line: dict[str, Any] = {"id": engine.new_id("batch_req_sim"), "custom_id": item.custom_id}
-            if outcome.kind in ("succeeded", "errored"):
-                line["response"] = {"status_code": outcome.status, "request_id": outcome.request_id,
-                                    "body": outcome.body}
+            if decided.kind in ("succeeded", "errored"):
+                line["response"] = {"status_code": decided.status, "request_id": decided.request_id,
+                                    "body": decided.body}
                 line["error"] = None
-                usage = (outcome.body or {}).get("usage") or {}
+                usage = (decided.body or {}).get("usage") or {}
                 prompt += usage.get("prompt_tokens", 0)
                 completion += usage.get("completion_tokens", 0)
-            elif outcome.kind == "expired":
+            elif decided.kind == "expired":
                 line["response"] = None
                 line["error"] = {"code": "batch_expired",
                                  "message": "This request could not be executed before the completion window expired."}
@@ -409,8 +409,8 @@ class OpenAIBatches(Flavor):
                 line["response"] = None
                 line["error"] = {"code": "batch_cancelled",
                                  "message": "This request was not executed because the batch was cancelled."}
-            (output if outcome.kind == "succeeded" else errors).append(dumps(line))
-            outcome.body = None  # the file holds it now
+            (output if decided.kind == "succeeded" else errors).append(dumps(line))
+            decided.body = None  # the file holds it now
         if output:
             batch.extra["output_file_id"] = self.store(f"{batch.id}_output.jsonl", "batch_output",
                                                        b"\n".join(output) + b"\n").id
