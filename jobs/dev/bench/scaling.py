@@ -106,7 +106,11 @@ class Ramp(threading.Thread):
 
 
 @dataclass
-class Outcome:
+class CaseResult:
+    """What `llmstream scale --auto` did in one case: its scale-ups and -downs, the inference
+    vertex's parallelism at the end, how often it saw each kind of verdict, the records produced
+    and its decision lines."""
+
     case: str
     scale_ups: int = 0
     scale_downs: int = 0
@@ -154,8 +158,8 @@ def _config(work: Path, bootstrap: str, endpoint: str, case: Case) -> Path:
                       capacity=case.capacity)
 
 
-def run_case(case: Case, seconds: float, say: Any = print) -> Outcome:
-    outcome = Outcome(case.key)
+def run_case(case: Case, seconds: float, say: Any = print) -> CaseResult:
+    result = CaseResult(case.key)
     env = child_environment()
     llmstream = [sys.executable, "-m", "jobs.cli"]
     with tempfile.TemporaryDirectory(prefix=f"llmstream-scaling-{case.key}-") as tmp, contextlib.ExitStack() as stack:
@@ -180,7 +184,7 @@ def run_case(case: Case, seconds: float, say: Any = print) -> Outcome:
         auto = subprocess.Popen([*llmstream, "scale", "--config", str(path), "--jobmanager", cluster.address,
                                  "--auto", "--min", "1", "--max", "3", "--cooldown", "30", "--every", "10"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        reader = threading.Thread(target=_read, args=(auto, outcome, say, case.key), daemon=True)
+        reader = threading.Thread(target=_read, args=(auto, result, say, case.key), daemon=True)
         reader.start()
         ramp.start()
         say(f"[{case.key}] input from {case.start_per_s:g} to {case.end_per_s:g}/s over {seconds:g} s")
@@ -191,11 +195,11 @@ def run_case(case: Case, seconds: float, say: Any = print) -> Outcome:
         if auto.poll() is None:
             auto.kill()
         reader.join(timeout=10)
-        outcome.produced = producer.produced
-        outcome.final_parallelism = next(p for name, p in cluster.vertex_parallelism(str(job["jid"])).items()
-                                         if name.startswith("inference"))
+        result.produced = producer.produced
+        result.final_parallelism = next(p for name, p in cluster.vertex_parallelism(str(job["jid"])).items()
+                                        if name.startswith("inference"))
         cluster.cancel(str(job["jid"]))
-    return outcome
+    return result
 
 
 @dataclass(frozen=True)
@@ -223,23 +227,23 @@ def parse_auto_line(line: str) -> AutoLine | None:
     return AutoLine(int(head), kind, target)
 
 
-def _read(process: subprocess.Popen[str], outcome: Outcome, say: Any, key: str) -> None:
+def _read(process: subprocess.Popen[str], result: CaseResult, say: Any, key: str) -> None:
     assert process.stdout is not None
     for raw in process.stdout:
         line = raw.rstrip()
         if not line.startswith("llmstream: ") or "deprecated" in line:
             continue
-        outcome.lines.append(line)
+        result.lines.append(line)
         say(f"[{key}] {line}")
         parsed = parse_auto_line(line)
         if parsed is None:
             continue
-        outcome.verdicts[parsed.kind] = outcome.verdicts.get(parsed.kind, 0) + 1
+        result.verdicts[parsed.kind] = result.verdicts.get(parsed.kind, 0) + 1
         if parsed.target is not None:
             if parsed.target > parsed.current:
-                outcome.scale_ups += 1
+                result.scale_ups += 1
             else:
-                outcome.scale_downs += 1
+                result.scale_downs += 1
 
 
 def main(argv: list[str] | None = None) -> int:
