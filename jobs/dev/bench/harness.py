@@ -33,13 +33,13 @@ from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.bench.measure import (
     CheckpointSampler,
+    DeliveryTally,
     Latencies,
     Observer,
-    Outcome,
     RssSampler,
     ServerSampler,
-    outcome,
     steady_window,
+    tally_delivery,
 )
 from jobs.dev.bench.ml_predict import FLOORS, ML_PREDICT, SQL_JOBS
 from jobs.dev.bench.profile import RecordPathProfiler
@@ -149,7 +149,7 @@ class RunResult:
     elapsed_s: float
     stopped_by: str
     exit_code: int | None
-    outcome: Outcome
+    outcome: DeliveryTally  # named so in every stored result (`report.load` reads it back)
     throughput_steady: float | None
     steady_window_s: float | None
     throughput_overall: float | None
@@ -519,7 +519,7 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
                observer: Observer, rss: RssSampler, server: ServerSampler, committed: int,
                started_ms: float, elapsed: float, stopped_by: str, proc: ApproachProcess,
                load_before: tuple[float, float, float]) -> RunResult:
-    result_outcome = outcome(producer.offsets, observer, committed)
+    delivery = tally_delivery(producer.offsets, observer, committed)
     seen = [s for s in observer.snapshot()[0].values() if not s.dead]
     completions = [s.completed_ms if s.completed_ms is not None else s.visible_ms for s in seen]
     window = steady_window(completions)
@@ -551,7 +551,7 @@ def _summarise(ctx: BenchContext, scenario: Scenario, approach: str, producer: I
         elapsed_s=round(elapsed, 1),
         stopped_by=stopped_by,
         exit_code=proc.process.returncode,
-        outcome=result_outcome,
+        outcome=delivery,
         throughput_steady=steady,
         steady_window_s=window.seconds if window else None,
         throughput_overall=overall,

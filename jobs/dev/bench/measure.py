@@ -465,7 +465,7 @@ class Latencies:
 
 
 @dataclass
-class Outcome:
+class DeliveryTally:
     """Which ids were answered, twice, or not at all, judged by the read_committed observer.
 
     `missing` ids never became visible. Those at offsets the approach's group had committed
@@ -483,13 +483,17 @@ class Outcome:
     cache_hits: int = 0
 
 
-def outcome(offsets: dict[str, int], observer: Observer, committed: int) -> Outcome:
+Outcome = DeliveryTally
+"""The former name, still imported by tests/support/bench_runs.py: goes when that import does."""
+
+
+def tally_delivery(offsets: dict[str, int], observer: Observer, committed: int) -> DeliveryTally:
     """Judges every produced id (`offsets`: id -> input offset) against what became visible;
     `committed` is the approach group's committed input offset at the end."""
     first, counts = observer.snapshot()
     missing = [rid for rid in offsets if rid not in first]
     lost = sorted(rid for rid in missing if offsets[rid] < committed)
-    return Outcome(
+    return DeliveryTally(
         expected=len(offsets),
         seen=sum(1 for rid in offsets if rid in first),
         duplicates=sum(1 for n in counts.values() if n > 1),

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from jobs.dev.bench.harness import ALL_APPROACHES, LlmstreamSettings, RunResult
-from jobs.dev.bench.measure import Latencies, Outcome
+from jobs.dev.bench.measure import DeliveryTally, Latencies
 from jobs.dev.bench.scenarios import SCENARIOS, UNBATCHED, VECTORIZED, VECTORIZED_FLOOR
 
 RSS_FLAT_MB = 50.0
@@ -508,7 +508,7 @@ def load(json_path: Path) -> tuple[list[RunResult], dict[str, Any]]:
     results = []
     for raw in data["results"]:
         fields = dict(raw)
-        fields["outcome"] = Outcome(**fields["outcome"])
+        fields["outcome"] = DeliveryTally(**fields["outcome"])
         for name in ("e2e_ms", "pickup_ms", "commit_lag_ms"):
             fields[name] = Latencies(**fields[name])
         fields["load_avg"] = tuple(fields["load_avg"])

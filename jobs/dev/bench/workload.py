@@ -48,7 +48,7 @@ def chat_payload(prompt: str) -> dict[str, Any]:
 
 class InputProducer:
     """Produces input records and remembers each id's offset, so losses can be told apart
-    from records the approach never reached (see `measure.Outcome`)."""
+    from records the approach never reached (see `measure.DeliveryTally`)."""
 
     def __init__(self, bootstrap: str, topic: str, *, keys: int = 0, delivery_timeout_s: float = 120.0) -> None:
         """`delivery_timeout_s`: how long a record may wait for the broker (retried meanwhile, the
