@@ -209,7 +209,8 @@ class Provider:
             raise self._failed("GET", url, err) from None
         return out
 
-    # The lane's four questions (see the module docstring) and a cancel.
+    # The lane's four questions (see the module docstring) and a cancel. `view`, `results` and
+    # `cancel` are the same for both providers but for the hooks below them.
     def line(self, index: int, payload: dict[str, Any]) -> bytes:
         raise NotImplementedError
 
@@ -220,12 +221,39 @@ class Provider:
         raise NotImplementedError
 
     async def view(self, batch_id: str) -> BatchView:
-        raise NotImplementedError
+        batch = await self._batch(self._batch_url(batch_id))
+        if batch is None:
+            return BatchView(batch_id, "gone", "not found")
+        return self._view_of(batch_id, batch)
 
     async def results(self, view: BatchView, count: int) -> list[LineResult]:
-        raise NotImplementedError
+        budget = [self._config.provider_batch.max_result_bytes]
+        found: dict[int, LineResult] = {}
+        for url in self._result_urls(view):
+            for line in await self._lines(url, budget):
+                index = index_of(line.get("custom_id"))
+                if index is not None and index < count:
+                    found[index] = self._line_result(index, line, view)
+        return _completed(found, count, view.unfinished or "expired")
 
     async def cancel(self, batch_id: str) -> None:
+        await self._call("POST", f"{self._batch_url(batch_id)}/cancel")
+
+    # What each provider says its own way.
+    def _batch_url(self, batch_id: str) -> str:
+        """Where the provider describes the batch `batch_id` (and, below it, cancels it)."""
+        raise NotImplementedError
+
+    def _view_of(self, batch_id: str, batch: dict[str, Any]) -> BatchView:
+        """The batch as the provider describes it, as a `BatchView`."""
+        raise NotImplementedError
+
+    def _result_urls(self, view: BatchView) -> list[str]:
+        """The result files of an ended batch, in the order they are read."""
+        raise NotImplementedError
+
+    def _line_result(self, index: int, line: dict[str, Any], view: BatchView) -> LineResult:
+        """One line of a result file (whose `custom_id` names `index`) as a `LineResult`."""
         raise NotImplementedError
 
 
@@ -309,10 +337,10 @@ class OpenAIBatches(Provider):
                 return None
             after = str(data[-1].get("id"))
 
-    async def view(self, batch_id: str) -> BatchView:
-        batch = await self._batch(f"{self.base}/batches/{batch_id}")
-        if batch is None:
-            return BatchView(batch_id, "gone", "not found")
+    def _batch_url(self, batch_id: str) -> str:
+        return f"{self.base}/batches/{batch_id}"
+
+    def _view_of(self, batch_id: str, batch: dict[str, Any]) -> BatchView:
         status = str(batch.get("status"))
         counts = _counts(batch)
         refs: dict[str, Any] = {"results_ref": batch.get("output_file_id"), "errors_ref": batch.get("error_file_id")}
@@ -325,21 +353,11 @@ class OpenAIBatches(Provider):
             return BatchView(batch_id, "ended", status, unfinished=why, counts=counts, **refs)
         return BatchView(batch_id, "running", status, counts=counts)
 
-    async def results(self, view: BatchView, count: int) -> list[LineResult]:
-        budget = [self._config.provider_batch.max_result_bytes]
-        found: dict[int, LineResult] = {}
-        for ref in (view.results_ref, view.errors_ref):
-            if not ref:
-                continue
-            for line in await self._lines(f"{self.base}/files/{ref}/content", budget):
-                index = index_of(line.get("custom_id"))
-                if index is None or index >= count:
-                    continue
-                found[index] = _openai_result(index, line, view.unfinished)
-        return _completed(found, count, view.unfinished or "expired")
+    def _result_urls(self, view: BatchView) -> list[str]:
+        return [f"{self.base}/files/{ref}/content" for ref in (view.results_ref, view.errors_ref) if ref]
 
-    async def cancel(self, batch_id: str) -> None:
-        await self._call("POST", f"{self.base}/batches/{batch_id}/cancel")
+    def _line_result(self, index: int, line: dict[str, Any], view: BatchView) -> LineResult:
+        return _openai_result(index, line, view.unfinished)
 
 
 def _openai_result(index: int, line: dict[str, Any], unfinished: Why | None) -> LineResult:
@@ -384,10 +402,10 @@ class AnthropicBatches(Provider):
     async def find(self, key: str, created_after_s: float) -> str | None:
         return None  # Message Batches keep no metadata: nothing names the lane's key
 
-    async def view(self, batch_id: str) -> BatchView:
-        batch = await self._batch(f"{self.base}/messages/batches/{batch_id}")
-        if batch is None:
-            return BatchView(batch_id, "gone", "not found")
+    def _batch_url(self, batch_id: str) -> str:
+        return f"{self.base}/messages/batches/{batch_id}"
+
+    def _view_of(self, batch_id: str, batch: dict[str, Any]) -> BatchView:
         status = str(batch.get("processing_status"))
         counts = _counts(batch)
         if status == "ended":
@@ -395,18 +413,11 @@ class AnthropicBatches(Provider):
             return BatchView(batch_id, "ended", status, unfinished="expired", counts=counts, results_ref=results_url)
         return BatchView(batch_id, "running", status, counts=counts)
 
-    async def results(self, view: BatchView, count: int) -> list[LineResult]:
-        budget = [self._config.provider_batch.max_result_bytes]
-        found: dict[int, LineResult] = {}
-        if view.results_ref:
-            for line in await self._lines(view.results_ref, budget):
-                index = index_of(line.get("custom_id"))
-                if index is not None and index < count:
-                    found[index] = _anthropic_result(index, line.get("result"))
-        return _completed(found, count, "expired")
+    def _result_urls(self, view: BatchView) -> list[str]:
+        return [view.results_ref] if view.results_ref else []
 
-    async def cancel(self, batch_id: str) -> None:
-        await self._call("POST", f"{self.base}/messages/batches/{batch_id}/cancel")
+    def _line_result(self, index: int, line: dict[str, Any], view: BatchView) -> LineResult:
+        return _anthropic_result(index, line.get("result"))
 
 
 def anthropic_params(payload: dict[str, Any]) -> dict[str, Any]:
