@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import yaml
@@ -108,6 +108,9 @@ TARGET_UTILIZATION = 0.7
 """The Flink operator autoscaler's default target utilization (`job.autoscaler.utilization.target`)."""
 CALLS_PER_RECORD_TARGET = 1.01
 AUTO_FLAGS = ("--auto", "--min", "1", "--max", "4", "--cooldown", "30", "--every", "10")
+AUTO_RIG = {"taskmanager.numberOfTaskSlots": 4, "taskmanager.memory.process.size": "2048m"}
+"""The cluster of (k) and (l): a slot for each of the 4 subtasks their jobs are submitted at and
+`AUTO_FLAGS` may scale to."""
 
 
 # ------------------------------------------------------------------------------ the jobs
@@ -331,6 +334,31 @@ class AutoReader(threading.Thread):
         return out
 
 
+class AutoScaled(NamedTuple):
+    """A job of (k) or (l) running at 1 inference subtask with `scale --auto` read beside it."""
+
+    path: Path
+    job_id: str
+    kafka: dict[str, Any]
+    producer: InputProducer
+    reader: AutoReader
+
+
+def start_auto_scaled(r: Rig, key: str, spec: JobSpec, say: Say, situation: str) -> AutoScaled:
+    """Submits scenario `key`'s job, brings it to 1 inference subtask, says so (`situation` ends
+    the line), makes a producer for its input (nothing produced yet) and starts reading
+    `scale --auto` beside it."""
+    path = write_job(r, f"bench-{key}-{int(time.time())}", spec)
+    job_id = r.submit(path)
+    r.scale_to(path, job_id, 1)
+    say(f"[{key}] the job runs at 1 inference subtask{situation}")
+    kafka = yaml.safe_load(path.read_text())["kafka"]
+    producer = InputProducer(r.broker.bootstrap_servers, kafka["input_topic"])
+    reader = AutoReader(r.auto(path), say, key)
+    reader.start()
+    return AutoScaled(path, job_id, kafka, producer, reader)
+
+
 def _cpu_seconds(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
@@ -452,20 +480,14 @@ def run_doubling(say: Say) -> dict[str, Any]:
     from jobs.dev.simulator import spawn_fleet
 
     new_limit = sum(FLEET_SLOTS) * 1000 / FLEET_LATENCY_MS
-    with rig("k", say, {"taskmanager.numberOfTaskSlots": 4, "taskmanager.memory.process.size": "2048m"}) as r:
+    with rig("k", say, AUTO_RIG) as r:
         fleet = spawn_fleet(FLEET_SLOTS, ["--latency", f"fixed:{FLEET_LATENCY_MS:g}", "--per-token-ms", "0",
                                           "--stats-interval-s", "0", "--log-level", "WARNING"])
         try:
             fleet.kill(1)
-            path = write_job(r, f"bench-k-{int(time.time())}", doubling_job(fleet.urls))
-            job_id = r.submit(path)
-            r.scale_to(path, job_id, 1)
-            say("[k] the job runs at 1 inference subtask; endpoint ep1 is down")
-            kafka = yaml.safe_load(path.read_text())["kafka"]
-            producer = InputProducer(r.broker.bootstrap_servers, kafka["input_topic"])
+            path, job_id, kafka, producer, reader = start_auto_scaled(r, "k", doubling_job(fleet.urls), say,
+                                                                      "; endpoint ep1 is down")
             sampler = OutputSampler(r, path, job_id)
-            reader = AutoReader(r.auto(path), say, "k")
-            reader.start()
             total_s = DOUBLING_BEFORE_S + DOUBLING_AFTER_S
             ramp = Ramp(producer, DOUBLING_INPUT_PER_S, DOUBLING_INPUT_PER_S, total_s)
             began = time.monotonic()
@@ -589,19 +611,13 @@ def _output_bodies(r: Rig, path: Path) -> list[dict[str, Any]]:
 
 def run_saturation(say: Say) -> dict[str, Any]:
     start, end, seconds = SATURATION_RAMP
-    with rig("l", say, {"taskmanager.numberOfTaskSlots": 4, "taskmanager.memory.process.size": "2048m"}) as r:
+    with rig("l", say, AUTO_RIG) as r:
         sim = simulator.spawn(["--latency", "fixed:100", "--concurrency", str(SATURATION_SLOTS), "--reject-over-limit",
                                "--per-token-ms", "0", "--stats-interval-s", "0", "--log-level", "WARNING"])
         try:
-            path = write_job(r, f"bench-l-{int(time.time())}", saturation_job(sim.url))
-            job_id = r.submit(path)
-            r.scale_to(path, job_id, 1)
-            say("[l] the job runs at 1 inference subtask against a model that takes 4 calls at once (40/s)")
-            kafka = yaml.safe_load(path.read_text())["kafka"]
-            producer = InputProducer(r.broker.bootstrap_servers, kafka["input_topic"])
+            path, job_id, _, producer, reader = start_auto_scaled(
+                r, "l", saturation_job(sim.url), say, " against a model that takes 4 calls at once (40/s)")
             busy = BusySampler(r, job_id, sim)
-            reader = AutoReader(r.auto(path), say, "l")
-            reader.start()
             ramp = Ramp(producer, start, end, seconds, hold_s=BUSY_POLICY_WINDOW_S + 300)
             busy.start()
             ramp.start()

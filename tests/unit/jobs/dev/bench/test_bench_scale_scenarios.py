@@ -100,6 +100,15 @@ def test_each_scenario_builds_a_valid_job(spec: sc.JobSpec, tmp_path: Path) -> N
     assert config.kafka.input_topic == "t-in" and config.name == "llmstream-t"
 
 
+def test_the_auto_scaled_rig_has_a_slot_for_every_subtask_its_jobs_may_run() -> None:
+    """(k) and (l) share one cluster shape: with fewer slots than the subtasks a job is submitted
+    at, or than `--max`, the adaptive scheduler would run it at fewer than the scenario says."""
+    most = max(sc.doubling_job(["http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"]).inference,
+               sc.saturation_job("http://127.0.0.1:3/v1").inference,
+               int(sc.AUTO_FLAGS[sc.AUTO_FLAGS.index("--max") + 1]))
+    assert sc.AUTO_RIG["taskmanager.numberOfTaskSlots"] == most == 4
+
+
 def test_the_doubling_job_lists_both_endpoints_at_their_servers_slots(tmp_path: Path) -> None:
     spec = sc.doubling_job(["http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"])
     config = config_from_dict(job_config_data(tmp_path, "127.0.0.1:9092", "t", model=spec.model,
