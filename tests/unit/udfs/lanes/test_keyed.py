@@ -73,11 +73,18 @@ def answer(request: Request) -> Completion:
                       completed_ms=TS + 1)
 
 
+def harness(harnesses: list[Harness], config: JobConfig, state: KeyedState | None = None,
+            **options: Any) -> Harness:
+    """A stage on the fake runtime (`options`: `Harness`'s), closed when the test ends."""
+    h = Harness(config, state, **options)
+    harnesses.append(h)
+    return h
+
+
 def stage(harnesses: list[Harness], complete: Any = None, state: KeyedState | None = None,
           config: JobConfig | None = None) -> Harness:
     """A stage whose model client is `complete` (default: answers every request)."""
-    h = Harness(config or job_config(), state)
-    harnesses.append(h)
+    h = harness(harnesses, config or job_config(), state)
 
     async def answering(request: Request) -> Completion:
         return answer(request)
@@ -94,8 +101,7 @@ def dead_letters(h: Harness) -> list[dict[str, Any]]:
 
 
 def test_every_record_is_answered_once_and_leaves_state(sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
-    h = Harness(job_config(sim.url))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url))
     feed(h, range(40))
     h.end_of_input()
     ids = Counter(b["id"] for b in h.bodies("out"))
@@ -109,8 +115,7 @@ def test_without_flink_metrics_the_stage_runs_and_keeps_its_figures(sim: Threade
                                                                      harnesses: list[Harness]) -> None:
     # `flink: {python.metric.enabled: false}` makes PyFlink's get_metrics_group() return None;
     # the stage once failed in `open` on it, and the job restarted forever.
-    h = Harness(job_config(sim.url), metrics=False)
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url), metrics=False)
     feed(h, range(10))
     h.end_of_input()
     assert sorted(b["id"] for b in h.bodies("out")) == sorted(f"id-{i}" for i in range(10))
@@ -120,8 +125,7 @@ def test_without_flink_metrics_the_stage_runs_and_keeps_its_figures(sim: Threade
 def test_capacity_bounds_calls_in_flight(make_sim: Callable[..., ThreadedSimulator],
                                          harnesses: list[Harness]) -> None:
     sim = make_sim(latency="fixed:150")
-    h = Harness(job_config(sim.url, capacity=3))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url, capacity=3))
     feed(h, range(12))
     h.end_of_input()
     stats = sim.stats()
@@ -134,8 +138,7 @@ def test_results_are_emitted_by_the_processing_time_timer_when_no_input_comes(
     # An answer slower than the element's own work: an instant one can be back (and emitted by
     # the element itself, leaving no timer) when a busy machine pauses this thread for a moment.
     sim = make_sim(latency="fixed:500")
-    h = Harness(job_config(sim.url))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url))
     h.element(1, record(1), offset=1)
     assert len(h.timers.processing) == 1
     (_, at), = h.timers.processing
@@ -188,7 +191,7 @@ def test_every_failure_of_a_call_is_a_dead_letter_with_its_reason(
 def test_a_row_that_cannot_be_read_is_a_dead_letter(harnesses: list[Harness]) -> None:
     h = stage(harnesses)
     h._at(0)
-    h.out.extend(h.function.process_element(Row(b"k", b"{}"), h.ctx))  # type: ignore[arg-type]
+    h.out.extend(h.function.process_element(Row(b"k", b"{}"), h.ctx))
     [body] = dead_letters(h)
     assert body["reason"] == "internal_error" and "IndexError" in body["error"]
     assert body["source"]["topic"] == "unknown"
@@ -287,8 +290,7 @@ def test_bad_input_is_dead_lettered_at_once_with_its_own_reason_and_never_stored
 
 def test_model_failure_is_dead_lettered_with_attempts(sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
     sim.admin({"error_rate": 1.0, "error_status": 400})
-    h = Harness(job_config(sim.url))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url))
     h.element(0, record(1), offset=1)
     h.end_of_input()
     [body] = h.bodies("dlq")
@@ -298,8 +300,7 @@ def test_model_failure_is_dead_lettered_with_attempts(sim: ThreadedSimulator, ha
 def test_an_oversized_result_is_a_dead_letter_not_a_sink_failure(sim: ThreadedSimulator,
                                                                  harnesses: list[Harness]) -> None:
     """A result over limits.max_result_bytes would fail the Kafka sink and restart the job."""
-    h = Harness(job_config(sim.url, limits={"max_result_bytes": 300}))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url, limits={"max_result_bytes": 300}))
     h.element(0, record(1), offset=1)
     h.end_of_input()
     assert h.bodies("out") == []
@@ -336,8 +337,7 @@ def test_a_snapshot_holds_exactly_what_is_not_emitted_and_a_restore_issues_it_ag
         make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
     sim = make_sim(latency="fixed:400")
     config = job_config(sim.url, capacity=16)
-    first = Harness(config)
-    harnesses.append(first)
+    first = harness(harnesses, config)
     feed(first, range(20))  # 16 admitted at once, the last 4 waited for slots
     checkpoint = first.state.snapshot()
     emitted = {b["id"] for b in first.bodies("out")}
@@ -351,8 +351,7 @@ def test_a_snapshot_holds_exactly_what_is_not_emitted_and_a_restore_issues_it_ag
     first.close()  # the failure: calls in flight are abandoned
 
     sim.reset_stats()
-    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
-    harnesses.append(second)
+    second = harness(harnesses, config, KeyedState(copy.deepcopy(checkpoint)))
     for bucket in checkpoint:  # restored processing-time timers fire
         second.fire(bucket, 0)
     second.end_of_input()
@@ -367,13 +366,11 @@ def test_a_restored_bucket_is_issued_again_on_its_first_element_too(
         make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
     sim = make_sim(latency="fixed:300")
     config = job_config(sim.url, capacity=8)
-    first = Harness(config)
-    harnesses.append(first)
+    first = harness(harnesses, config)
     feed(first, range(4), buckets=1)
     checkpoint = first.state.snapshot()
     first.close()
-    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
-    harnesses.append(second)
+    second = harness(harnesses, config, KeyedState(copy.deepcopy(checkpoint)))
     second.element(0, record(100), offset=100)
     second.end_of_input()
     ids = Counter(b["id"] for b in second.bodies("out"))
@@ -384,8 +381,7 @@ def test_a_restored_bucket_is_issued_again_on_its_first_element_too(
 def test_after_a_drain_a_restored_job_arms_the_flush_timer_again(sim: ThreadedSimulator,
                                                                  harnesses: list[Harness]) -> None:
     config = job_config(sim.url)
-    first = Harness(config)
-    harnesses.append(first)
+    first = harness(harnesses, config)
     feed(first, range(8))
     first.end_of_input()  # drain: the flush timers fired and are gone
     assert first.timers.event == set()
@@ -393,8 +389,7 @@ def test_after_a_drain_a_restored_job_arms_the_flush_timer_again(sim: ThreadedSi
     assert drained == {}
     first.close()
 
-    second = Harness(config, KeyedState(drained))
-    harnesses.append(second)
+    second = harness(harnesses, config, KeyedState(drained))
     feed(second, range(8, 16))
     assert {at for _, at in second.timers.event} == {FLUSH_AT}
     second.end_of_input()
@@ -407,16 +402,14 @@ def test_ticks_alone_restart_a_restored_state_when_no_input_comes(
     processing-time timers: the ticks must be enough to issue the pending requests again."""
     sim = make_sim(latency="fixed:300")
     config = job_config(sim.url, capacity=8)
-    first = Harness(config)
-    harnesses.append(first)
+    first = harness(harnesses, config)
     feed(first, range(8))
     checkpoint = first.state.snapshot()
     first.close()
     stored = {json.loads(v.value)["id"] for bucket in checkpoint.values() for v in bucket.values()}
     assert stored
 
-    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
-    harnesses.append(second)
+    second = harness(harnesses, config, KeyedState(copy.deepcopy(checkpoint)))
 
     def drained() -> bool:
         if not second.state.snapshot():
@@ -488,7 +481,7 @@ def test_a_record_without_headers_gets_none_and_its_dead_letter_only_the_reason(
     h._at(0)
     for offset, value in ((1, record(1)), (2, b"{}")):
         row = Row(b"k", value, "in", 0, offset, TS, headers)
-        h.out.extend(h.function.process_element(row, h.ctx))  # type: ignore[arg-type]
+        h.out.extend(h.function.process_element(row, h.ctx))
     h.end_of_input()
     assert h.headers("out") == [None]
     assert h.headers("dlq") == [{"llmstream-reason": b"missing_field"}]
@@ -654,8 +647,7 @@ def test_per_key_results_leave_in_input_order_though_later_versions_finish_first
         sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
     keys = ["a", "b", "c"]
     for ordering, expect_order in [("per_key", True), ("none", False)]:
-        h = Harness(job_config(sim.url, capacity=16, ordering=ordering))  # type: ignore[arg-type]
-        harnesses.append(h)
+        h = harness(harnesses, job_config(sim.url, capacity=16, ordering=ordering))
         gate = gated(h, {f"{k}-v0" for k in keys})
         offset = 0
         for version in range(4):
@@ -674,8 +666,7 @@ def test_per_key_results_leave_in_input_order_though_later_versions_finish_first
 
 def test_per_key_other_keys_are_not_held_back_by_a_slow_one(sim: ThreadedSimulator,
                                                             harnesses: list[Harness]) -> None:
-    h = Harness(job_config(sim.url, capacity=8, ordering="per_key"))  # type: ignore[arg-type]
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url, capacity=8, ordering="per_key"))
     gate = gated(h, {"hot-v0"})
     h.element(0, versioned("hot", 0), offset=0, key=b"hot")
     h.element(0, versioned("hot", 1), offset=1, key=b"hot")
@@ -694,9 +685,8 @@ def test_per_key_dead_letters_and_tombstones_wait_for_their_key(sim: ThreadedSim
                                                                 harnesses: list[Harness]) -> None:
     """A bad record and a tombstone are settled without a call, but under per_key they leave after
     the earlier record of their key, and wait in state (a checkpoint then holds them)."""
-    h = Harness(job_config(sim.url, capacity=8, ordering="per_key",  # type: ignore[arg-type]
-                           input={"tombstones": "forward"}))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url, capacity=8, ordering="per_key",
+                                      input={"tombstones": "forward"}))
     gate = gated(h, {"a-v0"})
     h.element(0, versioned("a", 0), offset=0, key=b"a")
     h.element(0, b"{not json", offset=1, key=b"a")
@@ -715,8 +705,7 @@ def test_per_key_dead_letters_and_tombstones_wait_for_their_key(sim: ThreadedSim
 def test_tombstones_forward_skip_or_dead_letter(sim: ThreadedSimulator, harnesses: list[Harness]) -> None:
     outcomes = {}
     for mode in ("forward", "skip", "dead-letter"):
-        h = Harness(job_config(sim.url, input={"tombstones": mode}))
-        harnesses.append(h)
+        h = harness(harnesses, job_config(sim.url, input={"tombstones": mode}))
         h.element(0, None, offset=1, key=b"doc-1", headers={"trace": b"t1"})
         h.element(0, None, offset=2, key=None)  # nothing to delete: never forwarded
         h.end_of_input()
@@ -731,9 +720,8 @@ def test_tombstones_forward_skip_or_dead_letter(sim: ThreadedSimulator, harnesse
 def test_per_key_restore_reissues_pending_records_and_emits_them_in_offset_order(
         make_sim: Callable[..., ThreadedSimulator], harnesses: list[Harness]) -> None:
     sim = make_sim(latency="fixed:300")
-    config = job_config(sim.url, capacity=16, ordering="per_key")  # type: ignore[arg-type]
-    first = Harness(config)
-    harnesses.append(first)
+    config = job_config(sim.url, capacity=16, ordering="per_key")
+    first = harness(harnesses, config)
     for version in range(3):
         for k in ("a", "b"):
             first.element(0, versioned(k, version), offset=version * 2 + (k == "b"), key=k.encode())
@@ -742,8 +730,7 @@ def test_per_key_restore_reissues_pending_records_and_emits_them_in_offset_order
     first.close()
     assert checkpoint, "the 300 ms calls are still out at the snapshot"
 
-    second = Harness(config, KeyedState(copy.deepcopy(checkpoint)))
-    harnesses.append(second)
+    second = harness(harnesses, config, KeyedState(copy.deepcopy(checkpoint)))
     slow_first_versions(second, {"a-v0", "a-v1", "b-v0"}, delay_s=0.4)  # restored heads finish last
     for version in range(3, 5):
         for k in ("a", "b"):
@@ -774,9 +761,8 @@ def test_a_paused_budget_parks_records_closes_the_gate_and_resumes_by_itself(
     """With a gate in front, a paused spend budget never holds the bundle: records that find no
     slot are parked (they are in state already), the pause file tells the gate to stop the input,
     and each new window starts the next call; the file goes when the budget is no longer paused."""
-    h = Harness(job_config(sim.url, capacity=2, budget={"max_tokens_per_hour": 1, "window_s": 10}),
+    h = harness(harnesses, job_config(sim.url, capacity=2, budget={"max_tokens_per_hour": 1, "window_s": 10}),
                 gate_dir=str(tmp_path))
-    harnesses.append(h)
     now = [1_000_009.9]  # 0.1 s before a window ends: a waiting call looks again every 0.1 s
     h.function._client.budget._clock = lambda: now[0]  # windows roll only when the test says so
     pause_file = tmp_path / "0.closed"
@@ -807,9 +793,8 @@ def test_a_stop_with_a_savepoint_opens_a_paused_gate_and_the_stage_parks_what_co
     and parks what arrives (it is in state, so the savepoint holds it), starting nothing."""
     from jobs.graph import gate_operator as gate
 
-    h = Harness(job_config(sim.url, capacity=2, budget={"max_tokens_per_hour": 1, "window_s": 10}),
+    h = harness(harnesses, job_config(sim.url, capacity=2, budget={"max_tokens_per_hour": 1, "window_s": 10}),
                 gate_dir=str(tmp_path))
-    harnesses.append(h)
     h.function._client.budget._clock = lambda: 1_000_005.0  # mid-window, and it never rolls over
     pause_file = tmp_path / "0.closed"
     feed(h, range(6), buckets=1)
@@ -832,13 +817,12 @@ def test_a_fleet_with_every_circuit_open_parks_records_and_closes_the_gate(
     cooldown can last `max_cooldown_s`); when the endpoint answers again, every record is
     answered once, none dead-lettered, and the pause file is gone."""
     sim.admin({"error_rate": 1.0, "error_status": 500})
-    h = Harness(job_config(sim.url, capacity=2,
-                           model={"endpoint": None, "model": "sim", "max_tokens": 8,
-                                  "endpoints": [{"url": sim.url, "name": "only"}],
-                                  "circuit": {"failures": 1, "cooldown_s": 0.2, "max_cooldown_s": 0.4}},
-                           retry={"max_attempts": 1000, "initial_backoff_s": 0.001, "max_backoff_s": 0.005}),
+    h = harness(harnesses, job_config(sim.url, capacity=2,
+                                      model={"endpoint": None, "model": "sim", "max_tokens": 8,
+                                             "endpoints": [{"url": sim.url, "name": "only"}],
+                                             "circuit": {"failures": 1, "cooldown_s": 0.2, "max_cooldown_s": 0.4}},
+                                      retry={"max_attempts": 1000, "initial_backoff_s": 0.001, "max_backoff_s": 0.005}),
                 gate_dir=str(tmp_path))
-    harnesses.append(h)
     pause_file = tmp_path / "0.closed"
     feed(h, range(6), buckets=1)  # returns: what finds no slot is parked
     assert pause_file.exists()
@@ -854,8 +838,8 @@ def test_a_binding_rate_limit_parks_records_and_closes_the_gate(
     """At 120 requests a minute (2 a second) with 6 slots, 4 calls queue at the rate limit for 2 s:
     over `PAUSE_AFTER_S`, so what finds no slot is parked and the gate closed instead of waiting
     in the bundle; the limit then lets every record through once, at its pace."""
-    h = Harness(job_config(sim.url, capacity=6, rate_limit={"requests_per_minute": 120}), gate_dir=str(tmp_path))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url, capacity=6, rate_limit={"requests_per_minute": 120}),
+                gate_dir=str(tmp_path))
     pause_file = tmp_path / "0.closed"
     started = time.monotonic()
     feed(h, range(10), buckets=1)  # returns: what finds no slot is parked
@@ -873,8 +857,7 @@ def test_a_retry_after_from_the_one_server_parks_records_and_closes_the_gate(
     so the stage parks what finds no slot and closes the gate; once the 429s end, every record
     is answered once, none dead-lettered."""
     sim.admin({"rate_limit_rate": 1.0, "retry_after_s": 3, "until_s": 2})
-    h = Harness(job_config(sim.url, capacity=2, retry={"max_attempts": 50}), gate_dir=str(tmp_path))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url, capacity=2, retry={"max_attempts": 50}), gate_dir=str(tmp_path))
     pause_file = tmp_path / "0.closed"
     feed(h, range(6), buckets=1)
     wait_until(lambda: (h.tick(0), pause_file.exists())[-1], 30, 0.05, "the gate closed by the Retry-After")
@@ -887,8 +870,7 @@ def test_a_retry_after_from_the_one_server_parks_records_and_closes_the_gate(
 def test_without_a_gate_a_paused_budget_still_waits_in_the_bundle(
         sim: ThreadedSimulator, harnesses: list[Harness], tmp_path: Any) -> None:
     """No gate (no `gate_dir`): the stage keeps its old backpressure, waiting for a slot."""
-    h = Harness(job_config(sim.url, capacity=1, budget={"max_tokens_per_hour": 1, "window_s": 1}))
-    harnesses.append(h)
+    h = harness(harnesses, job_config(sim.url, capacity=1, budget={"max_tokens_per_hour": 1, "window_s": 1}))
     feed(h, range(3), buckets=1)
     assert not h.function._parked and not list(tmp_path.iterdir())
     assert len(h.bodies("out")) >= 1
