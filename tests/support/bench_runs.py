@@ -12,13 +12,13 @@ def finished_run(scenario: str, approach: str, rate: float, *, cpu: float | None
     """A finished bench run of `records` records answering `rate` a second at steady state
     (`parallelism` None: an approach without llmstream settings)."""
     from jobs.dev.bench.harness import RunResult
-    from jobs.dev.bench.measure import Latencies, Outcome
+    from jobs.dev.bench.measure import DeliveryTally, Latencies
 
     none = Latencies()
     return RunResult(scenario=scenario, scenario_name=scenario, approach=approach,
                      limit_per_s=SCENARIOS[scenario].limit_per_s,
                      records_in=records, elapsed_s=60.0, stopped_by="finished", exit_code=0,
-                     outcome=Outcome(records, records, 0, 0, 0, 0, 0), throughput_steady=rate,
+                     outcome=DeliveryTally(records, records, 0, 0, 0, 0, 0), throughput_steady=rate,
                      steady_window_s=20.0, throughput_overall=rate, pct_of_limit=pct, e2e_ms=none,
                      pickup_ms=none, commit_lag_ms=none, utilization=None, rss_peak_mb={}, rss_breakdown_mb={},
                      rss_drift_mb=None, rss_series=[], server={},

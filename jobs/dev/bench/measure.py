@@ -483,9 +483,6 @@ class DeliveryTally:
     cache_hits: int = 0
 
 
-Outcome = DeliveryTally
-"""The former name, still imported by tests/support/bench_runs.py: goes when that import does."""
-
 
 def tally_delivery(offsets: dict[str, int], observer: Observer, committed: int) -> DeliveryTally:
     """Judges every produced id (`offsets`: id -> input offset) against what became visible;
