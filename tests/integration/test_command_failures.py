@@ -168,25 +168,27 @@ def _places(directory: Path, stub: str, broker: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CommandRun:
+    """One command as a user ran it: its exit code, what it printed, how long it took."""
+
     code: int
     stdout: str
     stderr: str
     seconds: float
 
 
-def _run(case: Case, places: dict[str, str]) -> Outcome:
+def _run(case: Case, places: dict[str, str]) -> CommandRun:
     env = dict(SHELL_ENV)
     if case.home is not None:
         env["LLMSTREAM_HOME"] = case.home.format(**places)
     started = time.monotonic()
     result = subprocess.run([str(LLMSTREAM), *case.argv.format(**places).split()], env=env, text=True,
                             capture_output=True, stdin=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT_S, check=False)
-    return Outcome(result.returncode, result.stdout, result.stderr, round(time.monotonic() - started, 1))
+    return CommandRun(result.returncode, result.stdout, result.stderr, round(time.monotonic() - started, 1))
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory, stub_flink: str, kafka_broker: LocalBroker) -> dict[str, Outcome]:
+def outcomes(tmp_path_factory: pytest.TempPathFactory, stub_flink: str, kafka_broker: LocalBroker) -> dict[str, CommandRun]:
     places = _places(tmp_path_factory.mktemp("command-failures"), stub_flink, kafka_broker.bootstrap_servers)
     # Slowest first (the broker cases wait out the Kafka client's bootstrap timeout).
     order = sorted(CASES, key=lambda name: not name.startswith(("a-", "plan")))
@@ -196,7 +198,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory, stub_flink: str, kafka_br
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_an_expected_failure_is_one_line_naming_the_setting(name: str, outcomes: dict[str, Outcome]) -> None:
+def test_an_expected_failure_is_one_line_naming_the_setting(name: str, outcomes: dict[str, CommandRun]) -> None:
     case, got = CASES[name], outcomes[name]
     lines = [line for line in got.stderr.splitlines() if line.strip()]
     seen = f"`llmstream {case.argv}` exited {got.code} after {got.seconds} s; stderr:\n{got.stderr[-3000:]}"
