@@ -28,6 +28,7 @@ from tests.support.cluster import heal
 from tests.support.committed import Tally, check_exactly_once, final_tally
 from tests.support.fault_report import FaultReport, FaultResult
 from tests.support.job_setup import (
+    LATER_LANE,
     JobSetup,
     SpawnSimulator,
     lane_sections,
@@ -256,8 +257,8 @@ class ClusterRun:
             self.jobs.append(job_id)
         return job_id
 
-    def submit(self, capsys: pytest.CaptureFixture[str], **kwargs: object) -> str:
-        code = submit_mod.submit(str(self.setup.path), jobmanager=self.cluster.address,
+    def submit(self, capsys: pytest.CaptureFixture[str], config_path: Path | None = None, **kwargs: object) -> str:
+        code = submit_mod.submit(str(config_path or self.setup.path), jobmanager=self.cluster.address,
                                   options=RunOptions(**kwargs))  # type: ignore[arg-type]
         out, err = capsys.readouterr()
         assert code == 0, out + err
@@ -319,16 +320,24 @@ class ClusterRun:
 LIFECYCLE_SIM_ARGS = ["--latency", "fixed:100", "--seed", "3"]
 
 
-def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
+def test_cluster_cancel_stop_upgrades_and_a_dead_jobmanager_all_resume_from_state(
         cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
-    """cancel -> submit (auto-resume from the retained checkpoint); `llmstream stop` -> submit;
-    `llmstream upgrade` with a changed capacity, then to parallelism 2 and back to 1, each with
-    calls in flight; then a backfill `submit --until-end`. Every id exactly once."""
+    """One job, one stream of ids, every way a cluster job is restarted, each with calls in flight:
+    cancel -> submit (auto-resume from the retained checkpoint); `llmstream stop` -> submit;
+    `llmstream upgrade` with a changed capacity, then to parallelism 2 and back to 1; an upgrade to
+    a spend budget and one away from it (rows r2 and r4); the JobManager SIGKILLed (no HA) and the
+    cluster replaced by a new one on the same state directory, where `submit` resumes from the dead
+    cluster's last retained checkpoint (row r3); then `llmstream stop` and a backfill
+    `submit --until-end`. Every id exactly once.
+
+    These were three tests with a job, a simulator and a stream each (r2, r4, r3: ~370 worker-seconds
+    in `make test`); their faults follow each other in one run, every assertion kept, each row still
+    written (from the one tally)."""
     sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle", partitions=2,
                      async_={"capacity": 8}, parallelism={"default": 1})
-    run = ClusterRun(cluster, setup, 5000, "life")
+    run = ClusterRun(cluster, setup, 6600, "life")
     run.produce(slice(0, 5000))
     run.first_runs(capsys, (400, 1200, 2000))
 
@@ -350,25 +359,93 @@ def test_cluster_cancel_stop_and_upgrade_all_resume_from_state(
     narrow.write_text(faster.read_text())
     job = run.upgrade(capsys, narrow)
     assert max(cluster.vertex_parallelism(job).values()) == 1
+    run.wait_output(3600)
+
+    # r4. A budget adds the admission gate and moves the ticks to a FLIP-27 source
+    # (`jobs/graph/gate_operator.py`), whose snapshots hold state the job without a budget has no
+    # operator for: an upgrade to a budget, then away from it, each with calls in flight; the one
+    # that drops the budget says what it leaves behind.
+    budget_from = len(run.jobs)
+    data = yaml.safe_load(narrow.read_text())
+    data["budget"] = {**(data.get("budget") or {}), "max_tokens_per_hour": 1e9}  # gated, never binding
+    budgeted = setup.path.with_name("lifecycle-budgeted.yaml")
+    budgeted.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert submit_mod.upgrade(str(budgeted), jobmanager=cluster.address) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "left behind" not in out, out
+    job = run.live_job()
+    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    assert any("admission gate" in name for name in cluster.vertex_parallelism(job)), cluster.vertex_parallelism(job)
+    run.wait_output(4200)
+
+    # Each fault from here on is sent more ids first, so that it lands mid-stream whatever the pace.
+    run.produce(slice(5000, 5800))
+
+    assert submit_mod.upgrade(str(narrow), jobmanager=cluster.address) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "budget" in out and "left behind" in out, out
+    job = run.live_job()
+    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    run.wait_output(4800)
+    budget_restarts = total_restarts(cluster, run.jobs[budget_from:])
+    restarts = run.restarts()  # while the cluster that ran them answers
+
+    # r3. The JobManager is SIGKILLed mid-stream (no HA); the TaskManagers and their Python workers
+    # go with the cluster, and a new cluster on the same state directory replaces it.
+    run.produce(slice(5800, 6600))
+    at_kill = run.committed_output()
+    run.wait_output(at_kill + 100)
+    jobmanager = cluster.jobmanager_pid()
+    assert jobmanager is not None
+    os.kill(jobmanager, signal.SIGKILL)
+    cluster.stop()
+    run.jobs.clear()
+    cluster.start(taskmanagers=1, timeout=180)
+    heal(cluster)
+    out = run.submit(capsys, config_path=narrow)
+    assert "resuming from checkpoint" in out, out
+    run.wait_output(at_kill + 300)
+    restarts += run.restarts()
 
     assert submit_mod.stop_job(str(narrow), jobmanager=cluster.address) == 0
     capsys.readouterr()
     out = run.backfill(capsys, narrow)
     assert "resuming from savepoint" in out, out
-    result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
+    served = int(sim.stats()["served"])
+    result = final_tally(setup, run.ids, model_calls=served)
+    calls_per_record = round(served / len(run.ids), 3)
     _record(fault_report, "r2. cluster: cancel/stop -> submit resumes; upgrade capacity, parallelism 1->2->1", result,
-            started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
-            calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
+            started=run.started, restarts=restarts, notes="one run with r3 and r4, every job resumed from state",
+            calls_per_record=calls_per_record)
+    _record(fault_report, "r4. cluster: upgrade to a spend budget and back (gate and ticks added, removed)", result,
+            started=run.started, restarts=budget_restarts, notes="in r2's run, each job resumed from state",
+            calls_per_record=calls_per_record)
+    _record(fault_report, "r3. cluster: JobManager SIGKILL, new cluster, submit resumes", result,
+            started=run.started, restarts=restarts,
+            notes="in r2's run: resumed from the dead cluster's last retained checkpoint",
+            calls_per_record=calls_per_record)
     check_exactly_once(result)
+    assert budget_restarts == 0
 
 
+@LATER_LANE
 def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
         cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
     """The lifecycle above in the vectorized lane (Arrow batches of 50): cancel -> submit resumes
     from the retained checkpoint; `llmstream stop` -> submit from the savepoint; `llmstream upgrade`
     with a changed capacity, and one into the keyed stage, refused while the job runs on; then a backfill. Every id exactly once. Not its parallelism changes:
-    the lane runs at `parallelism.default`, the source's subtasks included."""
+    the lane runs at `parallelism.default`, the source's subtasks included.
+
+    In the full fault run only (`LATER_LANE`): in `make test` the same paths are proven by others.
+    The vectorized lane's restore from a retained checkpoint (kill) and from a savepoint (Ctrl-C) is
+    `test_run_interrupted_many_times_loses_and_duplicates_nothing[vectorized-4]` (same graph, same
+    operators, on a mini cluster); the cluster's cancel/stop/upgrade -> submit wiring, which does not
+    depend on the lane, is the keyed lifecycle above and
+    `test_s3_state.py::test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there`;
+    an `upgrade` into another lane refused while the job runs on is that S3 test (keyed -> vectorized,
+    the same `check_identity`) and `tests/unit/jobs/state/test_state.py` (this direction's message);
+    the lane's record rules are the lane contract suite (`tests/unit/udfs/lanes/test_lane_contract.py`)."""
     sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle-vectorized", partitions=2,
                      async_={"capacity": 8}, parallelism={"default": 1}, stage="vectorized",
@@ -392,78 +469,5 @@ def test_cluster_cancel_stop_and_upgrade_resume_the_vectorized_lane_from_state(
     result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
     _record(fault_report, "r2v. vectorized lane, cluster: cancel/stop -> submit resumes; upgrade capacity", result,
             started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
-            calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
-    check_exactly_once(result)
-
-
-def test_upgrades_that_add_and_remove_a_spend_budget_resume_from_state(
-        cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
-    """A budget adds the admission gate and moves the ticks to a FLIP-27 source (`jobs/graph/gate_operator.py`),
-    whose snapshots hold state the job without a budget has no operator for: `llmstream upgrade`
-    to a budget, then away from it, each with calls in flight, then a backfill. Every id once,
-    and the upgrade that drops the budget says what it leaves behind."""
-    sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="budget-switch", partitions=2,
-                     async_={"capacity": 8}, parallelism={"default": 1})
-    run = ClusterRun(cluster, setup, 2400, "switch")
-    run.produce(slice(0, 2400))
-    run.submit(capsys)
-    run.wait_output(300)
-
-    data = yaml.safe_load(setup.path.read_text())
-    data["budget"] = {**(data.get("budget") or {}), "max_tokens_per_hour": 1e9}  # gated, never binding
-    budgeted = setup.path.with_name("budget-switch-budgeted.yaml")
-    budgeted.write_text(yaml.safe_dump(data, sort_keys=False))
-    assert submit_mod.upgrade(str(budgeted), jobmanager=cluster.address) == 0, capsys.readouterr()
-    out = capsys.readouterr().out
-    assert "left behind" not in out, out
-    job = run.live_job()
-    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
-    assert any("admission gate" in name for name in cluster.vertex_parallelism(job)), cluster.vertex_parallelism(job)
-    run.wait_output(900)
-
-    assert submit_mod.upgrade(str(setup.path), jobmanager=cluster.address) == 0, capsys.readouterr()
-    out = capsys.readouterr().out
-    assert "budget" in out and "left behind" in out, out
-    job = run.live_job()
-    cluster.wait_for_job_state(job, "RUNNING", timeout=180)
-    run.wait_output(1500)
-
-    assert submit_mod.stop_job(str(setup.path), jobmanager=cluster.address) == 0
-    capsys.readouterr()
-    out = run.backfill(capsys)
-    assert "resuming from savepoint" in out, out
-    result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
-    _record(fault_report, "r4. cluster: upgrade to a spend budget and back (gate and ticks added, removed)", result,
-            started=run.started, restarts=run.restarts(), notes=f"{len(run.jobs) + 1} jobs, each resumed from state",
-            calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
-    check_exactly_once(result)
-    assert run.restarts() == 0
-
-
-def test_cluster_jobmanager_sigkill_then_a_new_cluster_resumes(
-        cluster: LocalCluster, kafka_broker: LocalBroker, spawn_simulator: SpawnSimulator, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
-    """The JobManager is SIGKILLed mid-stream (no HA); the cluster is replaced by a new one on
-    the same state directory; `submit` resumes from the last retained checkpoint."""
-    sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="jmkill", async_={"capacity": 8})
-    run = ClusterRun(cluster, setup, 3000, "jm")
-    run.produce(slice(0, 3000))
-    run.submit(capsys)
-    run.wait_output(500)
-    jobmanager = cluster.jobmanager_pid()
-    assert jobmanager is not None
-    os.kill(jobmanager, signal.SIGKILL)
-    cluster.stop()  # the TaskManagers and their Python workers go too: a new cluster replaces it
-    run.jobs.clear()
-    cluster.start(taskmanagers=1, timeout=180)
-    heal(cluster)
-    out = run.backfill(capsys)
-    assert "resuming from checkpoint" in out, out
-    result = final_tally(setup, run.ids, model_calls=int(sim.stats()["served"]))
-    _record(fault_report, "r3. cluster: JobManager SIGKILL, new cluster, submit resumes", result,
-            started=run.started, restarts=0, notes="resumed from the dead cluster's last retained checkpoint",
             calls_per_record=round(int(sim.stats()["served"]) / len(run.ids), 3))
     check_exactly_once(result)
