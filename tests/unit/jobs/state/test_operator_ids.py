@@ -3,7 +3,8 @@ restore that must leave state behind (a job whose admission gate was removed, `j
 and the gate's directories.
 
 The real round trip (a gated snapshot restored by a job without a budget, and back) is
-`tests/integration/test_restarts.py::test_upgrades_that_add_and_remove_a_spend_budget_resume_from_state`."""
+`tests/integration/test_restarts.py::test_cluster_cancel_stop_upgrades_and_a_dead_jobmanager_all_resume_from_state`
+(its budget steps, row r4)."""
 
 from __future__ import annotations
 
