@@ -61,6 +61,12 @@ PROBE_KINDS = {"http": "bare aiohttp", "client": "llmstream's decode + Inference
                "lane": "the vectorized lane's function, no Flink"}
 CEILING_PROBE_S = 10.0
 """How long the ceiling probe of a scenario with a fixed latency runs (`Scenario.ceiling_probe_concurrency`)."""
+SMOKE_PROBE_S = 2.0
+"""The smoke's ceiling probe: long enough to show the probe runs and is reported; its figure is not read."""
+SMOKE_CHECKPOINT_INTERVAL_MS = 1000
+"""The smoke's checkpoint interval (unless --checkpoint-interval-ms is given): a Flink approach's answers
+become visible to the read_committed observer at the first checkpoint after them, so the bench's 5 s
+interval was up to 5 s of waiting in each of the smoke's six Flink runs; the smoke measures nothing."""
 RESULTS_DIR = Path(__file__).resolve().parent / "journal" / "results"
 """Where a run's report goes by default: the journal's data folder (not a Python package). `latest.*` there
 is the newest run, ignored by git; a run worth keeping is copied under a name of its own and cited."""
@@ -228,9 +234,10 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
                          f"not reached {o.not_reached:,}; {time.monotonic() - started:.0f}s since bench start")
                 ceiling = scenario.ceiling_probe_concurrency
                 if ceiling and any(r.scenario == key for r in results):
+                    probe_s = SMOKE_PROBE_S if args.smoke else CEILING_PROBE_S
                     _say(f"[{key}] probe: bare aiohttp alone against the simulator, {ceiling} concurrent, "
-                         f"{CEILING_PROBE_S:g} s: the most any client gets from it here ...")
-                    probes[f"ceiling_{key}"] = probe("http", simulator.url, CEILING_PROBE_S, ceiling)
+                         f"{probe_s:g} s: the most any client gets from it here ...")
+                    probes[f"ceiling_{key}"] = probe("http", simulator.url, probe_s, ceiling)
                     _say(f"[{key}] probe ceiling: {probes[f'ceiling_{key}']}")
                 if scenario.latency == "0" and any(r.scenario == key for r in results):
                     for kind, what in PROBE_KINDS.items():
@@ -334,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
         args.scenarios = [SMOKE_SCENARIO]
         args.records = args.records or SMOKE_RECORDS
         args.max_seconds = max(args.max_seconds, SMOKE_MAX_SECONDS)
+        if args.checkpoint_interval_ms is None:
+            args.checkpoint_interval_ms = SMOKE_CHECKPOINT_INTERVAL_MS
     scaling = [key for key in args.scenarios if key in SCALE_SCENARIOS]
     if scaling:
         _standalone_ready(args)
