@@ -39,11 +39,11 @@ from tests.support.runs import Run, start_records, start_run
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 DETERMINISTIC = {"temperature": 0}
-RECORDS = int(os.environ.get("LLMSTREAM_COST_RECORDS", "2500"))
+COST_RECORDS = int(os.environ.get("LLMSTREAM_COST_RECORDS", "2500"))
 """Records of the kill, repeats and Redis scenarios: ~17 s of work at the fault tests' pace, so each
 fault still lands mid-stream (`Run.wait_mid_stream` asserts it). The count is not what they prove
 (calls per record, one call per distinct request, no failure while the cache is out); docs/cost.md's
-figures were measured with LLMSTREAM_COST_RECORDS=5000, the fault tests' `RECORDS`."""
+figures were measured with LLMSTREAM_COST_RECORDS=5000, the fault tests' `RECORDS` (tests/support/runs.py)."""
 
 
 def report(fault_report: FaultReport, name: str, run: Run, result: Tally, simulator: SpawnedSimulator, *,
@@ -80,12 +80,12 @@ tested for exactly-once by tests/integration/test_faults.py; the control only ad
 def test_a_taskmanager_kill_costs_almost_no_extra_calls_with_the_cache(
         backend: str, cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path,
         kafka_broker: local_kafka.LocalBroker, fault_report: FaultReport) -> None:
-    """`RECORDS` unique ids, TaskManager SIGKILL mid-stream: the replay since the last checkpoint finds
+    """`COST_RECORDS` unique ids, TaskManager SIGKILL mid-stream: the replay since the last checkpoint finds
     its answers in the cache (written before they entered Flink), so at most the calls in flight at
     the kill are paid twice. Without the cache every replayed record is paid again."""
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"cost-kill-{backend}",
                      model=DETERMINISTIC, cache={"backend": backend})
-    run = start_run(cluster, setup, f"cost{backend}", RECORDS)
+    run = start_run(cluster, setup, f"cost{backend}", COST_RECORDS)
     kill_taskmanager_mid_stream(cluster, run)
     result = run.finish()
     check_exactly_once(result)
@@ -93,7 +93,7 @@ def test_a_taskmanager_kill_costs_almost_no_extra_calls_with_the_cache(
     served = report(fault_report, f"k. TaskManager SIGKILL, cache {backend}", run, result, paced_simulator,
                     notes=f"cache.backend {backend}, temperature 0")
     if backend == "local":
-        assert served <= 1.01 * RECORDS, f"{served} calls for {RECORDS} records with the cache on"
+        assert served <= 1.01 * COST_RECORDS, f"{served} calls for {COST_RECORDS} records with the cache on"
         assert result.cached > 0, "the replay found nothing in the cache"
     else:
         assert result.cached == 0
@@ -119,19 +119,19 @@ def records_with_repeats(n: int, prefix: str, repeat_share: float = 0.3) -> tupl
 def test_exact_repeats_are_answered_once(
         cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
-    """`RECORDS` ids, 30% of them exact repeats of another request: one call per distinct request
+    """`COST_RECORDS` ids, 30% of them exact repeats of another request: one call per distinct request
     (repeats in flight at the same time share the call), every id's output exactly once."""
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-repeats",
                      model=DETERMINISTIC, cache={"backend": "local"})
-    records, distinct = records_with_repeats(RECORDS, "rep")
+    records, distinct = records_with_repeats(COST_RECORDS, "rep")
     run = start_records(cluster, setup, records)
     result = run.finish()
     check_exactly_once(result)
     assert result.dead == 0, result.dead_reasons
     served = report(fault_report, "l. 30% exact repeats, cache local", run, result, paced_simulator,
-                    notes=f"{distinct} distinct requests among {RECORDS}")
+                    notes=f"{distinct} distinct requests among {COST_RECORDS}")
     assert served == distinct
-    assert result.cached == RECORDS - distinct
+    assert result.cached == COST_RECORDS - distinct
 
 
 # ---------------------------------------------------------------------- spend budget
@@ -300,11 +300,11 @@ def test_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
     try:
         setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-redis",
                          model=DETERMINISTIC, cache={"backend": "redis", "redis_url": redis.url})
-        run = start_run(cluster, setup, "redis", RECORDS)
+        run = start_run(cluster, setup, "redis", COST_RECORDS)
         run.wait_mid_stream(0.2)
         redis.kill()
         at_kill = run.reader.unique_ids()
-        assert run.reader.wait_for(min(RECORDS, at_kill + 1000), 180, check=run.not_failed), (
+        assert run.reader.wait_for(min(COST_RECORDS, at_kill + 1000), 180, check=run.not_failed), (
             "output stopped while the cache was down")
         redis.start()
         result = run.finish()
@@ -316,6 +316,6 @@ def test_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
     served = report(fault_report, "n. redis cache SIGKILL mid-stream, restarted", run, result, paced_simulator,
                     notes="cache.backend redis; the model is called while the cache is out",
                     committed_at_cache_kill=at_kill)
-    assert served >= RECORDS
+    assert served >= COST_RECORDS
 
 
