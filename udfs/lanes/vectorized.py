@@ -165,10 +165,52 @@ class VectorizedInference(ScalarFunction):
         return outcomes
 
     async def _batch(self, calls: list[tuple[int, Request, PendingRecord]], timeout_s: float) -> list[Settled]:
+        """The batch's outcomes, in order. Without user functions the whole batch is one call of
+        the record path (`RecordPath.call_many`: the client's batch entry, its rows written in one
+        pass); with them, the calls by `async.capacity` workers, each taking the next call when its
+        last ends (`_each`). Either way a call that outlives `timeout_s` is an `internal_error`."""
+        answers: list[Settled | None] = [None] * len(calls)
+        if self._path.batches:
+            await self._whole(calls, answers, timeout_s)
+        else:
+            await self._each(calls, answers, timeout_s)
+        out: list[Settled] = []
+        for answer, (_, request, record) in zip(answers, calls, strict=True):
+            if answer is None:
+                answer = self._parts.internal(f"the call did not end within {timeout_s:g} s, past its own deadline",
+                                              record, request.id)
+            out.append(answer)
+        return out
+
+    async def _whole(self, calls: list[tuple[int, Request, PendingRecord]], answers: list[Settled | None],
+                     timeout_s: float) -> None:
+        """The batch through `RecordPath.call_many`; `admitted` is the batch's workers while it runs
+        (the gauge is read between batches, where it is 0). A raise from it is a bug: the calls it
+        left unanswered are `internal_error` dead letters."""
+        workers = min(self._config.async_.capacity, len(calls))
+        self._metrics.admitted += workers
+        task = asyncio.ensure_future(self._path.call_many([(request, record) for _, request, record in calls],
+                                                          answers))
+        try:
+            await asyncio.wait([task], timeout=timeout_s)
+        finally:
+            self._metrics.admitted -= workers
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        elif task.exception() is not None:
+            err = task.exception()
+            assert err is not None
+            log.error("unexpected error calling a batch", exc_info=err)
+            for i, (_, request, record) in enumerate(calls):
+                if answers[i] is None:
+                    answers[i] = self._parts.internal(err, record, request.id)
+
+    async def _each(self, calls: list[tuple[int, Request, PendingRecord]], answers: list[Settled | None],
+                    timeout_s: float) -> None:
         """The batch's calls by `async.capacity` workers, each taking the next call when its last
         ends: the same bound as a task a call behind a semaphore, without a task and a wait in
         line for each of a batch's thousand records."""
-        answers: list[Settled | None] = [None] * len(calls)
         queue = iter(range(len(calls)))  # shared: each call is taken by one worker
 
         async def worker() -> None:
@@ -187,13 +229,6 @@ class VectorizedInference(ScalarFunction):
         await asyncio.wait(workers, timeout=timeout_s)
         for task in workers:
             task.cancel()
-        out: list[Settled] = []
-        for answer, (_, request, record) in zip(answers, calls, strict=True):
-            if answer is None:
-                answer = self._parts.internal(f"the call did not end within {timeout_s:g} s, past its own deadline",
-                                              record, request.id)
-            out.append(answer)
-        return out
 
 
 def vectorized_function(config: JobConfig, cache_file: str | None = None) -> UserDefinedScalarFunctionWrapper:
