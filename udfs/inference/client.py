@@ -36,12 +36,16 @@ One entry takes a batch: `complete_many(requests)` answers each request with its
 or the `RecordError` it ended in, and `complete(request)` is a batch of one that raises. Which
 layer is paid once a batch and which once a call (each says why where it lives):
 
-- once a batch: the plan (`_Plan`: which layers this client has, whether its rate limits and
-  spend budget are on, the lane's tag), the workers (`async.capacity` of them, each taking the
-  next request, not a task and a wait in line per request), the token counters.
-- once a call (a record's own meaning): payload, cache lookup, structured output, the spend
-  budget's charge (each call's estimate, so a window with room for part of a batch lets that
-  part through), and for each attempt an endpoint's slot (AIMD and routing react to each
+- once a client: the plan (`_Plan`: which layers this client has, whether its rate limits and
+  spend budget are on, the lane's tag, the part of the request body every record shares), all
+  fixed by the config when the client opens.
+- once a batch (`_Batch`): the workers (`async.capacity` of them, each taking the next request,
+  not a task and a wait in line per request), the request headers with the API key read (a key
+  file read once a batch, not once a call; a rotated key is used from the next batch), the
+  token counters (figures, never a decision of a later call).
+- once a call (a record's own meaning): its request body, cache lookup, structured output, the
+  spend budget's charge (each call's estimate, so a window with room for part of a batch lets
+  that part through), and for each attempt an endpoint's slot (AIMD and routing react to each
   answer), rate-limit tokens (the pace is a call's), the record deadline (it starts at the
   record's own first dispatch), send, the bounded read and the parse.
 
@@ -85,7 +89,7 @@ from udfs.inference.batching import (
     split_on_rejection,
 )
 from udfs.inference.fleet import CircuitState, EndpointSpec, Fleet
-from udfs.inference.prompts import build_payload, input_tokens
+from udfs.inference.prompts import Payloads, build_payload, input_tokens
 from udfs.inference.ratelimit import AdaptiveConcurrency, RateLimiter
 from udfs.inference.retry import Deadline, RetryPolicy
 from udfs.inference.statuses import Outcome, of_error
@@ -159,27 +163,40 @@ def _counted(attempts: int) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one batch of calls needs to know about this client, read once a batch instead of once a
-    call: `layered` (a cache, structured output or micro-batches: a call goes through
-    `_complete`'s layers; else straight to `_call_one`), `paced` (a job-wide or endpoint rate limit
-    is set), `budgeted` (a spend budget is set), `tag` (the `lane` a realtime answer is tagged with
-    in a job with a provider-batch lane, else None)."""
+    """What every call needs to know about its client, fixed by the config when the client opens
+    and so worked out once, not once a call: `layered` (a cache, structured output or
+    micro-batches: a call goes through `_complete`'s layers; else straight to `_call_one`),
+    `paced` (a job-wide or endpoint rate limit is set), `budgeted` (a spend budget is set), `tag`
+    (the `lane` a realtime answer is tagged with in a job with a provider-batch lane, else None),
+    `payloads` (the request bodies' shared part)."""
 
     layered: bool
     paced: bool
     budgeted: bool
     tag: str | None
+    payloads: Payloads
 
 
-class _Tally:
-    """Tokens counted by a batch's calls, added to the job's counters once when the batch ends:
-    the counters are figures read at bundle ends, never a decision of a later call."""
+class _Batch:
+    """What a batch of calls shares while it runs: the `plan`, the request headers of each route
+    it sends to (`headers`: the API key read at the batch's first call to that route, not at every
+    call), and the tokens its calls counted, added to the job's counters once when it ends
+    (`InferenceClient._counted`)."""
 
-    __slots__ = ("completion", "prompt")
+    __slots__ = ("_headers", "completion", "plan", "prompt")
 
-    def __init__(self) -> None:
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self._headers: dict[int, dict[str, str]] = {}
         self.prompt = 0
         self.completion = 0
+
+    def headers(self, index: int, transport: Transport) -> dict[str, str]:
+        """Route `index`'s request headers for this batch."""
+        headers = self._headers.get(index)
+        if headers is None:
+            headers = self._headers[index] = transport.request_headers()
+        return headers
 
 
 class InferenceClient:
@@ -215,6 +232,11 @@ class InferenceClient:
         if config.model.api == "embeddings" and batch.max_size > 1:
             self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_entry),
                                     max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
+        self._plan = _Plan(
+            layered=self._single_flight is not None or self.structured is not None or self._batcher is not None,
+            paced=self.rate_limiter.enabled or any(route.rate_limiter.enabled for route in self.routes),
+            budgeted=self.budget.enabled, tag="realtime" if config.lane == "provider-batch" else None,
+            payloads=Payloads(config.model))
 
     def _open_fleet(self, config: JobConfig, subtasks: int) -> Fleet:
         """A route (transport, rate limits) per endpoint of `config.fleet()`, and the `Fleet` that
@@ -295,14 +317,8 @@ class InferenceClient:
 
     # ------------------------------------------------------------------ the entry: a batch of requests
 
-    def plan(self) -> _Plan:
-        """This client's layers as a batch sees them (`_Plan`). Read once a batch, not kept from
-        `__init__`, so a limiter or budget set on the client later is still obeyed."""
-        return _Plan(
-            layered=self._single_flight is not None or self.structured is not None or self._batcher is not None,
-            paced=self.rate_limiter.enabled or any(route.rate_limiter.enabled for route in self.routes),
-            budgeted=self.budget.enabled,
-            tag="realtime" if self._config.lane == "provider-batch" else None)
+    def _batch(self) -> _Batch:
+        return _Batch(self._plan)
 
     async def complete_many(self, requests: Sequence[Request], *,
                             into: list[Completion | RecordError | None] | None = None,
@@ -314,12 +330,12 @@ class InferenceClient:
         request not answered yet), so a caller that gives up on a batch that outlives its guard
         (cancelling this) keeps the answers that came. A batch of one is `complete`."""
         answers: list[Completion | RecordError | None] = into if into is not None else [None] * len(requests)
-        plan, tally = self.plan(), _Tally()
+        batch = self._batch()
         pending = iter(range(len(requests)))  # shared: each request is taken by one worker
 
         async def worker() -> None:
             for i in pending:
-                answers[i] = await self._settled(requests[i], plan, tally)
+                answers[i] = await self._settled(requests[i], batch)
 
         try:
             workers = min(self._config.async_.capacity, len(requests))
@@ -328,29 +344,31 @@ class InferenceClient:
             elif workers:
                 await asyncio.gather(*(worker() for _ in range(workers)))
         finally:
-            self._counted(tally)
+            self._counted(batch)
         return answers
 
     async def complete(self, request: Request) -> Completion:
         """The model's answer to `request`, after any retries: a batch of one (`complete_many`), its
         error raised (see the class for what it raises). In a job with a provider-batch lane the
         answer says it came from a call of its own (`lane`)."""
-        tally = _Tally()
+        batch = self._batch()
         try:
-            answer = await self._settled(request, self.plan(), tally)
+            answer = await self._settled(request, batch)
         finally:
-            self._counted(tally)
+            self._counted(batch)
         if isinstance(answer, RecordError):
             raise answer from None
         return answer
 
-    async def _settled(self, request: Request, plan: _Plan, tally: _Tally) -> Completion | RecordError:
+    async def _settled(self, request: Request, batch: _Batch) -> Completion | RecordError:
         """One request's answer or its error, redacted: what a call pays for itself."""
+        plan = batch.plan
         try:
             if plan.layered:
-                completion = await self._complete(request, plan, tally)
+                completion = await self._complete(request, batch)
             else:
-                completion = await self._call_one(request, build_payload(request, self._config.model), plan, tally)
+                completion = await self._call_one(request, build_payload(request, self._config.model, plan.payloads),
+                                                  batch)
             return dataclasses.replace(completion, lane=plan.tag) if plan.tag is not None else completion
         except InferenceError as err:
             log.debug("request %s failed after %d attempt(s): %s", request.id, err.attempts, err.reason)
@@ -363,11 +381,11 @@ class InferenceClient:
                       self._redact("".join(traceback.format_exception(err))))
             return InternalError(self._redact(f"{type(err).__name__}: {err}")[:MAX_INTERNAL_DETAIL_CHARS])
 
-    def _counted(self, tally: _Tally) -> None:
-        if tally.prompt:
-            self.metrics.prompt_tokens.inc(tally.prompt)
-        if tally.completion:
-            self.metrics.completion_tokens.inc(tally.completion)
+    def _counted(self, batch: _Batch) -> None:
+        if batch.prompt:
+            self.metrics.prompt_tokens.inc(batch.prompt)
+        if batch.completion:
+            self.metrics.completion_tokens.inc(batch.completion)
 
     def _redact(self, text: str) -> str:
         for route in self.routes:
@@ -382,13 +400,13 @@ class InferenceClient:
         redacted.detail, redacted.args = clean, (clean,)
         return redacted
 
-    async def _complete(self, request: Request, plan: _Plan, tally: _Tally) -> Completion:
+    async def _complete(self, request: Request, batch: _Batch) -> Completion:
         """From the result cache when it has the answer (see `udfs/cost/single_flight.py`), else from
         the model. Once a call: whether an answer may be cached depends on its own payload."""
-        payload = build_payload(request, self._config.model)
+        payload = build_payload(request, self._config.model, batch.plan.payloads)
         api = self._config.model.api
         if self._single_flight is None or not cacheable(self._config.cache, api, payload):
-            return await self._answer(request, payload, plan, tally)
+            return await self._answer(request, payload, batch)
         key = cache_key(api, self._first_route_payload(payload))
         looked_up = time.perf_counter()
 
@@ -398,7 +416,7 @@ class InferenceClient:
                 return key
             return cache_key(api, {**payload, "model": completion.requested_model})
 
-        return await self._single_flight.answer(key, lambda: self._answer(request, payload, plan, tally),
+        return await self._single_flight.answer(key, lambda: self._answer(request, payload, batch),
                                                 lambda stored: self._from_cache(payload, stored, looked_up),
                                                 store_key)
 
@@ -430,7 +448,7 @@ class InferenceClient:
     def payload(self, request: Request) -> dict[str, Any]:
         """The request body of `request`, as every call of it is made (`build_payload`): the one
         builder, for the realtime calls and a provider's batch lines alike."""
-        return build_payload(request, self._config.model)
+        return build_payload(request, self._config.model, self._plan.payloads)
 
     def may_cache(self, payload: dict[str, Any]) -> bool:
         """Whether the result cache may hold (and takes) the answer to `payload`."""
@@ -474,36 +492,37 @@ class InferenceClient:
             attempts=attempts, endpoint=endpoint, started_ms=started_ms, completed_ms=now_ms(),
             cost=cost * price_factor if cost is not None else None, requested_model=str(sent["model"]))
 
-    async def _answer(self, request: Request, payload: dict[str, Any], plan: _Plan, tally: _Tally) -> Completion:
+    async def _answer(self, request: Request, payload: dict[str, Any], batch: _Batch) -> Completion:
         """The model's answer; with `model.response_format`, a valid one (`StructuredOutput.until_valid`
         asks again, above the retry layer, when an answer does not validate). Once a call: each
         answer validates or not on its own."""
         if self.structured is None:
-            return await self._call(request, payload, plan, tally)
-        return await self.structured.until_valid(lambda: self._call(request, payload, plan, tally),
+            return await self._call(request, payload, batch)
+        return await self.structured.until_valid(lambda: self._call(request, payload, batch),
                                                  on_invalid=self.metrics.invalid_answers.inc)
 
-    async def _call(self, request: Request, payload: dict[str, Any], plan: _Plan, tally: _Tally) -> Completion:
+    async def _call(self, request: Request, payload: dict[str, Any], batch: _Batch) -> Completion:
         """The model's answer to one record: alone, or in a micro-batch when `model.batch` says so
         (the micro-batch is the batcher's own grouping, by `model.batch.max_size` and its wait)."""
         if self._batcher is not None:
             return await self._batcher.submit((request, payload), batch_group(payload))
-        return await self._call_one(request, payload, plan, tally)
+        return await self._call_one(request, payload, batch)
 
     async def _call_entry(self, entry: Entry) -> Completion:
-        tally = _Tally()
+        batch = self._batch()  # a micro-batch's record sent alone: a batch of its own
         try:
-            return await self._call_one(*entry, self.plan(), tally)
+            return await self._call_one(*entry, batch)
         finally:
-            self._counted(tally)
+            self._counted(batch)
 
-    async def _call_one(self, request: Request, payload: dict[str, Any], plan: _Plan, tally: _Tally) -> Completion:
+    async def _call_one(self, request: Request, payload: dict[str, Any], batch: _Batch) -> Completion:
         """One request's call and its answer read. Once a call: its budget charge and the rate
         limiter's correction are its own usage (a later call's admission depends on them), as is
-        its latency (a distribution of calls); only the token counters wait for the batch (`tally`)."""
+        its latency (a distribution of calls); only the token counters wait for the batch."""
+        plan = batch.plan
         budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
         estimated = budgeted[0] + budgeted[1]
-        attempt = await self._attempts(payload, request.id, estimated, budgeted, plan)
+        attempt = await self._attempts(payload, request.id, estimated, budgeted, batch)
         completion = self.completion_from(attempt.body, payload, attempts=attempt.attempts,
                                           started_ms=attempt.started_ms, latency_ms=attempt.latency_ms,
                                           endpoint=attempt.endpoint, sent=attempt.payload)
@@ -511,8 +530,8 @@ class InferenceClient:
             self.rate_limiter.settle(estimated, completion.prompt_tokens + completion.completion_tokens)
         if plan.budgeted:
             self.budget.settle(budgeted, (completion.prompt_tokens, completion.completion_tokens))
-        tally.prompt += completion.prompt_tokens
-        tally.completion += completion.completion_tokens
+        batch.prompt += completion.prompt_tokens
+        batch.completion += completion.completion_tokens
         self.metrics.latency_ms.update(int(attempt.latency_ms))
         return completion
 
@@ -524,7 +543,7 @@ class InferenceClient:
         estimated = sum(estimates)
         body = batch_payload(payloads)
         label = f"{entries[0][0].id} (+{len(entries) - 1} in batch)"
-        attempt = await self._attempts(body, label, estimated, (estimated, 0), self.plan())
+        attempt = await self._attempts(body, label, estimated, (estimated, 0), self._batch())
         with _counted(attempt.attempts):
             vectors = responses.batch_vectors(attempt.body, len(entries), self._config.model.embedding_dim)
         total = responses.batch_prompt_tokens(attempt.body, estimated)
@@ -553,17 +572,17 @@ class InferenceClient:
     # ------------------------------------------------------------------ the attempts of one request
 
     async def _attempts(self, payload: dict[str, Any], label: str, estimated: int,
-                        budgeted: tuple[int, int], plan: _Plan) -> Attempt:
+                        budgeted: tuple[int, int], batch: _Batch) -> Attempt:
         """One request body through the spend budget, then `RetryPolicy` over attempts that each
         wait for a concurrency slot and rate-limit tokens before they are sent. Once a call: the
         record deadline starts at this request's own first dispatch, and the retries are its own."""
         deadline = Deadline(self._config.async_.record_deadline_s)
         attempts = _Attempts(self.url, payload)
-        if plan.budgeted:
+        if batch.plan.budgeted:
             await self.budget.acquire(*budgeted)
 
         async def attempt(number: int) -> dict[str, Any]:
-            return await self._attempt(payload, label, number, estimated, deadline, attempts, plan.paced)
+            return await self._attempt(payload, label, number, estimated, deadline, attempts, batch)
 
         try:
             body = await self.retry.run(attempt, deadline)
@@ -573,21 +592,21 @@ class InferenceClient:
         return attempts.answered(body)
 
     async def _attempt(self, payload: dict[str, Any], label: str, number: int, estimated: int,
-                       deadline: Deadline, attempts: _Attempts, paced: bool = True) -> dict[str, Any]:
+                       deadline: Deadline, attempts: _Attempts, batch: _Batch) -> dict[str, Any]:
         """One attempt, the only one there is: a slot on the endpoint `Fleet` chooses (waiting while
         none may take it), rate-limit tokens (job-wide, then the endpoint's), the deadline started
         (at the first), the POST. Its `Outcome` (`udfs/inference/statuses.py`) and the answer's
         Retry-After go to `Fleet.release`, which feeds that endpoint's AIMD, pause and circuit; an
         endpoint that failed is avoided by this request's next attempt while another may take it.
         The error raised to `RetryPolicy` carries no Retry-After: the endpoint's pause is the one
-        wait for it, so in a fleet the retry may go to another endpoint at once. `paced`: whether
-        any rate limit is set (the batch's `_Plan`); without one there are no tokens to wait for.
-        All of this is once an attempt: the slot, the route and the tokens follow each answer."""
+        wait for it, so in a fleet the retry may go to another endpoint at once. Without a rate limit
+        (`_Plan.paced`) there are no tokens to wait for; the headers are the batch's. All of this
+        is once an attempt: the slot, the route and the tokens follow each answer."""
         endpoint = await self.fleet.acquire(attempts.tried, number)
         route = self.routes[endpoint.index]
         outcome, latency_s, retry_after_s = Outcome.NEUTRAL, None, None
         try:
-            if paced:
+            if batch.plan.paced:
                 await self.rate_limiter.acquire(estimated)
                 await route.rate_limiter.acquire(estimated)
             deadline.start()
@@ -596,7 +615,8 @@ class InferenceClient:
             sent_payload = route.payload(payload)
             sent = attempts.sending()
             try:
-                reply = await route.transport.post(sent_payload, label, number)
+                reply = await route.transport.post(sent_payload, label, number,
+                                                   batch.headers(endpoint.index, route.transport))
             except InferenceError as err:  # no usable answer: a timeout, a connection or TLS failure
                 outcome = of_error(err)
                 raise
