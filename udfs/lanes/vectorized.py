@@ -4,8 +4,10 @@ keyed stage, for fast models and embedding backfills.
 The keyed stage moves every record across into Python alone and through keyed `MapState`; that
 crossing and that state are most of a record's CPU when the model answers in a millisecond. Here
 Flink hands Python a whole Arrow batch of records (`vectorized.batch_size` rows) at once; the
-function starts every call of the batch on its call loop (at most `async.capacity` at a time),
-waits for all of them, and returns one outgoing record per input row, in input order. The rules
+function hands the batch's calls whole to the client's batch entry on its call loop
+(`RecordPath.call_many` -> `InferenceClient.complete_many`, at most `async.capacity` at a time, what
+every call shares paid once), waits for all of them, and returns one outgoing record per input
+row, in input order. The rules
 for a record are every lane's (`udfs/lanes/record_path.py`): the same decode, client
 (retries, per-attempt and per-record deadlines, rate limits, AIMD, fleet, cache), output record
 and dead letters; set-up and emitting are `udfs/lanes/base.py`'s `LaneParts`. The lane decides only
