@@ -336,6 +336,40 @@ def test_a_sustained_rate_limit_slows_records_but_does_not_dead_letter_them(sim:
 # ------------------------------------------------------------------ secrets, errors, cleanup
 
 
+def test_a_batch_reads_the_api_key_once_and_a_rotated_key_is_sent_from_the_next_batch(
+        make_sim: Callable[..., ThreadedSimulator], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key (an environment variable here, a file's read in production) is read once a batch,
+    not once a call; the next batch, or a call of its own, reads it again."""
+    sim = make_sim(api_key=SECRET)
+    config = job_config(sim.url, model={"api_key_env": KEY_ENV}, async_={"capacity": 4})
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    reads = 0
+    read = client_module.Transport.request_headers
+
+    def counted(self: Any) -> dict[str, str]:
+        nonlocal reads
+        reads += 1
+        return read(self)
+
+    monkeypatch.setattr(client_module.Transport, "request_headers", counted)
+
+    async def batches() -> tuple[list[Any], list[Any], Exception | None]:
+        async with InferenceClient(config) as client:
+            first = await client.complete_many([request(id=f"r-{i}") for i in range(12)])
+            monkeypatch.setenv(KEY_ENV, "sk-llmstream-rotated-0c4d")  # the server refuses this one
+            second = await client.complete_many([request(id=f"s-{i}") for i in range(3)])
+            try:
+                await client.complete(request())
+            except PermanentError as err:
+                return first, second, err
+            return first, second, None
+
+    first, second, alone = run(batches)
+    assert all(isinstance(a, Completion) for a in first)
+    assert all(type(a) is PermanentError and a.status == 401 for a in second)
+    assert type(alone) is PermanentError and reads == 3
+
+
 def test_the_api_key_never_appears_in_logs_errors_or_outputs(
         make_sim: Callable[..., ThreadedSimulator], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
