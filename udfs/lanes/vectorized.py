@@ -60,6 +60,11 @@ up as `internal_error` dead letters: the client's own deadline ends every call f
 keeps a bug from holding the lane (and every checkpoint) forever."""
 
 
+CANCEL_WAIT_S = 1.0
+"""How long a batch given up at its guard waits for its cancelled calls to end, so that the answers
+that came are kept; a call that ignores its cancellation is not waited for longer."""
+
+
 def _epoch_ms(ts: Any) -> int | None:
     """A Kafka timestamp as the Arrow batch holds it (a pandas Timestamp, NaT or None) in epoch ms."""
     if ts is None:
@@ -198,8 +203,8 @@ class VectorizedInference(ScalarFunction):
         finally:
             self._metrics.admitted -= workers
         if not task.done():
-            task.cancel()
-            await asyncio.wait([task])
+            task.cancel()  # its calls end, and the answers that came are written as rows (`call_many`)
+            await asyncio.wait([task], timeout=CANCEL_WAIT_S)
         elif task.exception() is not None:
             err = task.exception()
             assert err is not None
