@@ -32,18 +32,36 @@ A micro-batch takes that path as one call (one budget, slot, rate-limit and retr
 and each record gets its own vector and its share of the usage. A batch rejected with a
 permanent 4xx is sent again record by record, so one bad input is dead-lettered alone.
 
+One entry takes a batch: `complete_many(requests)` answers each request with its `Completion`
+or the `RecordError` it ended in, and `complete(request)` is a batch of one that raises. Which
+layer is paid once a batch and which once a call (each says why where it lives):
+
+- once a client: the plan (`_Plan`: which layers this client has, whether its rate limits and
+  spend budget are on, the lane's tag, the part of the request body every record shares), all
+  fixed by the config when the client opens.
+- once a batch (`_Batch`): the workers (`async.capacity` of them, each taking the next request,
+  not a task and a wait in line per request), the request headers with the API key read (a key
+  file read once a batch, not once a call; a rotated key is used from the next batch), the
+  token counters (figures, never a decision of a later call).
+- once a call (a record's own meaning): its request body, cache lookup, structured output, the
+  spend budget's charge (each call's estimate, so a window with room for part of a batch lets
+  that part through), and for each attempt an endpoint's slot (AIMD and routing react to each
+  answer), rate-limit tokens (the pace is a call's), the record deadline (it starts at the
+  record's own first dispatch), send, the bounded read and the parse.
+
 Secrets (the API key, resolved `model.headers` placeholders) never reach a repr, a log line
-or an error detail: `complete` redacts every error it raises.
+or an error detail: every error `complete_many` returns or `complete` raises is redacted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import logging
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Self
@@ -71,7 +89,7 @@ from udfs.inference.batching import (
     split_on_rejection,
 )
 from udfs.inference.fleet import CircuitState, EndpointSpec, Fleet
-from udfs.inference.prompts import build_payload, input_tokens
+from udfs.inference.prompts import Payloads, build_payload, input_tokens
 from udfs.inference.ratelimit import AdaptiveConcurrency, RateLimiter
 from udfs.inference.retry import Deadline, RetryPolicy
 from udfs.inference.statuses import Outcome, of_error
@@ -143,6 +161,44 @@ def _counted(attempts: int) -> Iterator[None]:
         raise
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What every call needs to know about its client, fixed by the config when the client opens
+    and so worked out once, not once a call: `layered` (a cache, structured output or
+    micro-batches: a call goes through `_complete`'s layers; else straight to `_call_one`),
+    `paced` (a job-wide or endpoint rate limit is set), `budgeted` (a spend budget is set), `tag`
+    (the `lane` a realtime answer is tagged with in a job with a provider-batch lane, else None),
+    `payloads` (the request bodies' shared part)."""
+
+    layered: bool
+    paced: bool
+    budgeted: bool
+    tag: str | None
+    payloads: Payloads
+
+
+class _Batch:
+    """What a batch of calls shares while it runs: the `plan`, the request headers of each route
+    it sends to (`headers`: the API key read at the batch's first call to that route, not at every
+    call), and the tokens its calls counted, added to the job's counters once when it ends
+    (`InferenceClient._counted`)."""
+
+    __slots__ = ("_headers", "completion", "plan", "prompt")
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self._headers: dict[int, dict[str, str]] = {}
+        self.prompt = 0
+        self.completion = 0
+
+    def headers(self, index: int, transport: Transport) -> dict[str, str]:
+        """Route `index`'s request headers for this batch."""
+        headers = self._headers.get(index)
+        if headers is None:
+            headers = self._headers[index] = transport.request_headers()
+        return headers
+
+
 class InferenceClient:
     """Calls an OpenAI-compatible server for one inference subtask.
 
@@ -176,6 +232,11 @@ class InferenceClient:
         if config.model.api == "embeddings" and batch.max_size > 1:
             self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_entry),
                                     max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
+        self._plan = _Plan(
+            layered=self._single_flight is not None or self.structured is not None or self._batcher is not None,
+            paced=self.rate_limiter.enabled or any(route.rate_limiter.enabled for route in self.routes),
+            budgeted=self.budget.enabled, tag="realtime" if config.lane == "provider-batch" else None,
+            payloads=Payloads(config.model))
 
     def _open_fleet(self, config: JobConfig, subtasks: int) -> Fleet:
         """A route (transport, rate limits) per endpoint of `config.fleet()`, and the `Fleet` that
@@ -254,24 +315,77 @@ class InferenceClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # ------------------------------------------------------------------ one record, layer by layer
+    # ------------------------------------------------------------------ the entry: a batch of requests
+
+    def _batch(self) -> _Batch:
+        return _Batch(self._plan)
+
+    async def complete_many(self, requests: Sequence[Request], *,
+                            into: list[Completion | RecordError | None] | None = None,
+                            ) -> list[Completion | RecordError | None]:
+        """Each request's answer (a `Completion`) or the error it ended in (an `InferenceError`,
+        `BadInput` or `InternalError`, redacted), in order; never raises for a request. At most
+        `async.capacity` calls run at once, by that many workers each taking the next request (the
+        fleet's slots may hold them to fewer). `into`: the list to fill (len(requests), None for a
+        request not answered yet), so a caller that gives up on a batch that outlives its guard
+        (cancelling this) keeps the answers that came. A batch of one is `complete`."""
+        answers: list[Completion | RecordError | None] = into if into is not None else [None] * len(requests)
+        batch = self._batch()
+        pending = iter(range(len(requests)))  # shared: each request is taken by one worker
+
+        async def worker() -> None:
+            for i in pending:
+                answers[i] = await self._settled(requests[i], batch)
+
+        try:
+            workers = min(self._config.async_.capacity, len(requests))
+            if workers == 1:
+                await worker()
+            elif workers:
+                await asyncio.gather(*(worker() for _ in range(workers)))
+        finally:
+            self._counted(batch)
+        return answers
 
     async def complete(self, request: Request) -> Completion:
-        """The model's answer to `request`, after any retries; see the class for what it raises. In a
-        job with a provider-batch lane the answer says it came from a call of its own (`lane`)."""
+        """The model's answer to `request`, after any retries: a batch of one (`complete_many`), its
+        error raised (see the class for what it raises). In a job with a provider-batch lane the
+        answer says it came from a call of its own (`lane`)."""
+        batch = self._batch()
         try:
-            completion = await self._complete(request)
-            return dataclasses.replace(completion, lane="realtime") if self._config.lane == "provider-batch" else completion
+            answer = await self._settled(request, batch)
+        finally:
+            self._counted(batch)
+        if isinstance(answer, RecordError):
+            raise answer from None
+        return answer
+
+    async def _settled(self, request: Request, batch: _Batch) -> Completion | RecordError:
+        """One request's answer or its error, redacted: what a call pays for itself."""
+        plan = batch.plan
+        try:
+            if plan.layered:
+                completion = await self._complete(request, batch)
+            else:
+                completion = await self._call_one(request, build_payload(request, self._config.model, plan.payloads),
+                                                  batch)
+            return dataclasses.replace(completion, lane=plan.tag) if plan.tag is not None else completion
         except InferenceError as err:
             log.debug("request %s failed after %d attempt(s): %s", request.id, err.attempts, err.reason)
-            raise self._redacted(err) from None
-        except RecordError:  # bad input, or already a known kind
-            raise
+            return self._redacted(err)
+        except RecordError as err:  # bad input, or already a known kind
+            return err
         except Exception as err:  # noqa: BLE001 - a bug becomes an InternalError; its traceback is logged below
             # Redacted before it is cut or logged: the text of an unexpected error may quote a server.
             log.debug("request %s: unexpected %s", request.id,
                       self._redact("".join(traceback.format_exception(err))))
-            raise InternalError(self._redact(f"{type(err).__name__}: {err}")[:MAX_INTERNAL_DETAIL_CHARS]) from None
+            return InternalError(self._redact(f"{type(err).__name__}: {err}")[:MAX_INTERNAL_DETAIL_CHARS])
+
+    def _counted(self, batch: _Batch) -> None:
+        if batch.prompt:
+            self.metrics.prompt_tokens.inc(batch.prompt)
+        if batch.completion:
+            self.metrics.completion_tokens.inc(batch.completion)
 
     def _redact(self, text: str) -> str:
         for route in self.routes:
@@ -286,12 +400,13 @@ class InferenceClient:
         redacted.detail, redacted.args = clean, (clean,)
         return redacted
 
-    async def _complete(self, request: Request) -> Completion:
-        """From the result cache when it has the answer (see `udfs/cost/single_flight.py`), else from the model."""
-        payload = build_payload(request, self._config.model)
+    async def _complete(self, request: Request, batch: _Batch) -> Completion:
+        """From the result cache when it has the answer (see `udfs/cost/single_flight.py`), else from
+        the model. Once a call: whether an answer may be cached depends on its own payload."""
+        payload = build_payload(request, self._config.model, batch.plan.payloads)
         api = self._config.model.api
         if self._single_flight is None or not cacheable(self._config.cache, api, payload):
-            return await self._answer(request, payload)
+            return await self._answer(request, payload, batch)
         key = cache_key(api, self._first_route_payload(payload))
         looked_up = time.perf_counter()
 
@@ -301,7 +416,7 @@ class InferenceClient:
                 return key
             return cache_key(api, {**payload, "model": completion.requested_model})
 
-        return await self._single_flight.answer(key, lambda: self._answer(request, payload),
+        return await self._single_flight.answer(key, lambda: self._answer(request, payload, batch),
                                                 lambda stored: self._from_cache(payload, stored, looked_up),
                                                 store_key)
 
@@ -333,7 +448,7 @@ class InferenceClient:
     def payload(self, request: Request) -> dict[str, Any]:
         """The request body of `request`, as every call of it is made (`build_payload`): the one
         builder, for the realtime calls and a provider's batch lines alike."""
-        return build_payload(request, self._config.model)
+        return build_payload(request, self._config.model, self._plan.payloads)
 
     def may_cache(self, payload: dict[str, Any]) -> bool:
         """Whether the result cache may hold (and takes) the answer to `payload`."""
@@ -377,31 +492,46 @@ class InferenceClient:
             attempts=attempts, endpoint=endpoint, started_ms=started_ms, completed_ms=now_ms(),
             cost=cost * price_factor if cost is not None else None, requested_model=str(sent["model"]))
 
-    async def _answer(self, request: Request, payload: dict[str, Any]) -> Completion:
+    async def _answer(self, request: Request, payload: dict[str, Any], batch: _Batch) -> Completion:
         """The model's answer; with `model.response_format`, a valid one (`StructuredOutput.until_valid`
-        asks again, above the retry layer, when an answer does not validate)."""
+        asks again, above the retry layer, when an answer does not validate). Once a call: each
+        answer validates or not on its own."""
         if self.structured is None:
-            return await self._call(request, payload)
-        return await self.structured.until_valid(lambda: self._call(request, payload),
+            return await self._call(request, payload, batch)
+        return await self.structured.until_valid(lambda: self._call(request, payload, batch),
                                                  on_invalid=self.metrics.invalid_answers.inc)
 
-    async def _call(self, request: Request, payload: dict[str, Any]) -> Completion:
-        """The model's answer to one record: alone, or in a micro-batch when `model.batch` says so."""
+    async def _call(self, request: Request, payload: dict[str, Any], batch: _Batch) -> Completion:
+        """The model's answer to one record: alone, or in a micro-batch when `model.batch` says so
+        (the micro-batch is the batcher's own grouping, by `model.batch.max_size` and its wait)."""
         if self._batcher is not None:
             return await self._batcher.submit((request, payload), batch_group(payload))
-        return await self._call_one(request, payload)
+        return await self._call_one(request, payload, batch)
 
     async def _call_entry(self, entry: Entry) -> Completion:
-        return await self._call_one(*entry)
+        batch = self._batch()  # a micro-batch's record sent alone: a batch of its own
+        try:
+            return await self._call_one(*entry, batch)
+        finally:
+            self._counted(batch)
 
-    async def _call_one(self, request: Request, payload: dict[str, Any]) -> Completion:
+    async def _call_one(self, request: Request, payload: dict[str, Any], batch: _Batch) -> Completion:
+        """One request's call and its answer read. Once a call: its budget charge and the rate
+        limiter's correction are its own usage (a later call's admission depends on them), as is
+        its latency (a distribution of calls); only the token counters wait for the batch."""
+        plan = batch.plan
         budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
-        estimated = sum(budgeted)
-        attempt = await self._attempts(payload, request.id, estimated, budgeted)
+        estimated = budgeted[0] + budgeted[1]
+        attempt = await self._attempts(payload, request.id, estimated, budgeted, batch)
         completion = self.completion_from(attempt.body, payload, attempts=attempt.attempts,
                                           started_ms=attempt.started_ms, latency_ms=attempt.latency_ms,
                                           endpoint=attempt.endpoint, sent=attempt.payload)
-        self._settle(estimated, responses.Usage(completion.prompt_tokens, completion.completion_tokens), budgeted)
+        if plan.paced:
+            self.rate_limiter.settle(estimated, completion.prompt_tokens + completion.completion_tokens)
+        if plan.budgeted:
+            self.budget.settle(budgeted, (completion.prompt_tokens, completion.completion_tokens))
+        batch.prompt += completion.prompt_tokens
+        batch.completion += completion.completion_tokens
         self.metrics.latency_ms.update(int(attempt.latency_ms))
         return completion
 
@@ -413,7 +543,7 @@ class InferenceClient:
         estimated = sum(estimates)
         body = batch_payload(payloads)
         label = f"{entries[0][0].id} (+{len(entries) - 1} in batch)"
-        attempt = await self._attempts(body, label, estimated, (estimated, 0))
+        attempt = await self._attempts(body, label, estimated, (estimated, 0), self._batch())
         with _counted(attempt.attempts):
             vectors = responses.batch_vectors(attempt.body, len(entries), self._config.model.embedding_dim)
         total = responses.batch_prompt_tokens(attempt.body, estimated)
@@ -442,15 +572,17 @@ class InferenceClient:
     # ------------------------------------------------------------------ the attempts of one request
 
     async def _attempts(self, payload: dict[str, Any], label: str, estimated: int,
-                        budgeted: tuple[int, int]) -> Attempt:
+                        budgeted: tuple[int, int], batch: _Batch) -> Attempt:
         """One request body through the spend budget, then `RetryPolicy` over attempts that each
-        wait for a concurrency slot and rate-limit tokens before they are sent."""
+        wait for a concurrency slot and rate-limit tokens before they are sent. Once a call: the
+        record deadline starts at this request's own first dispatch, and the retries are its own."""
         deadline = Deadline(self._config.async_.record_deadline_s)
         attempts = _Attempts(self.url, payload)
-        await self.budget.acquire(*budgeted)
+        if batch.plan.budgeted:
+            await self.budget.acquire(*budgeted)
 
         async def attempt(number: int) -> dict[str, Any]:
-            return await self._attempt(payload, label, number, estimated, deadline, attempts)
+            return await self._attempt(payload, label, number, estimated, deadline, attempts, batch)
 
         try:
             body = await self.retry.run(attempt, deadline)
@@ -460,27 +592,31 @@ class InferenceClient:
         return attempts.answered(body)
 
     async def _attempt(self, payload: dict[str, Any], label: str, number: int, estimated: int,
-                       deadline: Deadline, attempts: _Attempts) -> dict[str, Any]:
+                       deadline: Deadline, attempts: _Attempts, batch: _Batch) -> dict[str, Any]:
         """One attempt, the only one there is: a slot on the endpoint `Fleet` chooses (waiting while
         none may take it), rate-limit tokens (job-wide, then the endpoint's), the deadline started
         (at the first), the POST. Its `Outcome` (`udfs/inference/statuses.py`) and the answer's
         Retry-After go to `Fleet.release`, which feeds that endpoint's AIMD, pause and circuit; an
         endpoint that failed is avoided by this request's next attempt while another may take it.
         The error raised to `RetryPolicy` carries no Retry-After: the endpoint's pause is the one
-        wait for it, so in a fleet the retry may go to another endpoint at once."""
+        wait for it, so in a fleet the retry may go to another endpoint at once. Without a rate limit
+        (`_Plan.paced`) there are no tokens to wait for; the headers are the batch's. All of this
+        is once an attempt: the slot, the route and the tokens follow each answer."""
         endpoint = await self.fleet.acquire(attempts.tried, number)
         route = self.routes[endpoint.index]
         outcome, latency_s, retry_after_s = Outcome.NEUTRAL, None, None
         try:
-            await self.rate_limiter.acquire(estimated)
-            await route.rate_limiter.acquire(estimated)
+            if batch.plan.paced:
+                await self.rate_limiter.acquire(estimated)
+                await route.rate_limiter.acquire(estimated)
             deadline.start()
             if attempts.count:
                 self.metrics.retries.inc()
             sent_payload = route.payload(payload)
             sent = attempts.sending()
             try:
-                reply = await route.transport.post(sent_payload, label, number)
+                reply = await route.transport.post(sent_payload, label, number,
+                                                   batch.headers(endpoint.index, route.transport))
             except InferenceError as err:  # no usable answer: a timeout, a connection or TLS failure
                 outcome = of_error(err)
                 raise

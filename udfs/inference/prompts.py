@@ -106,10 +106,12 @@ def _chat_messages(request: Request, model: ModelConfig) -> list[dict[str, Any]]
     return messages
 
 
-def _settings(request: Request, model: ModelConfig) -> dict[str, Any]:
+def _settings(request: Request | None, model: ModelConfig) -> dict[str, Any]:
+    """The model's settings, with `request`'s own params over them (none: the model's alone)."""
     settings: dict[str, Any] = {"model": model.model, "max_tokens": model.max_tokens,
                                 "temperature": model.temperature}
-    settings.update((k, v) for k, v in request.params.items() if k in OVERRIDABLE_PARAMS)
+    if request is not None:
+        settings.update((k, v) for k, v in request.params.items() if k in OVERRIDABLE_PARAMS)
     return {k: v for k, v in settings.items() if v is not None}
 
 
@@ -120,11 +122,49 @@ def _native_format(model: ModelConfig) -> dict[str, Any]:
     return {}
 
 
-def build_payload(request: Request, model: ModelConfig) -> dict[str, Any]:
+class Payloads:
+    """The request bodies of many records for one `model`: what every body shares (the model's
+    settings, the system prompt and its token estimate, the schema's `response_format`) is made
+    once, when the client opens, and only each record's own part (its params, its prompt filled in,
+    the fit to `model.max_input_tokens`) per record. `build_payload` is the same for one record."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        self._model = model
+        self._settings = _settings(None, model)
+        self._system = _system_text(model)
+        self._system_tokens = estimate_tokens(self._system) if self._system else 0
+        self._native = _native_format(model)
+
+    def build(self, request: Request) -> dict[str, Any]:
+        """The request body of `request` (as `build_payload`); raises `BadInput` or `ContextTooLong`."""
+        model = self._model
+        if model.api != "chat":
+            return _plain_payload(request, model)
+        settings = _settings(request, model) if request.params else self._settings
+        return {**settings, "messages": self._messages(request), **self._native}
+
+    def _messages(self, request: Request) -> list[dict[str, Any]]:
+        """A chat's messages: the system prompt and the record's text, as `_chat_messages` makes them,
+        which still makes them for a record's own messages and for input that must be fitted."""
+        if request.messages is not None:
+            return _chat_messages(request, self._model)
+        user = fill_template(request, self._model.prompt_template)
+        if self._system_tokens + estimate_tokens(user) > self._model.max_input_tokens:
+            return _chat_messages(request, self._model)
+        if self._system:
+            return [{"role": "system", "content": self._system}, {"role": "user", "content": user}]
+        return [{"role": "user", "content": user}]
+
+
+def build_payload(request: Request, model: ModelConfig, shared: Payloads | None = None) -> dict[str, Any]:
     """The request body for `model.api`; raises `BadInput` or `ContextTooLong` before any call.
-    With `model.response_format` the body asks for the schema (see udfs/inference/structured.py)."""
-    if model.api == "chat":
-        return {**_settings(request, model), "messages": _chat_messages(request, model), **_native_format(model)}
+    With `model.response_format` the body asks for the schema (see udfs/inference/structured.py).
+    `shared`: `Payloads(model)` made once for many records (none: made for this one)."""
+    return (shared if shared is not None else Payloads(model)).build(request)
+
+
+def _plain_payload(request: Request, model: ModelConfig) -> dict[str, Any]:
+    """The body of a completions or embeddings call."""
     if request.messages is not None:
         raise BadInput("messages_unsupported", f"model.api '{model.api}' takes a prompt, not chat messages")
     text = fill_template(request, model.prompt_template)

@@ -128,7 +128,8 @@ class Transport:
             self._session_loop = loop
         return self._session
 
-    def _request_headers(self) -> dict[str, str]:
+    def request_headers(self) -> dict[str, str]:
+        """The headers of a model call, the API key read now: a batch of calls reads them once."""
         headers = dict(self._headers)
         key = self._api_key()
         if key:
@@ -151,10 +152,12 @@ class Transport:
         to `MAX_DETAIL_CHARS`, in that order, so a cut never leaves part of a secret behind."""
         return self.redact(text)[:MAX_DETAIL_CHARS]
 
-    async def post(self, payload: dict[str, Any], label: str, attempt: int) -> Reply:
+    async def post(self, payload: dict[str, Any], label: str, attempt: int,
+                   headers: dict[str, str] | None = None) -> Reply:
         """One HTTP call: the server's answer as a `Reply` (a 2xx's parsed body, or a non-2xx's error
         and `Retry-After`); raises `RetryableError`/`PermanentError` when no usable answer came
-        (a timeout, a connection or TLS failure, a 2xx body that is not a JSON object)."""
+        (a timeout, a connection or TLS failure, a 2xx body that is not a JSON object). `headers`:
+        `request_headers()` as the caller's batch read them (none: read now)."""
         session = self._session_in_loop()
         self._metrics.requests.inc()
         self._metrics.in_flight += 1
@@ -162,7 +165,8 @@ class Transport:
         try:
             # The body as orjson writes it (`fastjson`): aiohttp's `json=` wants a str, which would
             # be decoded from those bytes only to be encoded again.
-            async with session.post(self.url, data=fastjson.dumps(payload), headers=self._request_headers(),
+            async with session.post(self.url, data=fastjson.dumps(payload),
+                                    headers=headers if headers is not None else self.request_headers(),
                                     allow_redirects=False) as response:
                 status = response.status
                 if 200 <= status < 300:

@@ -9,12 +9,17 @@ through `InferenceClient` (retries, deadlines, fleet, cache, budget), the user's
 around it (`model.preprocess`, `output.postprocess`: `udfs/lanes/user_functions.py`), the output
 record, the forwarded headers, and the one place a record becomes a dead letter. Nothing here raises for a
 record: every failure is a dead letter with its reason.
+
+A lane with a batch of records in hand (the vectorized lane's Arrow batch) hands it over whole:
+`call_many` makes its calls as one batch through the client's one entry
+(`InferenceClient.complete_many`) and writes their rows in one pass, the output settings read once
+a batch. A record's own call (`call`) is that entry with a batch of one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +146,51 @@ class RecordPath:
             log.exception("unexpected error in inference for id=%s", request.id)
             failure = InternalError.from_exception(err)
         return self.dead_letter(failure, record, request.id)
+
+    @property
+    def batches(self) -> bool:
+        """Whether a batch's calls may go to the client as one batch (`call_many`): when no user
+        function runs. A preprocess makes each request and a postprocess each row, awaited for each
+        record between its call and the next step, so with either a lane calls `call` per record."""
+        return self._user is None
+
+    async def call_many(self, calls: Sequence[tuple[Request, PendingRecord]], into: list[Settled | None]) -> None:
+        """Each call's outcome into `into` (in order): the batch's calls made as one batch by the
+        client (`InferenceClient.complete_many`, at most `async.capacity` at once), then each answer's
+        row or dead letter, as `call` makes them. Never raises for a record; when the caller cancels
+        it (a batch past its guard), the calls that ended are written and the rest stay None. Only
+        where `batches` holds."""
+        answers: list[Completion | RecordError | None] = [None] * len(calls)
+        try:
+            await self._client.complete_many([request for request, _ in calls], into=answers)
+        finally:
+            self._written(calls, answers, into)
+
+    def _written(self, calls: Sequence[tuple[Request, PendingRecord]],
+                 answers: Sequence[Completion | RecordError | None], into: list[Settled | None]) -> None:
+        """The rows of a batch's answers, the output settings read once for the batch (the topic, the
+        size limit, the format, whether headers are forwarded); each row is the record's own."""
+        topic, max_bytes, fmt = self._config.kafka.output_topic, self._config.limits.max_result_bytes, self._formats.output
+        forwards = self._config.kafka.forward_headers != "none"
+        for i, ((request, record), answer) in enumerate(zip(calls, answers, strict=True)):
+            if answer is None:
+                continue
+            failure: RecordError
+            if isinstance(answer, RecordError):
+                if isinstance(answer, InternalError):
+                    log.error("internal error in inference for id=%s: %s", request.id, answer.detail)
+                failure = answer
+            else:
+                try:
+                    into[i] = Settled(result_row(request, answer, topic, max_bytes,
+                                                 self.forwarded(record) if forwards else {}, fmt))
+                    continue
+                except RecordError as err:
+                    failure = err
+                except Exception as err:
+                    log.exception("unexpected error in inference for id=%s", request.id)
+                    failure = InternalError.from_exception(err)
+            into[i] = self.dead_letter(failure, record, request.id)
 
     async def shape(self, request: Request, record: PendingRecord) -> Request | Settled:
         """The request the preprocess makes of `request` (itself without one), or what the record

@@ -4,8 +4,10 @@ keyed stage, for fast models and embedding backfills.
 The keyed stage moves every record across into Python alone and through keyed `MapState`; that
 crossing and that state are most of a record's CPU when the model answers in a millisecond. Here
 Flink hands Python a whole Arrow batch of records (`vectorized.batch_size` rows) at once; the
-function starts every call of the batch on its call loop (at most `async.capacity` at a time),
-waits for all of them, and returns one outgoing record per input row, in input order. The rules
+function hands the batch's calls whole to the client's batch entry on its call loop
+(`RecordPath.call_many` -> `InferenceClient.complete_many`, at most `async.capacity` at a time, what
+every call shares paid once), waits for all of them, and returns one outgoing record per input
+row, in input order. The rules
 for a record are every lane's (`udfs/lanes/record_path.py`): the same decode, client
 (retries, per-attempt and per-record deadlines, rate limits, AIMD, fleet, cache), output record
 and dead letters; set-up and emitting are `udfs/lanes/base.py`'s `LaneParts`. The lane decides only
@@ -56,6 +58,11 @@ DEADLINE_SLACK_S = 30.0
 """How long past `async.record_deadline_s` a batch may take before its unfinished calls are given
 up as `internal_error` dead letters: the client's own deadline ends every call first; this only
 keeps a bug from holding the lane (and every checkpoint) forever."""
+
+
+CANCEL_WAIT_S = 1.0
+"""How long a batch given up at its guard waits for its cancelled calls to end, so that the answers
+that came are kept; a call that ignores its cancellation is not waited for longer."""
 
 
 def _epoch_ms(ts: Any) -> int | None:
@@ -165,10 +172,52 @@ class VectorizedInference(ScalarFunction):
         return outcomes
 
     async def _batch(self, calls: list[tuple[int, Request, PendingRecord]], timeout_s: float) -> list[Settled]:
+        """The batch's outcomes, in order. Without user functions the whole batch is one call of
+        the record path (`RecordPath.call_many`: the client's batch entry, its rows written in one
+        pass); with them, the calls by `async.capacity` workers, each taking the next call when its
+        last ends (`_each`). Either way a call that outlives `timeout_s` is an `internal_error`."""
+        answers: list[Settled | None] = [None] * len(calls)
+        if self._path.batches:
+            await self._whole(calls, answers, timeout_s)
+        else:
+            await self._each(calls, answers, timeout_s)
+        out: list[Settled] = []
+        for answer, (_, request, record) in zip(answers, calls, strict=True):
+            if answer is None:
+                answer = self._parts.internal(f"the call did not end within {timeout_s:g} s, past its own deadline",
+                                              record, request.id)
+            out.append(answer)
+        return out
+
+    async def _whole(self, calls: list[tuple[int, Request, PendingRecord]], answers: list[Settled | None],
+                     timeout_s: float) -> None:
+        """The batch through `RecordPath.call_many`; `admitted` is the batch's workers while it runs
+        (the gauge is read between batches, where it is 0). A raise from it is a bug: the calls it
+        left unanswered are `internal_error` dead letters."""
+        workers = min(self._config.async_.capacity, len(calls))
+        self._metrics.admitted += workers
+        task = asyncio.ensure_future(self._path.call_many([(request, record) for _, request, record in calls],
+                                                          answers))
+        try:
+            await asyncio.wait([task], timeout=timeout_s)
+        finally:
+            self._metrics.admitted -= workers
+        if not task.done():
+            task.cancel()  # its calls end, and the answers that came are written as rows (`call_many`)
+            await asyncio.wait([task], timeout=CANCEL_WAIT_S)
+        elif task.exception() is not None:
+            err = task.exception()
+            assert err is not None
+            log.error("unexpected error calling a batch", exc_info=err)
+            for i, (_, request, record) in enumerate(calls):
+                if answers[i] is None:
+                    answers[i] = self._parts.internal(err, record, request.id)
+
+    async def _each(self, calls: list[tuple[int, Request, PendingRecord]], answers: list[Settled | None],
+                    timeout_s: float) -> None:
         """The batch's calls by `async.capacity` workers, each taking the next call when its last
         ends: the same bound as a task a call behind a semaphore, without a task and a wait in
         line for each of a batch's thousand records."""
-        answers: list[Settled | None] = [None] * len(calls)
         queue = iter(range(len(calls)))  # shared: each call is taken by one worker
 
         async def worker() -> None:
@@ -187,13 +236,6 @@ class VectorizedInference(ScalarFunction):
         await asyncio.wait(workers, timeout=timeout_s)
         for task in workers:
             task.cancel()
-        out: list[Settled] = []
-        for answer, (_, request, record) in zip(answers, calls, strict=True):
-            if answer is None:
-                answer = self._parts.internal(f"the call did not end within {timeout_s:g} s, past its own deadline",
-                                              record, request.id)
-            out.append(answer)
-        return out
 
 
 def vectorized_function(config: JobConfig, cache_file: str | None = None) -> UserDefinedScalarFunctionWrapper:

@@ -258,6 +258,28 @@ def test_the_server_never_sees_more_than_capacity_in_flight(make_sim: Callable[.
     assert 4 <= stats["max_in_flight"] <= 8
 
 
+def test_a_batch_is_answered_in_order_within_capacity_each_request_with_its_answer_or_its_error(
+        make_sim: Callable[..., ThreadedSimulator]) -> None:
+    """`complete_many`: one answer a request, in order; a request that fails is its own error in its
+    place (the rest answered); never more than `async.capacity` at the server; the tokens counted."""
+    sim = make_sim(latency="fixed:30", max_input_tokens=20)
+    config = job_config(sim.url, model={"api": "embeddings"}, async_={"capacity": 8})
+    requests = [request(f"input {i}", id=f"r-{i}") for i in range(40)]
+    requests[17] = request("far too long " * 40, id="r-17")  # over the server's input limit: a 400
+
+    async def batch() -> tuple[list[Any], InferenceMetrics]:
+        async with InferenceClient(config) as client:
+            return await client.complete_many(requests), client.metrics
+
+    answers, metrics = run(batch)
+    assert len(answers) == 40
+    assert type(answers[17]) is PermanentError and answers[17].status == 400 and answers[17].attempts == 1
+    answered = [a for i, a in enumerate(answers) if i != 17]
+    assert all(isinstance(a, Completion) and len(a.output) == 16 for a in answered)
+    assert 4 <= sim.stats()["max_in_flight"] <= 8
+    assert metrics.snapshot()["prompt_tokens"] == sum(a.prompt_tokens for a in answered)
+
+
 def test_aimd_cuts_concurrency_in_a_429_storm_and_grows_it_back(make_sim: Callable[..., ThreadedSimulator]) -> None:
     """Every answer a 429 with Retry-After 1 s until the limit has been cut to a quarter (one cut
     per wave of retries: how many waves fit in a fixed storm depends on the machine's speed, so
@@ -312,6 +334,40 @@ def test_a_sustained_rate_limit_slows_records_but_does_not_dead_letter_them(sim:
 
 
 # ------------------------------------------------------------------ secrets, errors, cleanup
+
+
+def test_a_batch_reads_the_api_key_once_and_a_rotated_key_is_sent_from_the_next_batch(
+        make_sim: Callable[..., ThreadedSimulator], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key (an environment variable here, a file's read in production) is read once a batch,
+    not once a call; the next batch, or a call of its own, reads it again."""
+    sim = make_sim(api_key=SECRET)
+    config = job_config(sim.url, model={"api_key_env": KEY_ENV}, async_={"capacity": 4})
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    reads = 0
+    read = client_module.Transport.request_headers
+
+    def counted(self: Any) -> dict[str, str]:
+        nonlocal reads
+        reads += 1
+        return read(self)
+
+    monkeypatch.setattr(client_module.Transport, "request_headers", counted)
+
+    async def batches() -> tuple[list[Any], list[Any], Exception | None]:
+        async with InferenceClient(config) as client:
+            first = await client.complete_many([request(id=f"r-{i}") for i in range(12)])
+            monkeypatch.setenv(KEY_ENV, "sk-llmstream-rotated-0c4d")  # the server refuses this one
+            second = await client.complete_many([request(id=f"s-{i}") for i in range(3)])
+            try:
+                await client.complete(request())
+            except PermanentError as err:
+                return first, second, err
+            return first, second, None
+
+    first, second, alone = run(batches)
+    assert all(isinstance(a, Completion) for a in first)
+    assert all(type(a) is PermanentError and a.status == 401 for a in second)
+    assert type(alone) is PermanentError and reads == 3
 
 
 def test_the_api_key_never_appears_in_logs_errors_or_outputs(

@@ -140,6 +140,8 @@ def test_a_batchs_calls_keep_to_capacity_and_a_call_that_fails_or_outlives_the_b
     peak = 0
 
     class Path:
+        batches = False  # a call at a time, as with user functions: the workers are what is tested
+
         async def call(self, request: Request, record: PendingRecord) -> Any:
             nonlocal peak
             running.append(1)
@@ -170,3 +172,44 @@ def test_a_batchs_calls_keep_to_capacity_and_a_call_that_fails_or_outlives_the_b
         f"dead {rid}: internal_error" if rid in ("boom", "hang") else f"answer {rid}" for rid in ids]
     assert [a.dead_letter_reason for a in answers].count("internal_error") == 2
     assert peak == 3 and function._metrics.admitted == 0
+
+
+@pytest.mark.parametrize("ending", ["hangs", "raises"])
+def test_a_whole_batch_that_hangs_or_raises_keeps_its_answers_and_dead_letters_the_rest(ending: str) -> None:
+    """Without user functions `_batch` hands the batch to `RecordPath.call_many` whole: what it
+    answered before it hung past the guard or raised (a bug) is kept, each other row is an
+    `internal_error` dead letter, and `admitted` is back to 0."""
+    import asyncio
+
+    from udfs.lanes.base import LaneParts
+    from udfs.lanes.record_path import Settled
+    from udfs.metrics import InferenceMetrics
+    from udfs.records import PendingRecord, Request
+
+    config = config_from_dict(_vectorized(**{"async": {"capacity": 3}}))
+    function = VectorizedInference(config)
+
+    class Path:
+        batches = True
+
+        async def call_many(self, calls: list[tuple[Request, PendingRecord]], into: list[Any]) -> None:
+            for i, (request, _) in enumerate(calls[:4]):
+                into[i] = Settled(f"answer {request.id}")  # type: ignore[arg-type]  # a row stands in
+            if ending == "raises":
+                raise RuntimeError("a bug")
+            await asyncio.Event().wait()  # never set
+
+        def dead_letter(self, err: Any, record: PendingRecord, request_id: str | None = None) -> Any:
+            return Settled(f"dead {request_id}: {err.reason}", err.reason)  # type: ignore[arg-type]
+
+    function._path = Path()  # type: ignore[assignment]
+    function._metrics = InferenceMetrics(None)
+    function._parts = LaneParts(config, function._metrics, None, None, function._path, None)  # type: ignore[arg-type]
+    calls = []
+    for i in range(7):
+        record = PendingRecord(None, b"{}", "in", 0, i)
+        calls.append((i, Request(id=f"r{i}", key=None, source=record.source), record))
+    answers = asyncio.run(function._batch(calls, timeout_s=0.5))
+    assert [a.row for a in answers] == [f"answer r{i}" for i in range(4)] + [
+        f"dead r{i}: internal_error" for i in range(4, 7)]
+    assert function._metrics.admitted == 0
