@@ -134,6 +134,8 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
                 assert "resuming from" in text or "no snapshot" in text, text[-2000:]
         consumed = sum(kafka_admin.committed_offsets(setup.bootstrap, setup.config.kafka.group_id,
                                                      setup.input_topic).values())
+        # The group's offsets move with each completed checkpoint: all of them would mean the last
+        # interruptions stopped a job with nothing left to do.
         assert consumed < len(records), f"all {len(records)} ids were read before the last interruption"
         code, out = _ran(setup.path, tmp_path / "run-final.log", "--until-end")
         assert code == 0, out[-3000:]
@@ -149,9 +151,9 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
             started=started, restarts=len(kinds),
             notes=f"model calls per record {served / len(records):.2f}; "
                   f"resumed from state {resumed + 1}/{len(kinds) + 1} runs; "
-                  f"{consumed} of {len(records)} ids read before the final run",
+                  f"input offsets committed before the final run {consumed} of {len(records)}",
             calls_per_record=round(served / len(records), 3), runs_resumed=resumed,
-            sigint_with_savepoint=stopped_with_savepoint, read_before_final=consumed)
+            sigint_with_savepoint=stopped_with_savepoint, offsets_committed_before_final=consumed)
     check_exactly_once(result)
     # The first run has nothing to resume from; a run killed before its first checkpoint leaves none.
     assert resumed >= (2 * len(kinds)) // 3, f"only {resumed} of {len(kinds)} runs resumed from a snapshot: {outcomes}"
