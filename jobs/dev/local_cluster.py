@@ -642,6 +642,15 @@ class LocalCluster(FlinkRest):
         self._forget_pid("taskexecutor", target)
         return target
 
+    def replace_taskmanager(self, job_id: str, *, start_timeout: float = 120.0, running_timeout: float = 180.0) -> int:
+        """SIGKILL the (newest) TaskManager, start a new one and wait until `job_id` runs again: a host
+        that loses its TaskManager and a supervisor that starts another, as the fault tests make it.
+        Returns the killed pid."""
+        killed = self.kill_taskmanager()
+        self.add_taskmanager(timeout=start_timeout)
+        self.wait_for_job_state(job_id, "RUNNING", timeout=running_timeout)
+        return killed
+
     def reap_orphans(self, grace_s: float = 0.0) -> list[int]:
         """Kill Python workers of killed TaskManagers still alive after ``grace_s``; returns their pids."""
         survivors = wait_gone(self._orphans, grace_s, poll_s=0.2)

@@ -87,9 +87,7 @@ def test_a_taskmanager_killed_while_batches_are_live_pays_for_nothing_twice(
     # 1,500 records at once and its batches end within seconds of each other, so on a slow machine
     # the output went from none to all between two looks (CI, 2026-12-06).
     wait_until(live, timeout=180, interval=0.2, message="a batch live at the provider")
-    cluster.kill_taskmanager()
-    cluster.add_taskmanager(timeout=120)
-    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+    cluster.replace_taskmanager(run.job_id)
     result = run.finish(timeout=400)
     check_exactly_once(result)
     assert run.restarts() >= 1

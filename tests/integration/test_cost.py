@@ -59,9 +59,7 @@ def report(fault_report: FaultReport, name: str, run: Run, result: Tally, simula
 
 def kill_taskmanager_mid_stream(cluster: LocalCluster, run: Run) -> None:
     run.wait_mid_stream(0.3)
-    cluster.kill_taskmanager()
-    cluster.add_taskmanager(timeout=120)
-    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+    cluster.replace_taskmanager(run.job_id)
 
 
 # ---------------------------------------------------------------------- calls per record with a crash

@@ -74,9 +74,7 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one_in_the_vectorized_lane(
     run.wait_mid_stream(0.2)
     committed_at_kill = run.reader.unique_ids()
     killed_at = time.monotonic()
-    killed = cluster.kill_taskmanager()
-    cluster.add_taskmanager(timeout=120)
-    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+    killed = cluster.replace_taskmanager(run.job_id)
     running_again = time.monotonic()
     result = run.finish()
     orphans = cluster.reap_orphans(grace_s=2)
@@ -254,9 +252,7 @@ def test_taskmanager_sigkill_cancel_resubmit_and_stop_with_savepoint_in_one_stre
     run.wait_mid_stream(0.15)
     committed_at_kill = run.reader.unique_ids()
     killed_at = time.monotonic()
-    killed = cluster.kill_taskmanager()
-    cluster.add_taskmanager(timeout=120)
-    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+    killed = cluster.replace_taskmanager(run.job_id)
     running_again = time.monotonic()
     killed_job = run.job_id
 
@@ -355,9 +351,7 @@ def test_calls_in_flight_at_a_savepoint_and_at_a_taskmanager_sigkill_are_made_ag
     committed_at_kill = run.reader.unique_ids()
     assert committed_at_kill < SLOW_RECORDS, "the stream finished before the kill"
     killed_at = time.monotonic()
-    cluster.kill_taskmanager()
-    cluster.add_taskmanager(timeout=120)
-    cluster.wait_for_job_state(run.job_id, "RUNNING", timeout=180)
+    cluster.replace_taskmanager(run.job_id)
     result = run.finish()
     cluster.reap_orphans(grace_s=2)
     check_exactly_once(result)

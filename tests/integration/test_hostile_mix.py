@@ -188,9 +188,7 @@ def test_a_hostile_endpoint_bad_records_and_a_taskmanager_kill_at_once(
                    message="a fifth of the records committed before the kill")
         assert committed() < len(records), "the input ran out before the kill: raise GOOD"
         before_kill = cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S)
-        cluster.kill_taskmanager()
-        cluster.add_taskmanager(timeout=120)
-        cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
+        cluster.replace_taskmanager(job_id)
         after_kill = cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S)
         wait_until(lambda: committed() >= len(records), timeout=600, interval=1,
                    message="every record committed by the job's consumer group")

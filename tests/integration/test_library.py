@@ -216,9 +216,7 @@ def test_the_example_job_survives_a_taskmanager_kill_every_id_once(
     run.wait_mid_stream(0.2, timeout=240)
     committed_at_kill = reader.unique_ids()
     killed_at = time.monotonic()
-    cluster.kill_taskmanager()
-    cluster.add_taskmanager(timeout=120)
-    cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
+    cluster.replace_taskmanager(job_id)
     result = run.finish(timeout=420)
     cluster.reap_orphans(grace_s=2)
 

@@ -137,9 +137,7 @@ def test_per_key_order_and_tombstones_survive_a_taskmanager_kill(
     assert reader.count() < total, "the stream finished before the kill"
     committed_at_kill = reader.count()
     killed_at = time.monotonic()
-    cluster.kill_taskmanager()
-    cluster.add_taskmanager(timeout=120)
-    cluster.wait_for_job_state(job_id, "RUNNING", timeout=180)
+    cluster.replace_taskmanager(job_id)
     finish(cluster, reader, job_id, total)
     cluster.reap_orphans(grace_s=2)
     restarts = cluster.num_restarts(job_id, settle_s=METRICS_SETTLE_S)

@@ -346,9 +346,7 @@ def test_a_taskmanager_killed_with_state_on_s3_restores_from_the_bucket_and_lose
 
         killed_at = time.monotonic()
         committed_at_kill = reader.unique_ids()
-        cluster.kill_taskmanager()
-        cluster.add_taskmanager(timeout=180)
-        cluster.wait_for_job_state(job, "RUNNING", timeout=300)
+        cluster.replace_taskmanager(job, start_timeout=180, running_timeout=300)
         running_at = time.monotonic()
         assert reader.wait_for(len(ids), 900, check=lambda: cluster.job_status(job) != "FAILED"), cluster.failure(job)
         first = reader.first_arrival_after(running_at)
