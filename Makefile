@@ -90,7 +90,7 @@ test: venv jars redis docker lint typecheck
 # The documented full fault run: the 5-minute memory test, 15 interrupted runs, the cost test's control,
 # the outage tests in both lanes, a broker frozen long enough that Flink stops a mini cluster's TaskManager.
 fault: venv jars redis docker
-	LLMSTREAM_MEMORY_TEST_SECONDS=300 LLMSTREAM_INTERRUPTED_RUNS=15 LLMSTREAM_COST_CONTROL=1 LLMSTREAM_FAULT_LANES=both \
+	LLMSTREAM_MEMORY_TEST_SECONDS=300 LLMSTREAM_INTERRUPTED_RUNS=15 LLMSTREAM_COST_CONTROL=1 LLMSTREAM_COST_RECORDS=5000 LLMSTREAM_FAULT_LANES=both \
 		LLMSTREAM_LONG_FAULTS=1 \
 		$(BIN)/python -m pytest tests -q -m fault $(PYTEST_ARGS)
 
