@@ -181,7 +181,7 @@ class _Batch:
     """What a batch of calls shares while it runs: the `plan`, the request headers of each route
     it sends to (`headers`: the API key read at the batch's first call to that route, not at every
     call), and the tokens its calls counted, added to the job's counters once when it ends
-    (`InferenceClient._counted`)."""
+    (`InferenceClient._batch`)."""
 
     __slots__ = ("_headers", "completion", "plan", "prompt")
 
@@ -317,8 +317,18 @@ class InferenceClient:
 
     # ------------------------------------------------------------------ the entry: a batch of requests
 
-    def _batch(self) -> _Batch:
-        return _Batch(self._plan)
+    @contextmanager
+    def _batch(self) -> Iterator[_Batch]:
+        """A batch of calls while it runs; its token counters go to the job's metrics once, when it
+        ends, whether it ended well or not."""
+        batch = _Batch(self._plan)
+        try:
+            yield batch
+        finally:
+            if batch.prompt:
+                self.metrics.prompt_tokens.inc(batch.prompt)
+            if batch.completion:
+                self.metrics.completion_tokens.inc(batch.completion)
 
     async def complete_many(self, requests: Sequence[Request], *,
                             into: list[Completion | RecordError | None] | None = None,
@@ -330,32 +340,25 @@ class InferenceClient:
         request not answered yet), so a caller that gives up on a batch that outlives its guard
         (cancelling this) keeps the answers that came. A batch of one is `complete`."""
         answers: list[Completion | RecordError | None] = into if into is not None else [None] * len(requests)
-        batch = self._batch()
         pending = iter(range(len(requests)))  # shared: each request is taken by one worker
+        with self._batch() as batch:
+            async def worker() -> None:
+                for i in pending:
+                    answers[i] = await self._settled(requests[i], batch)
 
-        async def worker() -> None:
-            for i in pending:
-                answers[i] = await self._settled(requests[i], batch)
-
-        try:
             workers = min(self._config.async_.capacity, len(requests))
             if workers == 1:
                 await worker()
             elif workers:
                 await asyncio.gather(*(worker() for _ in range(workers)))
-        finally:
-            self._counted(batch)
         return answers
 
     async def complete(self, request: Request) -> Completion:
         """The model's answer to `request`, after any retries: a batch of one (`complete_many`), its
         error raised (see the class for what it raises). In a job with a provider-batch lane the
         answer says it came from a call of its own (`lane`)."""
-        batch = self._batch()
-        try:
+        with self._batch() as batch:
             answer = await self._settled(request, batch)
-        finally:
-            self._counted(batch)
         if isinstance(answer, RecordError):
             raise answer from None
         return answer
@@ -380,12 +383,6 @@ class InferenceClient:
             log.debug("request %s: unexpected %s", request.id,
                       self._redact("".join(traceback.format_exception(err))))
             return InternalError(self._redact(f"{type(err).__name__}: {err}")[:MAX_INTERNAL_DETAIL_CHARS])
-
-    def _counted(self, batch: _Batch) -> None:
-        if batch.prompt:
-            self.metrics.prompt_tokens.inc(batch.prompt)
-        if batch.completion:
-            self.metrics.completion_tokens.inc(batch.completion)
 
     def _redact(self, text: str) -> str:
         for route in self.routes:
@@ -509,29 +506,21 @@ class InferenceClient:
         return await self._call_one(request, payload, batch)
 
     async def _call_entry(self, entry: Entry) -> Completion:
-        batch = self._batch()  # a micro-batch's record sent alone: a batch of its own
-        try:
+        with self._batch() as batch:  # a micro-batch's record sent alone: a batch of its own
             return await self._call_one(*entry, batch)
-        finally:
-            self._counted(batch)
 
     async def _call_one(self, request: Request, payload: dict[str, Any], batch: _Batch) -> Completion:
         """One request's call and its answer read. Once a call: its budget charge and the rate
         limiter's correction are its own usage (a later call's admission depends on them), as is
         its latency (a distribution of calls); only the token counters wait for the batch."""
-        plan = batch.plan
         budgeted = (input_tokens(payload), int(payload.get("max_tokens") or 0))
         estimated = budgeted[0] + budgeted[1]
         attempt = await self._attempts(payload, request.id, estimated, budgeted, batch)
         completion = self.completion_from(attempt.body, payload, attempts=attempt.attempts,
                                           started_ms=attempt.started_ms, latency_ms=attempt.latency_ms,
                                           endpoint=attempt.endpoint, sent=attempt.payload)
-        if plan.paced:
-            self.rate_limiter.settle(estimated, completion.prompt_tokens + completion.completion_tokens)
-        if plan.budgeted:
-            self.budget.settle(budgeted, (completion.prompt_tokens, completion.completion_tokens))
-        batch.prompt += completion.prompt_tokens
-        batch.completion += completion.completion_tokens
+        self._settle(estimated, responses.Usage(completion.prompt_tokens, completion.completion_tokens), budgeted,
+                     batch)
         self.metrics.latency_ms.update(int(attempt.latency_ms))
         return completion
 
@@ -543,11 +532,12 @@ class InferenceClient:
         estimated = sum(estimates)
         body = batch_payload(payloads)
         label = f"{entries[0][0].id} (+{len(entries) - 1} in batch)"
-        attempt = await self._attempts(body, label, estimated, (estimated, 0), self._batch())
-        with _counted(attempt.attempts):
-            vectors = responses.batch_vectors(attempt.body, len(entries), self._config.model.embedding_dim)
-        total = responses.batch_prompt_tokens(attempt.body, estimated)
-        self._settle(estimated, responses.Usage(total, 0), (estimated, 0))
+        with self._batch() as batch:
+            attempt = await self._attempts(body, label, estimated, (estimated, 0), batch)
+            with _counted(attempt.attempts):
+                vectors = responses.batch_vectors(attempt.body, len(entries), self._config.model.embedding_dim)
+            total = responses.batch_prompt_tokens(attempt.body, estimated)
+            self._settle(estimated, responses.Usage(total, 0), (estimated, 0), batch)
         model = responses.model_name(attempt.body, attempt.payload)
         completed_ms = now_ms()
         out: list[Completion | BaseException] = []
@@ -561,13 +551,16 @@ class InferenceClient:
                 requested_model=str(attempt.payload["model"])))
         return out
 
-    def _settle(self, estimated: int, usage: responses.Usage, budgeted: tuple[int, int]) -> None:
+    def _settle(self, estimated: int, usage: responses.Usage, budgeted: tuple[int, int], batch: _Batch) -> None:
         """Corrects the rate limiter's and the budget's charge from the estimate to the usage
-        reported, and counts the tokens."""
-        self.rate_limiter.settle(estimated, usage.total)
-        self.budget.settle(budgeted, (usage.prompt_tokens, usage.completion_tokens))
-        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
-        self.metrics.completion_tokens.inc(usage.completion_tokens)
+        reported (once a call: a later call's admission depends on it; neither when the plan has
+        none), and adds the tokens to the batch's counters."""
+        if batch.plan.paced:
+            self.rate_limiter.settle(estimated, usage.total)
+        if batch.plan.budgeted:
+            self.budget.settle(budgeted, (usage.prompt_tokens, usage.completion_tokens))
+        batch.prompt += usage.prompt_tokens
+        batch.completion += usage.completion_tokens
 
     # ------------------------------------------------------------------ the attempts of one request
 
