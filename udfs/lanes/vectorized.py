@@ -205,9 +205,7 @@ class VectorizedInference(ScalarFunction):
         if not task.done():
             task.cancel()  # its calls end, and the answers that came are written as rows (`call_many`)
             await asyncio.wait([task], timeout=CANCEL_WAIT_S)
-        elif task.exception() is not None:
-            err = task.exception()
-            assert err is not None
+        elif (err := task.exception()) is not None:
             log.error("unexpected error calling a batch", exc_info=err)
             for i, (_, request, record) in enumerate(calls):
                 if answers[i] is None:
