@@ -105,64 +105,6 @@ class RestWatcher(threading.Thread):
         self.join(timeout=10)
 
 
-def test_run_over_scram_every_id_once_and_the_secrets_appear_nowhere(
-        secured: Secured, secure_broker: SecureBroker, tmp_path: Path) -> None:
-    """`llmstream -v run --until-end` over SASL_SSL/SCRAM with two input topics, the password in a
-    file, the API key in an environment variable (`model.api_key_env`, which reaches the Python
-    worker's environment, and Beam would print that) and a header's value in a file: every id once
-    with its traceparent; then the canary hunt."""
-    api_key = f"sk-canary-{uuid.uuid4().hex}"
-    header_secret = f"hdr-canary-{uuid.uuid4().hex}"
-    header_file = tmp_path / "header-secret"
-    header_file.write_text(header_secret + "\n")
-    header_file.chmod(0o600)
-    password = secure_broker.password_file(JOB).read_text().strip()
-    config, names = secured(model={"api_key_env": "LLMSTREAM_CANARY_API_KEY", "api_key_file": None,
-                                   "headers": {"X-Api-Key": f"${{file:{header_file}}}"}})
-    path = write_config(config, tmp_path)
-    ids = _produce(secure_broker, names, 300, "scram")
-    state_dir = Path(str(config.checkpointing.directory))
-
-    def rest_url() -> str | None:
-        try:
-            return str(json.loads((state_dir / "run.json").read_text())["rest_url"])
-        except (OSError, ValueError, KeyError):
-            return None
-
-    with_key = {**SHELL_ENV, "LLMSTREAM_CANARY_API_KEY": api_key}
-    watcher = RestWatcher(rest_url)
-    watcher.start()
-    archives = tmp_path / "jvm"  # this run makes its JVM's class archive, a file llmstream writes too
-    try:
-        done = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "run", "--config", str(path), "--until-end"],
-                              capture_output=True, timeout=900,
-                              env={**with_key, DIR_ENV: str(archives)},
-                              check=False)
-    finally:
-        watcher.stop()
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    records = _exactly_once(secure_broker, names, ids)
-
-    plan = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "plan", "--config", str(path)],
-                          capture_output=True, timeout=300, env=with_key, check=False)
-    status = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "status", "--json", "--config", str(path)],
-                            capture_output=True, timeout=300, env=with_key, check=False)
-    assert status.returncode == 0, status.stderr.decode()[-2000:]
-    figures = json.loads(status.stdout)
-    assert figures["input"]["group_committed"] == len(ids) + 1   # lag against the secured broker: none left
-    assert figures["input"]["end_offset"] == len(ids) + 1
-    assert any(b"/jobs/" in k.encode() for k in watcher.pages), "the REST API was never read while the job ran"
-
-    places = {"run stdout": done.stdout, "run stderr (-v)": done.stderr, "plan": plan.stdout + plan.stderr,
-              "status --json": status.stdout + status.stderr, "config file": path.read_bytes(),
-              "records and headers": b"\n".join(m.value + repr(m.headers).encode() for m in records),
-              **{f"REST {p}": page for p, page in watcher.pages.items()},
-              **files_under(state_dir), **files_under(archives)}
-    assert any(name.endswith(".jsa") for name in files_under(archives)), "the run saved no class archive"
-    for secret in (password, api_key, header_secret):
-        assert not grep_secret(secret, places), f"a secret leaked into: {grep_secret(secret, places)}"
-
-
 def test_submit_over_mutual_tls_with_a_pattern_every_id_once(
         secured: Secured, secure_broker: SecureBroker, cluster: LocalCluster, tmp_path: Path) -> None:
     """`llmstream submit --until-end` to the standalone cluster over mutual TLS, reading the inputs by
@@ -247,53 +189,104 @@ def test_a_misconfiguration_ends_run_at_preflight_naming_the_setting(
 
 
 @pytest.mark.slow
-def test_revoked_credentials_fail_the_job_visibly_and_the_next_run_resumes_exactly_once(
+def test_revoked_credentials_fail_the_job_visibly_the_next_run_resumes_once_and_the_secrets_appear_nowhere(
         secured: Secured, secure_broker: SecureBroker, tmp_path: Path) -> None:
-    """WRITE on the output topic revoked while the job runs: the job fails (no restart strategy) and
-    `llmstream run` exits non-zero saying why; granted again, the next run resumes from the retained
-    checkpoint and every id is written exactly once.
+    """Over SASL_SSL/SCRAM with two input topics, the password in a file, the API key in an environment
+    variable (`model.api_key_env`, which reaches the Python worker's environment, and Beam would print
+    that) and a header's value in a file, each record with its traceparent.
+
+    WRITE on the output topic revoked while `llmstream run` runs: the job fails (no restart strategy)
+    and `run` exits non-zero saying why; granted again, the next run (`llmstream -v run --until-end`)
+    resumes from the retained checkpoint and every id is written exactly once. Then the canary hunt
+    over both runs: their output, `plan`, `status --json`, the config, the records and headers,
+    Flink's REST pages while they ran, the state directory and the class archive the -v run made.
+    (One set-up and job for the two claims, which were two tests each paying a run's start and end.)
 
     Without restarts, to keep it short: the cause `run` reports comes from Flink's exception history
     (`jobs/launch/driver.py`), which names the authorization error also when the job's own result ends
     with "The TaskExecutor is shutting down" (seen in CI) or, after restarts, with a slot not freed."""
-    config, names = secured(flink={"restart-strategy.type": "none"})
+    api_key = f"sk-canary-{uuid.uuid4().hex}"
+    header_secret = f"hdr-canary-{uuid.uuid4().hex}"
+    header_file = tmp_path / "header-secret"
+    header_file.write_text(header_secret + "\n")
+    header_file.chmod(0o600)
+    password = secure_broker.password_file(JOB).read_text().strip()
+    config, names = secured(model={"api_key_env": "LLMSTREAM_CANARY_API_KEY", "api_key_file": None,
+                                   "headers": {"X-Api-Key": f"${{file:{header_file}}}"}},
+                            flink={"restart-strategy.type": "none"})
     path = write_config(config, tmp_path)
-    first = _produce(secure_broker, names, 200, "before")
-    admin = secure_broker.kafka_python_config("admin")
-    run = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "--config", str(path)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=SHELL_ENV)
+    state_dir = Path(str(config.checkpointing.directory))
+
+    def rest_url() -> str | None:
+        try:
+            return str(json.loads((state_dir / "run.json").read_text())["rest_url"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    with_key = {**SHELL_ENV, "LLMSTREAM_CANARY_API_KEY": api_key}
+    watcher = RestWatcher(rest_url)
+    watcher.start()
+    archives = tmp_path / "jvm"  # the -v run makes its JVM's class archive, a file llmstream writes too
     try:
-        committed = kafka_admin.consume_committed(admin, names.output, expected=len(first), timeout_s=300)
-        assert len(committed) >= len(first), f"{len(committed)} of {len(first)} results before the revocation"
-        write_output = [acl for acl in job_acls(
-            JOB, input_topics=names.inputs, output_topic=names.output, dead_letter_topic=names.dead_letter,
-            group_id=names.kafka()["group_id"], transactional_id_prefix=names.kafka()["transactional_id_prefix"])
-            if acl.resource_pattern.resource_name == names.output and acl.operation.name == "WRITE"]
-        with kafka_admin.admin(admin) as client:
-            client.delete_acls(write_output)
-        revoked_at = time.monotonic()
-        second = unique_records(100, "after")
-        kafka_admin.produce(admin, names.inputs[0], _traced(second))
-        out, err = run.communicate(timeout=300)
-        failed_after = time.monotonic() - revoked_at
+        first = _produce(secure_broker, names, 200, "before")
+        admin = secure_broker.kafka_python_config("admin")
+        run = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", "--config", str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=with_key)
+        try:
+            committed = kafka_admin.consume_committed(admin, names.output, expected=len(first), timeout_s=300)
+            assert len(committed) >= len(first), f"{len(committed)} of {len(first)} results before the revocation"
+            write_output = [acl for acl in job_acls(
+                JOB, input_topics=names.inputs, output_topic=names.output, dead_letter_topic=names.dead_letter,
+                group_id=names.kafka()["group_id"], transactional_id_prefix=names.kafka()["transactional_id_prefix"])
+                if acl.resource_pattern.resource_name == names.output and acl.operation.name == "WRITE"]
+            with kafka_admin.admin(admin) as client:
+                client.delete_acls(write_output)
+            revoked_at = time.monotonic()
+            second = unique_records(100, "after")
+            kafka_admin.produce(admin, names.inputs[0], _traced(second))
+            out, err = run.communicate(timeout=300)
+            failed_after = time.monotonic() - revoked_at
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait(timeout=30)
+        said = out + err
+        assert run.returncode != 0
+        assert b"authoriz" in said.lower(), said.decode()[-3000:]
+        assert b"Traceback" not in said
+        secure_broker.grant(JOB, input_topics=names.inputs, output_topic=names.output,
+                            dead_letter_topic=names.dead_letter, group_id=names.kafka()["group_id"],
+                            transactional_id_prefix=names.kafka()["transactional_id_prefix"])
+        again = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "run", "--config", str(path), "--until-end"],
+                               capture_output=True, timeout=900, env={**with_key, DIR_ENV: str(archives)}, check=False)
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(timeout=30)
-    said = out + err
-    assert run.returncode != 0
-    assert b"authoriz" in said.lower(), said.decode()[-3000:]
-    assert b"Traceback" not in said
-    secure_broker.grant(JOB, input_topics=names.inputs, output_topic=names.output,
-                        dead_letter_topic=names.dead_letter, group_id=names.kafka()["group_id"],
-                        transactional_id_prefix=names.kafka()["transactional_id_prefix"])
-    again = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--config", str(path), "--until-end"],
-                           capture_output=True, timeout=900, env=SHELL_ENV, check=False)
+        watcher.stop()
     assert again.returncode == 0, again.stderr.decode()[-3000:]
     assert b"resuming from" in again.stdout + again.stderr
-    _exactly_once(secure_broker, names, first + [k.decode() for k, _ in second])
+    ids = first + [k.decode() for k, _ in second]
+    records = _exactly_once(secure_broker, names, ids)
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     (REPORT.parent / "security-revocation.txt").write_text(
         f"WRITE on the output topic revoked: llmstream run exited {run.returncode} {failed_after:.1f} s later, "
         f"saying: {[line for line in said.decode().splitlines() if 'authoriz' in line.lower()][:1]}; "
         "after the grant, the next run resumed and wrote every id once\n")
+
+    plan = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "plan", "--config", str(path)],
+                          capture_output=True, timeout=300, env=with_key, check=False)
+    status = subprocess.run([sys.executable, "-m", "jobs.cli", "-v", "status", "--json", "--config", str(path)],
+                            capture_output=True, timeout=300, env=with_key, check=False)
+    assert status.returncode == 0, status.stderr.decode()[-2000:]
+    figures = json.loads(status.stdout)
+    assert figures["input"]["group_committed"] == len(ids) + 1   # lag against the secured broker: none left
+    assert figures["input"]["end_offset"] == len(ids) + 1
+    assert any(b"/jobs/" in k.encode() for k in watcher.pages), "the REST API was never read while the job ran"
+
+    places = {"failed run's output": said, "run stdout": again.stdout, "run stderr (-v)": again.stderr,
+              "plan": plan.stdout + plan.stderr, "status --json": status.stdout + status.stderr,
+              "config file": path.read_bytes(),
+              "records and headers": b"\n".join(m.value + repr(m.headers).encode() for m in records),
+              **{f"REST {p}": page for p, page in watcher.pages.items()},
+              **files_under(state_dir), **files_under(archives)}
+    assert any(name.endswith(".jsa") for name in files_under(archives)), "the run saved no class archive"
+    for secret in (password, api_key, header_secret):
+        assert not grep_secret(secret, places), f"a secret leaked into: {grep_secret(secret, places)}"
