@@ -9,7 +9,8 @@ and dead-letter paths see one call per record as before. A batch is sent when it
 items only share a batch when their `group` is equal (e.g. the same model).
 
 `batch_group` says which request bodies may share a batch and `batch_payload` makes their one
-body. `split_on_rejection` is the failure policy: the batch is retried as a whole by the one retry
+body. A lane that hands the client a whole batch of records at once (`InferenceClient.complete_many`)
+needs no waiting: `chunks` cuts it into as few requests as `max_size` allows, sent the same way. `split_on_rejection` is the failure policy: the batch is retried as a whole by the one retry
 layer inside `send_batch`; if the server rejects it permanently with a 4xx, one bad input may
 be the cause, so every item is sent again on its own and only the bad one fails.
 """
@@ -189,3 +190,16 @@ def batch_group(payload: dict[str, Any]) -> str:
 def batch_payload(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One embeddings body for bodies of one `batch_group`: their fields, every input in order."""
     return {**payloads[0], "input": [payload["input"] for payload in payloads]}
+
+
+def chunks(bodies: Sequence[dict[str, Any]], max_size: int) -> list[list[int]]:
+    """The indexes of `bodies` (embeddings request bodies, all in hand at once: a lane's whole
+    batch) as few batch requests as `max_size` allows: grouped by `batch_group`, each group cut in
+    order into lists of at most `max_size`. What `Batcher` does for records arriving one by one,
+    without a future, a timer or a wait a record."""
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    groups: dict[str, list[int]] = {}
+    for i, body in enumerate(bodies):
+        groups.setdefault(batch_group(body), []).append(i)
+    return [members[at:at + max_size] for members in groups.values() for at in range(0, len(members), max_size)]

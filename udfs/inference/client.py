@@ -83,8 +83,10 @@ from udfs.errors import InferenceError, InternalError, InvalidModelOutput, Recor
 from udfs.inference import responses
 from udfs.inference.batching import (
     Batcher,
+    SendBatch,
     batch_group,
     batch_payload,
+    chunks,
     share_usage,
     split_on_rejection,
 )
@@ -229,9 +231,13 @@ class InferenceClient:
         self._single_flight = SingleFlightCache(self.cache, self.metrics) if self.cache is not None else None
         batch = config.model.batch
         self._batcher: Batcher[Entry, Completion] | None = None
+        self._send_batch: SendBatch[Entry, Completion] | None = None
         if config.model.api == "embeddings" and batch.max_size > 1:
-            self._batcher = Batcher(split_on_rejection(self._call_batch, self._call_entry),
-                                    max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
+            self._send_batch = split_on_rejection(self._call_batch, self._call_entry)
+            self._batcher = Batcher(self._send_batch, max_size=batch.max_size, max_wait_s=batch.max_wait_ms / 1000)
+        # A batch handed in whole goes as batch requests at once when nothing answers a record on
+        # its own first (no cache lookup, no structured output): `_complete_chunked`.
+        self._chunked = self._send_batch is not None and self._single_flight is None and self.structured is None
         self._plan = _Plan(
             layered=self._single_flight is not None or self.structured is not None or self._batcher is not None,
             paced=self.rate_limiter.enabled or any(route.rate_limiter.enabled for route in self.routes),
@@ -340,6 +346,9 @@ class InferenceClient:
         request not answered yet), so a caller that gives up on a batch that outlives its guard
         (cancelling this) keeps the answers that came. A batch of one is `complete`."""
         answers: list[Completion | RecordError | None] = into if into is not None else [None] * len(requests)
+        if self._chunked and len(requests) > 1:
+            await self._complete_chunked(requests, answers)
+            return answers
         pending = iter(range(len(requests)))  # shared: each request is taken by one worker
         with self._batch() as batch:
             async def worker() -> None:
@@ -352,6 +361,45 @@ class InferenceClient:
             elif workers:
                 await asyncio.gather(*(worker() for _ in range(workers)))
         return answers
+
+    async def _complete_chunked(self, requests: Sequence[Request],
+                                answers: list[Completion | RecordError | None]) -> None:
+        """`complete_many` for micro-batched embeddings (`model.batch.max_size` > 1) without a cache
+        or structured output: the whole batch is in hand, so it is cut into as few embeddings
+        requests as `max_size` allows (`batching.chunks`) and sent at once, with no record waiting
+        for a micro-batch to fill. Each request takes the micro-batch's path (`_send_batch`: one
+        budget charge, slot, rate-limit and retry sequence, a rejected batch sent again input by
+        input); `async.capacity` still counts records, so at most capacity // max_size requests
+        are in flight. Each answer is written as its request ends (`into`, as `complete_many`)."""
+        assert self._send_batch is not None
+        send = self._send_batch
+        made: list[tuple[int, Entry]] = []  # (index in `requests`, its entry) of each request with a body
+        for i, request in enumerate(requests):
+            try:
+                made.append((i, (request, build_payload(request, self._config.model, self._plan.payloads))))
+            except Exception as err:  # noqa: BLE001 - this record's outcome, as `_settled` makes it
+                answers[i] = self._failure(request, err)
+        size = self._config.model.batch.max_size
+        cut = chunks([entry[1] for _, entry in made], size)
+        pending = iter(cut)  # shared: each request is taken by one worker
+
+        async def worker() -> None:
+            for chunk in pending:
+                members = [made[at] for at in chunk]
+                outcomes: Sequence[Completion | BaseException]
+                try:
+                    outcomes = await send([entry for _, entry in members])
+                except Exception as err:  # noqa: BLE001 - every input of the request fails with it
+                    outcomes = [err] * len(members)
+                for (i, (request, _)), outcome in zip(members, outcomes, strict=True):
+                    answers[i] = (self._failure(request, outcome) if isinstance(outcome, BaseException)
+                                  else self._tagged(outcome))
+
+        workers = min(max(1, self._config.async_.capacity // size), len(cut))
+        if workers == 1:
+            await worker()
+        elif workers:
+            await asyncio.gather(*(worker() for _ in range(workers)))
 
     async def complete(self, request: Request) -> Completion:
         """The model's answer to `request`, after any retries: a batch of one (`complete_many`), its
@@ -372,17 +420,26 @@ class InferenceClient:
             else:
                 completion = await self._call_one(request, build_payload(request, self._config.model, plan.payloads),
                                                   batch)
-            return dataclasses.replace(completion, lane=plan.tag) if plan.tag is not None else completion
-        except InferenceError as err:
+            return self._tagged(completion)
+        except Exception as err:  # noqa: BLE001 - `_failure` says what each becomes
+            return self._failure(request, err)
+
+    def _tagged(self, completion: Completion) -> Completion:
+        """`completion` tagged with the client's `lane` (a job with a provider-batch lane)."""
+        tag = self._plan.tag
+        return dataclasses.replace(completion, lane=tag) if tag is not None else completion
+
+    def _failure(self, request: Request, err: BaseException) -> RecordError:
+        """What a request that raised `err` ended in, redacted: a call failure as it is, bad input or
+        a known kind as it is, anything else (a bug) an `InternalError`, its traceback logged."""
+        if isinstance(err, InferenceError):
             log.debug("request %s failed after %d attempt(s): %s", request.id, err.attempts, err.reason)
             return self._redacted(err)
-        except RecordError as err:  # bad input, or already a known kind
+        if isinstance(err, RecordError):  # bad input, or already a known kind
             return err
-        except Exception as err:  # noqa: BLE001 - a bug becomes an InternalError; its traceback is logged below
-            # Redacted before it is cut or logged: the text of an unexpected error may quote a server.
-            log.debug("request %s: unexpected %s", request.id,
-                      self._redact("".join(traceback.format_exception(err))))
-            return InternalError(self._redact(f"{type(err).__name__}: {err}")[:MAX_INTERNAL_DETAIL_CHARS])
+        # Redacted before it is cut or logged: the text of an unexpected error may quote a server.
+        log.debug("request %s: unexpected %s", request.id, self._redact("".join(traceback.format_exception(err))))
+        return InternalError(self._redact(f"{type(err).__name__}: {err}")[:MAX_INTERNAL_DETAIL_CHARS])
 
     def _redact(self, text: str) -> str:
         for route in self.routes:

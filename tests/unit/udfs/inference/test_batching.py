@@ -27,6 +27,7 @@ from udfs.config import JobConfig, config_from_dict
 from udfs.errors import ConfigError, PermanentError, RetryableError
 from udfs.inference.batching import (
     Batcher,
+    chunks,
     is_rejection,
     share_usage,
     split_on_rejection,
@@ -109,6 +110,13 @@ def test_items_of_different_groups_never_share_a_batch() -> None:
 
     run(go)
     assert sorted(send.batches) == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_a_whole_batch_is_cut_by_group_in_order_into_as_few_requests_as_max_size_allows() -> None:
+    bodies = [{"model": "a", "input": "0"}, {"model": "b", "input": "1"}, {"model": "a", "input": "2"},
+              {"model": "a", "input": "3"}, {"model": "a", "input": "4"}]
+    assert chunks(bodies, 3) == [[0, 2, 3], [4], [1]]
+    assert chunks(bodies[:1], 3) == [[0]] and chunks([], 3) == []
 
 
 def test_each_item_gets_its_own_outcome_and_a_failed_send_fails_the_whole_batch() -> None:
@@ -267,8 +275,14 @@ def embedding_request(n: int, text: str) -> Request:
                    fields={"id": f"r-{n}", "prompt": text})
 
 
-async def complete_all(server: EmbeddingsServer, texts: list[str], model: dict[str, Any]
-                       ) -> tuple[list[Completion | BaseException], InferenceClient]:
+ENTRIES = ("one by one", "whole")
+"""How `complete_all` hands its records to the client: each on its own (`complete`, the keyed lane:
+the `Batcher` groups them) or all at once (`complete_many`, the vectorized lane's Arrow batch: cut
+into batch requests at once)."""
+
+
+async def complete_all(server: EmbeddingsServer, texts: list[str], model: dict[str, Any], entry: str = "one by one",
+                       capacity: int = 64) -> tuple[list[Completion | BaseException], InferenceClient]:
     app = web.Application()
     app.add_routes([web.post("/v1/embeddings", server.handle)])
     runner = web.AppRunner(app)
@@ -277,20 +291,23 @@ async def complete_all(server: EmbeddingsServer, texts: list[str], model: dict[s
     await site.start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
     try:
-        config = job_config(url, model={"prices": {"prompt_per_1k": 1.0}, **model})
+        config = job_config(url, model={"prices": {"prompt_per_1k": 1.0}, **model}, capacity=capacity)
+        requests = [embedding_request(n, text) for n, text in enumerate(texts)]
         async with InferenceClient(config) as client:
-            results = await asyncio.gather(*(client.complete(embedding_request(n, text))
-                                             for n, text in enumerate(texts)), return_exceptions=True)
+            if entry == "whole":
+                return list(await client.complete_many(requests)), client  # type: ignore[arg-type]
+            results = await asyncio.gather(*(client.complete(r) for r in requests), return_exceptions=True)
         return results, client
     finally:
         await runner.cleanup()
 
 
-def test_each_record_gets_the_vector_of_its_own_input_and_its_share_of_the_usage() -> None:
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_each_record_gets_the_vector_of_its_own_input_and_its_share_of_the_usage(entry: str) -> None:
     server = EmbeddingsServer()
     texts = [f"text number {n}" + "x" * n for n in range(20)]
-    results, client = run(lambda: complete_all(server, texts, {"batch": {"max_size": 8, "max_wait_ms": 50}}))
-    assert [len(batch) for batch in server.inputs] == [8, 8, 4]
+    results, client = run(lambda: complete_all(server, texts, {"batch": {"max_size": 8, "max_wait_ms": 50}}, entry))
+    assert sorted(len(batch) for batch in server.inputs) == [4, 8, 8]
     for text, result in zip(texts, results, strict=True):
         assert isinstance(result, Completion)
         assert result.output == vector_of(text)
@@ -303,11 +320,12 @@ def test_each_record_gets_the_vector_of_its_own_input_and_its_share_of_the_usage
     assert client.metrics.snapshot()["requests"] == 3
 
 
-def test_a_bad_input_inside_a_batch_fails_alone_and_a_failed_batch_is_retried_as_a_batch() -> None:
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_bad_input_inside_a_batch_fails_alone_and_a_failed_batch_is_retried_as_a_batch(entry: str) -> None:
     server = EmbeddingsServer(fail_first=1)
     texts = [f"input {n}" for n in range(6)]
     texts[2] = "a BAD input"
-    results, client = run(lambda: complete_all(server, texts, {"batch": {"max_size": 6, "max_wait_ms": 1000}}))
+    results, client = run(lambda: complete_all(server, texts, {"batch": {"max_size": 6, "max_wait_ms": 1000}}, entry))
     # 1: the batch, 500; 2: the same batch again, 400; then the six inputs one by one.
     assert server.inputs[0] == server.inputs[1] == texts
     assert sorted(map(tuple, server.inputs[2:])) == sorted((t,) for t in texts)
@@ -318,6 +336,35 @@ def test_a_bad_input_inside_a_batch_fails_alone_and_a_failed_batch_is_retried_as
             assert isinstance(result, Completion) and result.output == vector_of(texts[n])
     snapshot = client.metrics.snapshot()
     assert snapshot["requests"] == 8 and snapshot["retries"] == 1
+
+
+def test_a_whole_batch_goes_as_few_requests_at_once_within_capacity_without_waiting_for_max_wait() -> None:
+    """`complete_many` (the vectorized lane): 20 records in batches of 4 are five requests sent at
+    once, no record waiting `max_wait_ms` (an hour here) for a batch to fill, and never more than
+    capacity // max_size (2) in flight: capacity counts records."""
+
+    class Slow(EmbeddingsServer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_flight = self.most = 0
+
+        async def handle(self, req: web.Request) -> web.Response:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            try:
+                await asyncio.sleep(0.05)
+                return await super().handle(req)
+            finally:
+                self.in_flight -= 1
+
+    server = Slow()
+    texts = [f"input {n}" for n in range(18)]
+    results, client = run(lambda: complete_all(server, texts, {"batch": {"max_size": 4, "max_wait_ms": 3_600_000}},
+                                               "whole", capacity=8), timeout=30)
+    assert sorted(len(batch) for batch in server.inputs) == [2, 4, 4, 4, 4]
+    assert server.most == 2
+    assert [r.output for r in results if isinstance(r, Completion)] == [vector_of(t) for t in texts]
+    assert client.metrics.snapshot()["requests"] == 5
 
 
 def test_without_batching_each_record_is_one_request() -> None:
