@@ -166,7 +166,9 @@ class PriceConfig:
 class BatchConfig:
     """Micro-batching of `api: embeddings` calls (`udfs/inference/batching.py`): up to `max_size` inputs
     per request, a partial batch sent once its oldest record has waited `max_wait_ms`.
-    `max_size: 1` (the default) sends one request per record."""
+    `max_size: 1` (the default) sends one request per record. A lane that hands the client a
+    whole batch (the vectorized lane's Arrow batch) waits for nothing: its records are cut into
+    requests of `max_size` at once (`InferenceClient.complete_many`)."""
 
     max_size: PositiveInt = 1
     max_wait_ms: NonNegativeInt = 5
