@@ -46,10 +46,11 @@ STARTED = "started in a local mini cluster"
 
 
 def _record(fault_report: FaultReport, name: str, result: Tally, *, started: float, restarts: int, notes: str,
-            **extra: object) -> None:
+            ended: float | None = None, **extra: object) -> None:
+    """A row of the fault report: `result` for the part of a run from `started` to `ended` (default now)."""
+    duration_s = round((ended or time.monotonic()) - started, 1)
     fault_report.add(FaultResult.counted(
-        name, result, restarts=restarts, recovery_s=None, duration_s=round(time.monotonic() - started, 1),
-        notes=notes, extra=extra))
+        name, result, restarts=restarts, recovery_s=None, duration_s=duration_s, notes=notes, extra=extra))
 
 
 # ---------------------------------------------------------------------- llmstream run (mini cluster)
@@ -164,13 +165,23 @@ def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_withou
     back. A savepoint's barrier is aligned and waits behind that input, so Ctrl-C opens the gate
     for the stop (`jobs.graph.gate_operator.open_for_stop`; the stage parks what comes in) and the run stops
     with a savepoint instead of cancelling after `--stop-timeout`. A run without the budget then
-    restores it, leaving the gated ticks' state behind, and answers every id once."""
-    sim = simulator.spawn(["--latency", "fixed:40", "--seed", "5"])
+    restores it, leaving the gated ticks' state behind, and answers every id once (row r5).
+
+    That run is a drain (`--until-end`), and the same job then takes the documented change of lane
+    (docs/tuning.md, "Which lane"; row r6): 400 more ids sent; the job with `stage: vectorized` is
+    refused its keyed savepoint at start (exit 2, one line naming `stage`, the drain and `--fresh`);
+    started with `--fresh` it reads on from the group's offsets that the drain committed with its
+    output. Every id of both halves once, each paid for once.
+
+    These were two tests with a job, a simulator and a keyed drain each (r5, r6: ~160 worker-seconds
+    in `make test`); the lane change starts from r5's drain, every assertion kept, both rows written
+    (from the one tally)."""
+    sim = simulator.spawn(["--latency", "fixed:20", "--seed", "5"])
     try:
-        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="paused-stop",
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="paused-stop", stage="keyed",
                          async_={"capacity": 4}, budget={"max_tokens_per_hour": 1, "window_s": 3600})
-        records = unique_records(300, "ps")
-        kafka_admin.produce(setup.bootstrap, setup.input_topic, records)
+        first, second = unique_records(400, "ps"), unique_records(400, "lv")
+        kafka_admin.produce(setup.bootstrap, setup.input_topic, first)
         started = time.monotonic()
         tmp = tmp_path / "tmp"  # this run's own gate directories
         tmp.mkdir()
@@ -189,35 +200,11 @@ def test_ctrl_c_while_a_budget_is_paused_stops_with_a_savepoint_and_a_run_withou
         code, out = _ran(plain, tmp_path / "plain.log", "--until-end")
         assert code == 0, out[-3000:]
         assert "resuming from savepoint" in out and "left behind" in out, out[-3000:]
-        served = int(sim.stats()["served"])
-    finally:
-        sim.stop()
-    result = final_tally(setup, [k.decode() for k, _ in records], model_calls=served)
-    _record(fault_report, "r5. llmstream run: Ctrl-C while the budget is paused, then a run without the budget",
-            result, started=started, restarts=0, notes="stopped with a savepoint during the pause",
-            calls_per_record=round(served / len(records), 3))
-    check_exactly_once(result)
-    assert result.dead == 0, result.dead_reasons
+        drained = time.monotonic()
 
-
-def test_a_drained_keyed_job_moves_to_the_vectorized_lane_with_fresh(
-        kafka_broker: LocalBroker, tmp_path: Path, fault_report: FaultReport) -> None:
-    """The documented change of lane (docs/tuning.md, "Which lane"): a keyed job drained with
-    `--until-end`; the same job with `stage: vectorized` is refused its keyed savepoint at start
-    (exit 2, one line naming `stage`, the drain and `--fresh`); started with `--fresh` it reads on
-    from the group's offsets that the drain committed with its output. Every id of both halves
-    once, each paid for once."""
-    sim = simulator.spawn(["--latency", "fixed:20", "--seed", "6"])
-    try:
-        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lane-change", stage="keyed")
-        first, second = unique_records(400, "lk"), unique_records(400, "lv")
-        started = time.monotonic()
-        kafka_admin.produce(setup.bootstrap, setup.input_topic, first)
-        code, out = _ran(setup.path, tmp_path / "keyed.log", "--until-end")
-        assert code == 0, out[-3000:]
-
+        # r6. The drained keyed job moves to the vectorized lane.
         kafka_admin.produce(setup.bootstrap, setup.input_topic, second)
-        vectorized = _variant(setup.path, "vectorized", stage="vectorized")
+        vectorized = _variant(plain, "vectorized", stage="vectorized")
         code, out = _ran(vectorized, tmp_path / "refused.log", "--until-end")
         assert code == 2, out[-3000:]
         assert "llmstream: config error: stage: runs the vectorized lane, but the snapshots" in out, out[-3000:]
@@ -232,12 +219,18 @@ def test_a_drained_keyed_job_moves_to_the_vectorized_lane_with_fresh(
         sim.stop()
     ids = [k.decode() for k, _ in first + second]
     result = final_tally(setup, ids, model_calls=served)
+    calls_per_record = round(served / len(ids), 3)
+    _record(fault_report, "r5. llmstream run: Ctrl-C while the budget is paused, then a run without the budget",
+            result, started=started, ended=drained, restarts=0,
+            notes="stopped with a savepoint during the pause; in one run with r6 (its drain is r6's keyed half)",
+            calls_per_record=calls_per_record)
     _record(fault_report, "r6. llmstream run: a keyed job drained, then moved to the vectorized lane with --fresh",
-            result, started=started, restarts=0, notes=f"model calls per record {served / len(ids):.2f}",
-            calls_per_record=round(served / len(ids), 3))
+            result, started=drained, restarts=0,
+            notes=f"model calls per record {served / len(ids):.2f}; the keyed half drained in r5's run",
+            calls_per_record=calls_per_record)
     check_exactly_once(result)
     assert result.dead == 0, result.dead_reasons
-    assert served == len(ids), f"{served} model calls for {len(ids)} records: the move paid for some twice"
+    assert served == len(ids), f"{served} model calls for {len(ids)} records: the pause or the move paid for some twice"
 
 
 # ---------------------------------------------------------------------- the cluster path
