@@ -114,24 +114,6 @@ def records_with_repeats(n: int, prefix: str, repeat_share: float = 0.3) -> tupl
     return out, distinct
 
 
-def test_exact_repeats_are_answered_once(
-        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
-        fault_report: FaultReport) -> None:
-    """`COST_RECORDS` ids, 30% of them exact repeats of another request: one call per distinct request
-    (repeats in flight at the same time share the call), every id's output exactly once."""
-    setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-repeats",
-                     model=DETERMINISTIC, cache={"backend": "local"})
-    records, distinct = records_with_repeats(COST_RECORDS, "rep")
-    run = start_records(cluster, setup, records)
-    result = run.finish()
-    check_exactly_once(result)
-    assert result.dead == 0, result.dead_reasons
-    served = report(fault_report, "l. 30% exact repeats, cache local", run, result, paced_simulator,
-                    notes=f"{distinct} distinct requests among {COST_RECORDS}")
-    assert served == distinct
-    assert result.cached == COST_RECORDS - distinct
-
-
 # ---------------------------------------------------------------------- spend budget
 
 
@@ -285,20 +267,33 @@ def test_past_the_token_budget_jobs_pause_resume_on_their_own_and_never_hold_a_c
     assert longest_ms < timeout_ms
 
 
-# ---------------------------------------------------------------------- cache outage
+# ---------------------------------------------------------------------- repeats, and a cache outage
 
 
-def test_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
-        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
+def test_exact_repeats_are_answered_once_and_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
+        cluster: LocalCluster, spawn_simulator: SpawnSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
         fault_report: FaultReport) -> None:
-    """The Redis cache is SIGKILLed mid-stream and started again later: the client calls the model
+    """Two jobs side by side on the cluster's two slots, each against a simulator of its own that
+    counts its calls: one submit-to-finish's time for the two claims (they were two tests, each paying
+    a job's start, its end and the three checkpoints after it), and neither claim depends on the other
+    job: each counts only its own simulator's calls and its own job's restarts.
+
+    Repeats: `COST_RECORDS` ids, 30% of them exact repeats of another request, cache local: one call per
+    distinct request (repeats in flight at the same time share the call), every id's output exactly once.
+
+    Redis: the Redis cache is SIGKILLed mid-stream and started again later: the client calls the model
     meanwhile; no failure, no restart, no dead letter, every id exactly once."""
+    repeats_sim, redis_sim = spawn_simulator(SIM_ARGS), spawn_simulator(SIM_ARGS)
+    repeats_setup = make_job(tmp_path, kafka_broker.bootstrap_servers, repeats_sim.url, name="cost-repeats",
+                             model=DETERMINISTIC, cache={"backend": "local"})
+    records, distinct = records_with_repeats(COST_RECORDS, "rep")
     redis = RedisServer(tmp_path / "redis")
     redis.start()
     try:
-        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="cost-redis",
+        setup = make_job(tmp_path, kafka_broker.bootstrap_servers, redis_sim.url, name="cost-redis",
                          model=DETERMINISTIC, cache={"backend": "redis", "redis_url": redis.url})
         run = start_run(cluster, setup, "redis", COST_RECORDS)
+        repeats = start_records(cluster, repeats_setup, records)
         run.wait_mid_stream(0.2)
         redis.kill()
         at_kill = run.reader.unique_ids()
@@ -306,14 +301,21 @@ def test_the_redis_cache_killed_mid_run_costs_nothing_but_cache_hits(
             "output stopped while the cache was down")
         redis.start()
         result = run.finish()
+        repeats_result = repeats.finish()
     finally:
         redis.stop()
+
+    check_exactly_once(repeats_result)
+    assert repeats_result.dead == 0, repeats_result.dead_reasons
+    served = report(fault_report, "l. 30% exact repeats, cache local", repeats, repeats_result, repeats_sim,
+                    notes=f"{distinct} distinct requests among {COST_RECORDS}")
+    assert served == distinct
+    assert repeats_result.cached == COST_RECORDS - distinct
+
     check_exactly_once(result)
     assert result.dead == 0, result.dead_reasons
     assert run.restarts() == 0
-    served = report(fault_report, "n. redis cache SIGKILL mid-stream, restarted", run, result, paced_simulator,
+    served = report(fault_report, "n. redis cache SIGKILL mid-stream, restarted", run, result, redis_sim,
                     notes="cache.backend redis; the model is called while the cache is out",
                     committed_at_cache_kill=at_kill)
     assert served >= COST_RECORDS
-
-
