@@ -1,6 +1,6 @@
 """Ceilings of the parts of llmstream's hot path, each alone against the same simulator.
 
-    python -m jobs.dev.bench.probes http|client|lane --endpoint URL [--seconds S] [--concurrency N]
+    python -m jobs.dev.bench.probes http|client|lane|floor --endpoint URL [--seconds S] [--concurrency N]
         [--batch-size N] [--api chat|embeddings]
 
 `http` is bare aiohttp posting the benchmark's request back to back; `client` is the
@@ -8,7 +8,10 @@ per-record Python work of the job without Flink: decode the Kafka value, `Infere
 complete` (slots, rate limiter, retry, metrics, aiohttp), encode the output record; `lane` is
 the vectorized lane's Python work without Flink: `VectorizedInference.eval` over batches of
 `--batch-size` rows shaped as the Arrow batch gives them (read the rows, decode, every call of
-the batch at once on the call loop, at most `--concurrency` in flight, the output columns).
+the batch at once on the call loop, at most `--concurrency` in flight, the output columns);
+`floor` is the same batches through the bench's `vectorized-floor` function
+(`jobs/dev/bench/vectorized_floor.py`: one bare aiohttp call a row, or a `model.batch.max_size`
+of rows with embeddings), so `lane` ÷ `floor`, both started at once, is llmstream's own Python.
 Set against scenario (d)'s or (e)'s end-to-end rate they show where the time goes: what is
 left is Flink's (the crossing, the Kafka ends, checkpoints). `--api embeddings` asks for
 embeddings, `lane` in micro-batches of `EMBEDDINGS_BATCH` inputs as scenario (e) does.
@@ -37,7 +40,7 @@ from jobs.dev.bench.workload import (
     request_record,
 )
 
-PROBES = ("http", "client", "lane")
+PROBES = ("http", "client", "lane", "floor")
 EMBEDDINGS_BATCH = 128
 """`model.batch.max_size` of the `lane` probe with `--api embeddings`: scenario (e)'s."""
 
@@ -107,20 +110,26 @@ async def client_ceiling(endpoint: str, seconds: float, concurrency: int) -> dic
 
 
 def lane_ceiling(endpoint: str, seconds: float, concurrency: int, batch_size: int = 1000,
-                 api: str = "chat") -> dict[str, float]:
-    """Batches of `batch_size` rows through the vectorized lane's function, back to back, for
-    `seconds` (the first batch, which opens the connections, is not counted)."""
+                 api: str = "chat", floor: bool = False) -> dict[str, Any]:
+    """Batches of `batch_size` rows through the vectorized lane's function (`floor`: the bench's
+    `vectorized-floor` function), back to back, for `seconds` (the first batch, which opens the
+    connections, is not counted)."""
     import pandas as pd
 
+    from jobs.dev.bench.vectorized_floor import make_function
     from udfs.config import load_config, with_overrides
     from udfs.lanes.vectorized import VectorizedInference
 
     model = {**_model(endpoint), "api": api}
     if api == "embeddings":
         model["batch"] = {"max_size": EMBEDDINGS_BATCH}
-    config = with_overrides(load_config(), model=model, async_={"capacity": concurrency}, stage="vectorized",
+    config = with_overrides(load_config(), model=model, async_={"capacity": concurrency}, lane="vectorized",
                             vectorized={"batch_size": batch_size}, cache={"backend": "none"})
-    function = VectorizedInference(config)
+    function: Any = VectorizedInference(config)
+    if floor:
+        function = make_function(endpoint, api, concurrency, EMBEDDINGS_BATCH if api == "embeddings" else 1,
+                                 config.async_.request_timeout_s, config.kafka.output_topic,
+                                 config.kafka.dead_letter_topic)._func
     function.open(_NoMetrics())
 
     def batch(first: int) -> tuple[pd.Series, ...]:
@@ -139,7 +148,8 @@ def lane_ceiling(endpoint: str, seconds: float, concurrency: int, batch_size: in
             if int(out["emit"].sum()) != batch_size or (out["topic"] == config.kafka.dead_letter_topic).any():
                 raise RuntimeError("the lane probe's batch did not come back answered")
             done += batch_size
-        return {**_figures(done, time.monotonic() - started, concurrency, _cpu_s() - cpu), "batch_size": batch_size}
+        found: dict[str, Any] = {"probe": "floor" if floor else "lane", "batch_size": batch_size}
+        return {**found, **_figures(done, time.monotonic() - started, concurrency, _cpu_s() - cpu)}
     finally:
         function.close()
 
@@ -162,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", required=True, help="the model server's base URL, ending in /v1")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=1000, help="lane: rows a batch (default %(default)s)")
-    parser.add_argument("--api", choices=("chat", "embeddings"), default="chat", help="lane: what to ask for")
+    parser.add_argument("--batch-size", type=int, default=1000, help="lane, floor: rows a batch (default %(default)s)")
+    parser.add_argument("--api", choices=("chat", "embeddings"), default="chat", help="lane, floor: what to ask for")
     args = parser.parse_args(argv)
-    if args.probe == "lane":
-        found = lane_ceiling(args.endpoint, args.seconds, args.concurrency, args.batch_size, args.api)
+    if args.probe in ("lane", "floor"):
+        found = lane_ceiling(args.endpoint, args.seconds, args.concurrency, args.batch_size, args.api,
+                             floor=args.probe == "floor")
     else:
         run = http_ceiling if args.probe == "http" else client_ceiling
         found = asyncio.run(run(args.endpoint, args.seconds, args.concurrency))
