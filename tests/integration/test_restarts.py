@@ -35,7 +35,7 @@ from tests.support.job_setup import (
     make_job,
     unique_records,
 )
-from tests.support.runs import LocalRun, total_restarts
+from tests.support.runs import LocalRun, restarts_by_job, total_restarts
 from tests.support.waiting import wait_until
 from udfs.config import load_config, to_dict, with_overrides
 from udfs.errors import ConfigError
@@ -326,50 +326,46 @@ def test_cluster_cancel_stop_upgrades_and_a_dead_jobmanager_all_resume_from_stat
         capsys: pytest.CaptureFixture[str], fault_report: FaultReport) -> None:
     """One job, one stream of ids, every way a cluster job is restarted, each with calls in flight:
     cancel -> submit (auto-resume from the retained checkpoint); `llmstream stop` -> submit;
-    `llmstream upgrade` with a changed capacity, then to parallelism 2 and back to 1; an upgrade to
-    a spend budget and one away from it (rows r2 and r4); the JobManager SIGKILLed (no HA) and the
+    `llmstream upgrade` with a changed capacity and to parallelism 2, then back to 1 and to a spend
+    budget, then away from the budget (rows r2 and r4); the JobManager SIGKILLed (no HA) and the
     cluster replaced by a new one on the same state directory, where `submit` resumes from the dead
     cluster's last retained checkpoint (row r3); then `llmstream stop` and a backfill
     `submit --until-end`. Every id exactly once.
 
     These were three tests with a job, a simulator and a stream each (r2, r4, r3: ~370 worker-seconds
     in `make test`); their faults follow each other in one run, every assertion kept, each row still
-    written (from the one tally)."""
+    written (from the one tally). The upgrades were five, one change each (324 s in `make test`,
+    CI 2026-12-07); they are three, each change still made with calls in flight and checked: the
+    capacity with the widening, the narrowing with the budget. An upgrade that changes the capacity
+    alone is `test_s3_state.py::test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there`."""
     sim = spawn_simulator(LIFECYCLE_SIM_ARGS)
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="lifecycle", partitions=2,
                      async_={"capacity": 8}, parallelism={"default": 1})
     # ~40 ids a second on a loaded machine: the ids, not the restarts, were most of this test's time.
-    # Each fault waits for its job's output to grow and lands with ids still to answer: more are
-    # sent before the later faults, so that holds whatever the pace.
-    run = ClusterRun(cluster, setup, 4000, "life")
+    # Each fault waits for its job's output to grow and lands with ids still to answer (1,100 or
+    # more sent and not yet committed): more are sent before the later faults, so that holds
+    # whatever the pace.
+    run = ClusterRun(cluster, setup, 3400, "life")
     run.produce(slice(0, 2400))
     run.first_runs(capsys, (200, 600, 1000))
 
-    faster = setup.path.with_name("lifecycle-capacity.yaml")
-    faster.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
-    run.upgrade(capsys, faster)
-    run.wait_output(1300)
-
+    # A larger capacity and a second subtask in one upgrade.
     wider = setup.path.with_name("lifecycle-parallelism.yaml")
-    wider.write_text(faster.read_text().replace("inference: 1", "inference: 2").replace("sink: 1", "sink: 2"))
+    wider.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16")
+                     .replace("inference: 1", "inference: 2").replace("sink: 1", "sink: 2"))
     job = run.upgrade(capsys, wider)
     assert max(cluster.vertex_parallelism(job).values()) == 2
-
-    run.wait_output(1600)
-    run.produce(slice(2400, 3200))
+    run.wait_output(1300)
+    run.produce(slice(2400, 2800))
 
     # Back to one subtask: the calls in flight at the savepoint sit under bucket keys of the
     # second subtask, which the narrower job must still find and start again.
-    narrow = setup.path.with_name("lifecycle-narrow.yaml")
-    narrow.write_text(faster.read_text())
-    job = run.upgrade(capsys, narrow)
-    assert max(cluster.vertex_parallelism(job).values()) == 1
-    run.wait_output(1900)
-
-    # r4. A budget adds the admission gate and moves the ticks to a FLIP-27 source
+    # r4. And to a budget, which adds the admission gate and moves the ticks to a FLIP-27 source
     # (`jobs/graph/gate_operator.py`), whose snapshots hold state the job without a budget has no
     # operator for: an upgrade to a budget, then away from it, each with calls in flight; the one
     # that drops the budget says what it leaves behind.
+    narrow = setup.path.with_name("lifecycle-narrow.yaml")
+    narrow.write_text(setup.path.read_text().replace("capacity: 8", "capacity: 16"))
     budget_from = len(run.jobs)
     data = yaml.safe_load(narrow.read_text())
     data["budget"] = {**(data.get("budget") or {}), "max_tokens_per_hour": 1e9}  # gated, never binding
@@ -380,21 +376,24 @@ def test_cluster_cancel_stop_upgrades_and_a_dead_jobmanager_all_resume_from_stat
     assert "left behind" not in out, out
     job = run.live_job()
     cluster.wait_for_job_state(job, "RUNNING", timeout=180)
+    assert max(cluster.vertex_parallelism(job).values()) == 1
     assert any("admission gate" in name for name in cluster.vertex_parallelism(job)), cluster.vertex_parallelism(job)
-    run.wait_output(2200)
+    run.wait_output(1600)
 
     assert submit_mod.upgrade(str(narrow), jobmanager=cluster.address) == 0, capsys.readouterr()
     out = capsys.readouterr().out
     assert "budget" in out and "left behind" in out, out
     job = run.live_job()
     cluster.wait_for_job_state(job, "RUNNING", timeout=180)
-    run.wait_output(2500)
-    budget_restarts = total_restarts(cluster, run.jobs[budget_from:])
-    restarts = run.restarts()  # while the cluster that ran them answers
+    run.wait_output(1900)
+    # While the cluster that ran them answers.
+    by_job = restarts_by_job(cluster, run.jobs)
+    budget_restarts = sum(by_job[j] for j in run.jobs[budget_from:])
+    restarts = sum(by_job.values())
 
     # r3. The JobManager is SIGKILLed mid-stream (no HA); the TaskManagers and their Python workers
     # go with the cluster, and a new cluster on the same state directory replaces it.
-    run.produce(slice(3200, 4000))
+    run.produce(slice(2800, 3400))
     at_kill = run.committed_output()
     run.wait_output(at_kill + 100)
     jobmanager = cluster.jobmanager_pid()
@@ -417,7 +416,9 @@ def test_cluster_cancel_stop_upgrades_and_a_dead_jobmanager_all_resume_from_stat
     result = final_tally(setup, run.ids, model_calls=served)
     calls_per_record = round(served / len(run.ids), 3)
     _record(fault_report, "r2. cluster: cancel/stop -> submit resumes; upgrade capacity, parallelism 1->2->1", result,
-            started=run.started, restarts=restarts, notes="one run with r3 and r4, every job resumed from state",
+            started=run.started, restarts=restarts,
+            notes="one run with r3 and r4, every job resumed from state; capacity and 1->2 in one upgrade, "
+                  "2->1 in r4's upgrade to a budget",
             calls_per_record=calls_per_record)
     _record(fault_report, "r4. cluster: upgrade to a spend budget and back (gate and ticks added, removed)", result,
             started=run.started, restarts=budget_restarts, notes="in r2's run, each job resumed from state",
