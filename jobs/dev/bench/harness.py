@@ -191,6 +191,8 @@ class BenchContext:
     progress_every_s: float = 5.0
     profile_dir: Path | None = None
     """`--profile`: profile each Flink run (`jobs/dev/bench/profile.py`) and write its table here."""
+    smoke: bool = False
+    """`--smoke`: the Flink approaches' JVMs start as `smoke_jvm_args` says (the smoke measures nothing)."""
 
     def settings_for(self, scenario: Scenario, approach: str = "llmstream") -> LlmstreamSettings:
         """The recommended settings for `scenario`, with any given on the command line instead.
@@ -268,6 +270,29 @@ def is_flink(approach: str) -> bool:
     """A Flink job in a mini cluster (llmstream, ml-predict): the harness stops it at the time
     limit, and its checkpoints are sampled from the mini cluster's REST API."""
     return approach.startswith("llmstream") or approach in (*SQL_JOBS, VECTORIZED_FLOOR)
+
+
+SMOKE_JIT = "-XX:TieredStopAtLevel=1"
+"""The smoke's Flink JVMs compile with C1 only, as `llmstream submit`'s client JVM does
+(docs/performance.md, "Job start"): a run of 100 records ends before C2's compiles of Flink's
+start-up code pay back, and on the 2 loaded cores of `make test` their CPU is the run's time."""
+
+
+def smoke_jvm_args(approach: str) -> str:
+    """`JVM_ARGS` for a Flink approach's JVM in the smoke: `SMOKE_JIT`, and for the jobs started
+    without `llmstream run` (`SQL_JOBS`, `VECTORIZED_FLOOR`) the class archive `llmstream run`
+    keeps for this JVM and classpath (`jobs/runtime/jvm_archive.py`), if there is one that loads:
+    each of them otherwise loads and verifies Flink's classes from the jars again. Only mapped,
+    never made here: making one is `llmstream run`'s (it shuts its JVM down to write it), and an
+    archive of another classpath the JVM ignores."""
+    from jobs.runtime.jvm_archive import GatewayArchive
+
+    options = [*os.environ.get("JVM_ARGS", "").split(), SMOKE_JIT]
+    if approach in (*SQL_JOBS, VECTORIZED_FLOOR):
+        archive = GatewayArchive.find(child_environment())
+        if archive is not None and archive.path.exists() and archive.usable(archive.path):
+            options += [f"-XX:SharedArchiveFile={archive.path}", "-Xlog:cds*=off"]
+    return " ".join(options)
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -413,7 +438,9 @@ def run_approach(ctx: BenchContext, simulator: Any, scenario: Scenario, approach
     # PyFlink's local JVM logs to one file inside site-packages that every local job on the
     # machine truncates; ml-predict's and the floor's go next to the run log instead (kept with --keep).
     extra_env = ({"FLINK_LOG_DIR": str(ctx.workdir / f"{topics.group}-flink-log")}
-                 if approach in (*SQL_JOBS, VECTORIZED_FLOOR) else None)
+                 if approach in (*SQL_JOBS, VECTORIZED_FLOOR) else {})
+    if ctx.smoke and is_flink(approach):
+        extra_env["JVM_ARGS"] = smoke_jvm_args(approach)
     proc = ApproachProcess(command, log_file, extra_env)
     rss.watch("approach", proc.pid)
     checkpoints = CheckpointSampler(proc.pid) if is_flink(approach) else None

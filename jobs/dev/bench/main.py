@@ -206,7 +206,7 @@ def run_all(args: argparse.Namespace, command: str) -> tuple[list[RunResult], di
         _say(f"bench: starting a Kafka broker; load average {load_before:.2f} on {os.cpu_count()} CPUs")
         broker = _start_broker(workdir)
         ctx = BenchContext(broker=broker, workdir=workdir, overrides=overrides, say=_say,
-                           profile_dir=out_dir if args.profile else None)
+                           profile_dir=out_dir if args.profile else None, smoke=args.smoke)
         for key in args.scenarios:
             scenario = _scenario(key, args)
             records = args.records or scenario.records
