@@ -1,13 +1,14 @@
 """Fault injection on a real standalone Flink cluster, a real Kafka broker and the model simulator.
 
-Each scenario sends 5,000 requests with unique ids (480 to the 2-second model), injects its faults
-mid-stream, and then checks what a downstream read_committed consumer sees: every id exactly once in
-output ∪ dead letters (nothing lost, nothing duplicated), plus the job restarts the REST API
-reports and how long committed output stalled. The numbers go to ``var/fault-report.md``.
+Each scenario sends 5,000 requests with unique ids (480 to the 2-second model; in `make test` the
+TaskManager kills 2,500: `FAULT_RECORDS`), injects its faults mid-stream, and then checks what a
+downstream read_committed consumer sees: every id exactly once in output ∪ dead letters (nothing
+lost, nothing duplicated), plus the job restarts the REST API reports and how long committed
+output stalled. The numbers go to ``var/fault-report.md``.
 Faults that can follow each other in one stream share a run (one job, one submit, one set of
 records), each with its own row and assertions: the keyed lane's TaskManager kill then cancel and
-stop (rows a, e), the model server down then answering 500s (b, c), a savepoint then a kill with
-calls in flight (h, f).
+stop (rows a, e), the broker stopped, then the model server down, then answering 500s (d, b, c),
+a savepoint then a kill with calls in flight (h, f).
 
 Run: ``pytest tests/integration/test_faults.py -m fault`` (about 10 minutes on 2 cores).
 """
@@ -30,11 +31,25 @@ from jobs.dev.simulator import SpawnedSimulator
 from tests.support.cluster import wait_for_checkpoints
 from tests.support.committed import Tally, check_exactly_once
 from tests.support.fault_report import FaultReport, FaultResult
-from tests.support.job_setup import fault_lanes, lane_sections, make_job, unique_records
-from tests.support.runs import Run, start_run, total_restarts
+from tests.support.job_setup import (
+    fault_lanes,
+    lane_sections,
+    make_job,
+    scaled,
+    unique_records,
+)
+from tests.support.runs import RECORDS, Run, start_run, total_restarts
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+FAULT_RECORDS = scaled(RECORDS)
+"""The ids of the runs whose count is not their point (the TaskManager kills, the cancel and
+stop): `RECORDS` in the full fault run, half in `make test` (`LLMSTREAM_FAULT_SCALE`). At the
+job's pace (capped by its 6 calls of 40 ms, ~150 records/s) 2,500 still leave each fault
+mid-stream: each waits for a fraction of them committed, and `wait_mid_stream` asserts the rest
+is still to come. The outages' run (broker, model server, 500s) keeps `RECORDS`: its 500s must
+last their 60 s."""
 
 def report(fault_report: FaultReport, name: str, run: Run, result: Tally, *, recovery_s: float | None,
            notes: str, restarts: int | None = None, **extra: object) -> None:
@@ -70,7 +85,7 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one_in_the_vectorized_lane(
     restore.)"""
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="tm-kill-vectorized",
                      **lane_sections("vectorized"))
-    run = start_run(cluster, setup, "tmkill-vectorized")
+    run = start_run(cluster, setup, "tmkill-vectorized", n=FAULT_RECORDS)
     run.wait_mid_stream(0.2)
     committed_at_kill = run.reader.unique_ids()
     killed_at = time.monotonic()
@@ -90,7 +105,7 @@ def test_taskmanager_sigkill_mid_stream_then_a_new_one_in_the_vectorized_lane(
            orphan_python_workers_killed=len(orphans))
 
 
-# ---------------------------------------------------------------------- b, c. model server outage, then errors
+# ---------------------------------------------------------------------- d, b, c. broker outage, model server outage, then errors
 
 
 def _answering(sim: SpawnedSimulator) -> bool:
@@ -100,69 +115,6 @@ def _answering(sim: SpawnedSimulator) -> bool:
     except OSError:  # requests' ConnectionError and Timeout are OSErrors
         return False
     return True
-
-
-@pytest.mark.parametrize("stage", fault_lanes())
-def test_model_server_down_30s_then_500_on_20_percent_for_60s_no_restart_nothing_lost(
-        cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, kafka_broker: local_kafka.LocalBroker,
-        fault_report: FaultReport, stage: str) -> None:
-    """Two model-server faults one after the other in one stream (rows b and c), neither restarting the job:
-
-    b. The model server refuses connections for 30 s: in-flight calls back off and retry within
-    their deadline, the bounded operator stops taking input, then the job catches up. In the
-    vectorized lane the batch in progress waits for its calls (and every checkpoint with it).
-    c. From its return, HTTP 500 on a fifth of the calls for 60 s (the rest of the stream): retried
-    in the client, every record answered.
-
-    Nothing lost or doubled, and no dead letter: with 30 attempts each, none runs out of them. (Two
-    tests with the same set-up until 2026-12-07, ~120 and ~100 s in `make test`; the 500s then had
-    10 attempts, 0.2-2 s apart, and allowed dead letters for exhausted retries.)"""
-    setup = make_job(
-        tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name=f"model-down-500-{stage}",
-        retry={"max_attempts": 30, "initial_backoff_s": 0.5, "max_backoff_s": 5},
-        async_={"record_deadline_s": 300}, kafka={"transaction_timeout_ms": 900_000}, **lane_sections(stage))
-    run = start_run(cluster, setup, f"down500-{stage}")
-
-    # b. down for 30 s.
-    run.wait_mid_stream(0.2)
-    before = run.reader.unique_ids()
-    down_at = time.monotonic()
-    paced_simulator.admin({"down_for_s": 30})
-    up_at = down_at + 30
-    time.sleep(30)
-    during = run.reader.unique_ids()
-    assert during < len(run.ids), "the stream finished during the outage"
-
-    # c. 500 on a fifth of the calls for 60 s from the server's return.
-    wait_until(lambda: _answering(paced_simulator), 60, interval=0.2, message="the simulator to listen again")
-    errors_at = time.monotonic()
-    paced_simulator.admin({"error_rate": 0.2, "error_status": 500, "until_s": 60})
-    result = run.finish()
-    stats = paced_simulator.stats()
-    check_exactly_once(result)
-    restarts = run.restarts()
-    assert restarts == 0, f"the job restarted {restarts} time(s) during a model outage and 500s"
-    assert stats["errors"] > 100, f"the 500s did not take: {stats}"
-    assert result.dead == 0, result.dead_reasons
-    first = run.reader.first_arrival_after(up_at)
-    report(fault_report, "b. model server down 30 s" + _lane_suffix(stage), run, result,
-           restarts=restarts, recovery_s=_since(first, up_at),
-           notes="recovery counted from the server's return; retries back off up to 5 s; "
-                 "the same run as row c, before its 500s",
-           committed_before=before, committed_while_down=during - before,
-           longest_output_gap_s=round(run.reader.longest_gap(), 1),
-           simulator_requests=stats.get("requests_total"))
-    first_in_errors = run.reader.first_arrival_after(errors_at)
-    report(fault_report, "c. model server 500 on 20% for 60 s" + _lane_suffix(stage), run, result,
-           restarts=restarts, recovery_s=None,
-           notes="no stall expected: failures are retried per record (30 attempts, 0.5-5 s apart); "
-                 "the same run as row b, from the server's return",
-           injected_errors=stats["errors"], simulator_requests=stats["requests_total"],
-           longest_output_gap_s=round(run.reader.longest_gap(first_in_errors), 1)
-           if first_in_errors is not None else None)
-
-
-# ---------------------------------------------------------------------- d. broker outage
 
 
 def _broker_processes(broker: local_kafka.LocalBroker) -> list[psutil.Process]:
@@ -195,35 +147,103 @@ def restart_broker(broker: local_kafka.LocalBroker) -> None:
 
 
 @pytest.mark.parametrize("stage", fault_lanes())
-def test_broker_stopped_20s_then_restarted(
+def test_broker_stopped_20s_then_model_server_down_30s_then_500_on_20_percent_for_60s(
         cluster: LocalCluster, paced_simulator: SpawnedSimulator, tmp_path: Path, fault_report: FaultReport,
         stage: str) -> None:
-    """The only Kafka broker stops (clean shutdown) for 20 s and comes back on the same ports and
-    data: the job may fail and restart, but every id ends up exactly once."""
+    """Three outages one after the other in one stream (rows d, b and c), on a broker of the test's own:
+
+    d. The only Kafka broker stops (clean shutdown) for 20 s and comes back on the same ports and
+    data: the job may fail and restart, but every id ends up exactly once.
+    b. Once output flows again, the model server refuses connections for 30 s: in-flight calls back
+    off and retry within their deadline, the bounded operator stops taking input, then the job
+    catches up. In the vectorized lane the batch in progress waits for its calls (and every
+    checkpoint with it).
+    c. From its return, HTTP 500 on a fifth of the calls for 60 s (the rest of the stream): retried
+    in the client, every record answered.
+
+    Nothing lost or doubled, no dead letter (with 30 attempts each, none runs out of them), and no
+    restart but the broker outage's: b and c restart nothing. (Three tests with two set-ups until
+    2026-12-07: the broker's ~118 s and the model server's ~142 s in `make test`; the 500s had 10
+    attempts, 0.2-2 s apart, and allowed dead letters for exhausted retries until earlier that day.)"""
     broker = local_kafka.LocalBroker(local_kafka.BrokerConfig.ephemeral(tmp_path / "kafka", heap="384m"))
     broker.start(timeout=90)
     try:
-        setup = make_job(tmp_path, broker.bootstrap_servers, paced_simulator.url, name=f"broker-down-{stage}",
-                         **lane_sections(stage))
-        run = start_run(cluster, setup, f"brk-{stage}")
-        run.wait_mid_stream(0.2)
-        before = run.reader.unique_ids()
+        setup = make_job(
+            tmp_path, broker.bootstrap_servers, paced_simulator.url, name=f"outages-{stage}",
+            retry={"max_attempts": 30, "initial_backoff_s": 0.5, "max_backoff_s": 5},
+            async_={"record_deadline_s": 300}, kafka={"transaction_timeout_ms": 900_000}, **lane_sections(stage))
+        # `RECORDS`, not `FAULT_RECORDS`: the stream must outlast the 60 s of 500s (the 4,000 ids
+        # after the model server's return end ~65 s after it; 2,000 would end half-way through them).
+        run = start_run(cluster, setup, f"outages-{stage}", n=RECORDS)
+
+        # d. the broker stopped for 20 s, then output flowing and checkpoints completing again.
+        run.wait_mid_stream(0.1)
+        before_broker = run.reader.unique_ids()
         stopped_at = time.monotonic()
         broker.stop()
         time.sleep(max(0.0, 20 - (time.monotonic() - stopped_at)))
         restart_broker(broker)
         back_at = time.monotonic()
+
+        def flowing_again() -> float | None:
+            run.not_failed()
+            return run.reader.first_arrival_after(back_at)
+
+        first_after_broker = wait_until(flowing_again, 300, interval=0.5,
+                                        message="committed output after the broker's return")
+        wait_for_checkpoints(cluster, run.job_id, 2)
+        broker_restarts = run.restarts()
+        broker_job_state = cluster.job_status(run.job_id)
+
+        # b. the model server down for 30 s.
+        run.wait_mid_stream(0.2)
+        before = run.reader.unique_ids()
+        down_at = time.monotonic()
+        paced_simulator.admin({"down_for_s": 30})
+        up_at = down_at + 30
+        time.sleep(30)
+        during = run.reader.unique_ids()
+        assert during < len(run.ids), "the stream finished during the outage"
+
+        # c. 500 on a fifth of the calls for 60 s from the server's return.
+        wait_until(lambda: _answering(paced_simulator), 60, interval=0.2, message="the simulator to listen again")
+        errors_at = time.monotonic()
+        paced_simulator.admin({"error_rate": 0.2, "error_status": 500, "until_s": 60})
         result = run.finish(timeout=420)
+        stats = paced_simulator.stats()
         check_exactly_once(result)
-        first = run.reader.first_arrival_after(back_at)
-        report(fault_report, "d. broker stopped 20 s" + _lane_suffix(stage), run, result, recovery_s=_since(first, back_at),
-               notes="dedicated broker; recovery counted from the broker answering again",
-               committed_before=before, outage_s=round(back_at - stopped_at, 1),
-               job_state=cluster.job_status(run.job_id))
+        restarts = run.restarts()
+        assert restarts == broker_restarts, (
+            f"the job restarted {restarts - broker_restarts} time(s) during a model outage and 500s")
+        assert stats["errors"] > 100, f"the 500s did not take: {stats}"
+        assert result.dead == 0, result.dead_reasons
+        report(fault_report, "d. broker stopped 20 s" + _lane_suffix(stage), run, result,
+               restarts=broker_restarts, recovery_s=_since(first_after_broker, back_at),
+               notes="dedicated broker; recovery counted from the broker answering again; "
+                     "the same run as rows b and c, before them",
+               committed_before=before_broker, outage_s=round(back_at - stopped_at, 1),
+               job_state=broker_job_state)
     finally:
         broker.stop()
         for leftover in _broker_processes(broker):
             leftover.kill()
+
+    first = run.reader.first_arrival_after(up_at)
+    report(fault_report, "b. model server down 30 s" + _lane_suffix(stage), run, result,
+           restarts=restarts - broker_restarts, recovery_s=_since(first, up_at),
+           notes="recovery counted from the server's return; retries back off up to 5 s; "
+                 "the same run as rows d and c, after d's broker outage, before c's 500s",
+           committed_before=before, committed_while_down=during - before,
+           longest_output_gap_s=round(run.reader.longest_gap(first_after_broker), 1),
+           simulator_requests=stats.get("requests_total"))
+    first_in_errors = run.reader.first_arrival_after(errors_at)
+    report(fault_report, "c. model server 500 on 20% for 60 s" + _lane_suffix(stage), run, result,
+           restarts=restarts - broker_restarts, recovery_s=None,
+           notes="no stall expected: failures are retried per record (30 attempts, 0.5-5 s apart); "
+                 "the same run as rows d and b, from the server's return",
+           injected_errors=stats["errors"], simulator_requests=stats["requests_total"],
+           longest_output_gap_s=round(run.reader.longest_gap(first_in_errors), 1)
+           if first_in_errors is not None else None)
 
 
 # ---------------------------------------------------------------------- a (keyed), e. kill, cancel and resubmit
@@ -246,7 +266,7 @@ def test_taskmanager_sigkill_cancel_resubmit_and_stop_with_savepoint_in_one_stre
     Two tests with the same set-up until 2026-12-07 (~95 and ~115 s in `make test`).
     """
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="tm-kill-resubmit")
-    run = start_run(cluster, setup, "tmresub")
+    run = start_run(cluster, setup, "tmresub", n=FAULT_RECORDS)
 
     # a. TaskManager SIGKILL + a new TaskManager.
     run.wait_mid_stream(0.15)
