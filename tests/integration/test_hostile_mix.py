@@ -34,7 +34,7 @@ from jobs.dev.simulator import SpawnedFleet, spawn_fleet
 from jobs.observe.figures import JobMetrics, figures
 from tests.conftest import SHELL_ENV
 from tests.support.fault_report import FaultReport, FaultResult
-from tests.support.job_setup import unique_records, write_config
+from tests.support.job_setup import scaled, unique_records, write_config
 from tests.support.reasons import documented_reasons
 from tests.support.secured import Secured, files_under, grep_secret, rest_pages
 from tests.support.waiting import METRICS_SETTLE_S, wait_until
@@ -42,7 +42,10 @@ from udfs.config import JobConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
-GOOD = 4_000
+GOOD = scaled(4_000)
+"""4,000 in the full fault run (docs/operations.md's figures), 2,000 in `make test`
+(`LLMSTREAM_FAULT_SCALE`): the kill still waits for a fifth of them committed, and the hostile
+endpoint still gets dozens of requests, enough to open its circuit many times over (3 failures)."""
 BAD_SHARE = 0.05
 HOSTILE_KINDS = (
     # failures, retried elsewhere and counted against the endpoint's circuit ...
