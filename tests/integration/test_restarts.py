@@ -103,6 +103,7 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
     `--until-end`: every id exactly once. In both lanes (the vectorized one with Arrow batches of 100:
     a Ctrl-C's savepoint waits for the batch in progress, a kill sends its calls again)."""
     sim = simulator.spawn(["--latency", "lognormal:200:500", "--seed", "11"])
+    run: LocalRun | None = None
     try:
         setup = make_job(tmp_path, kafka_broker.bootstrap_servers, sim.url, name="interrupted",
                          async_={"capacity": 48}, checkpointing={"interval_ms": 1000}, **lane_sections(stage))
@@ -142,6 +143,8 @@ def test_run_interrupted_many_times_loses_and_duplicates_nothing(
         served = int(sim.stats()["served"])
         result = final_tally(setup, [k.decode() for k, _ in records], model_calls=served)
     finally:
+        if run is not None:  # a run a failed assertion left running: its JVM, not the next test's
+            run.kill_if_running()
         sim.stop()
     resumed = sum(1 for _, r, _ in outcomes if r)
     stopped_with_savepoint = sum(1 for k, _, s in outcomes if k == "SIGINT" and s)
