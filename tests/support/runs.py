@@ -31,14 +31,9 @@ def total_restarts(cluster: LocalCluster, job_ids: list[str]) -> int:
 
 
 def restarts_by_job(cluster: LocalCluster, job_ids: list[str]) -> dict[str, int]:
-    """Each job's restarts, read after the metric store has settled: asked once for every job (the
-    first question starts the store's fetch, which takes every job's metrics), then again after one
-    `METRICS_SETTLE_S`, the larger answer kept, as `FlinkRest.num_restarts` does for one job; a
-    scenario of ten jobs waits 2 s, not 20."""
-    first = {job_id: cluster.num_restarts(job_id) for job_id in job_ids}
-    if first:
-        time.sleep(METRICS_SETTLE_S)
-    return {job_id: max(count, cluster.num_restarts(job_id)) for job_id, count in first.items()}
+    """Each job's restarts, read after the metric store has settled (`FlinkRest.restarts_of`: one
+    `METRICS_SETTLE_S` for all of a scenario's jobs)."""
+    return cluster.restarts_of(job_ids, settle_s=METRICS_SETTLE_S)
 
 
 @dataclass

@@ -621,3 +621,23 @@ def test_a_run_whose_mini_cluster_lost_its_taskmanager_starts_a_new_one_from_the
     assert state == "FAILED" and run.exit_code(state) == 1
     assert any(f"lost its TaskManager {run.NEW_MINI_CLUSTERS + 1} times" in line and "the same command resumes"
                in line for line in said), said
+
+
+def test_restarts_of_many_jobs_settle_once_for_all_of_them(monkeypatch: Any) -> None:
+    """Every job is asked once, then all again after one `settle_s`: one sleep, the larger count kept."""
+    from jobs.clients.flink_rest import FlinkRest
+
+    answers = {"a": iter(["1", "0"]), "b": iter(["0", "2"])}
+    asked: list[str] = []
+    slept: list[float] = []
+
+    def rest(self: FlinkRest, path: str, **_: Any) -> list[dict[str, str]]:
+        asked.append(path)
+        return [{"id": "numRestarts", "value": next(answers[path.split("/")[2]])}]
+
+    monkeypatch.setattr(FlinkRest, "rest", rest)
+    monkeypatch.setattr("jobs.clients.flink_rest.time.sleep", slept.append)
+    assert FlinkRest("http://127.0.0.1:1").restarts_of(["a", "b"], settle_s=2.0) == {"a": 1, "b": 2}
+    assert slept == [2.0]
+    assert asked == [f"/jobs/{j}/metrics?get=numRestarts" for j in ("a", "b", "a", "b")]
+    assert FlinkRest("http://127.0.0.1:1").restarts_of([], settle_s=2.0) == {} and slept == [2.0]
