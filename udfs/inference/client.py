@@ -61,7 +61,7 @@ import dataclasses
 import logging
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Self
@@ -161,6 +161,15 @@ def _counted(attempts: int) -> Iterator[None]:
     except InferenceError as err:
         err.attempts = attempts
         raise
+
+
+async def _in_parallel(worker: Callable[[], Awaitable[None]], count: int) -> None:
+    """`count` runs of `worker` at once (they take their work from one shared iterator); a single
+    one is awaited alone, without a gather's task."""
+    if count == 1:
+        await worker()
+    elif count:
+        await asyncio.gather(*(worker() for _ in range(count)))
 
 
 @dataclass(frozen=True)
@@ -355,11 +364,7 @@ class InferenceClient:
                 for i in pending:
                     answers[i] = await self._settled(requests[i], batch)
 
-            workers = min(self._config.async_.capacity, len(requests))
-            if workers == 1:
-                await worker()
-            elif workers:
-                await asyncio.gather(*(worker() for _ in range(workers)))
+            await _in_parallel(worker, min(self._config.async_.capacity, len(requests)))
         return answers
 
     async def _complete_chunked(self, requests: Sequence[Request],
@@ -395,11 +400,7 @@ class InferenceClient:
                     answers[i] = (self._failure(request, outcome) if isinstance(outcome, BaseException)
                                   else self._tagged(outcome))
 
-        workers = min(max(1, self._config.async_.capacity // size), len(cut))
-        if workers == 1:
-            await worker()
-        elif workers:
-            await asyncio.gather(*(worker() for _ in range(workers)))
+        await _in_parallel(worker, min(max(1, self._config.async_.capacity // size), len(cut)))
 
     async def complete(self, request: Request) -> Completion:
         """The model's answer to `request`, after any retries: a batch of one (`complete_many`), its
