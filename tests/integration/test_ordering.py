@@ -35,7 +35,7 @@ import yaml
 from jobs.clients import kafka_admin
 from jobs.dev import local_kafka
 from jobs.dev.local_cluster import LocalCluster
-from tests.support.cluster import wait_for_checkpoints
+from tests.support.cluster import not_failed, wait_for_checkpoints
 from tests.support.committed import CommittedReader
 from tests.support.job_setup import JobSetup, SpawnSimulator, make_job
 from tests.support.waiting import METRICS_SETTLE_S
@@ -118,10 +118,7 @@ def start(cluster: LocalCluster, tmp_path: Path, bootstrap: str, endpoint: str, 
 
 
 def finish(cluster: LocalCluster, reader: CommittedReader, job_id: str, total: int, timeout: float = 420) -> None:
-    def failed() -> None:
-        assert cluster.job_status(job_id) != "FAILED", f"job {job_id} FAILED: {cluster.failure(job_id)}"
-
-    done = reader.wait_for(total, timeout, unique=False, check=failed)
+    done = reader.wait_for(total, timeout, unique=False, check=not_failed(cluster, job_id))
     wait_for_checkpoints(cluster, job_id, 3)  # a late duplicate would show
     reader.stop()
     assert done, f"only {reader.count()} of {total} records arrived within {timeout} s"

@@ -32,6 +32,7 @@ from jobs.state.snapshots import LocalRun as RunRecord
 from jobs.state.snapshots import StateDir
 from jobs.state.storage import S3Settings, S3Store, StoreError
 from tests.conftest import SHELL_ENV
+from tests.support.cluster import not_failed
 from tests.support.committed import CommittedReader, check_exactly_once, final_tally
 from tests.support.job_setup import LONG_FAULT, SIM_ARGS, make_job, unique_records
 from tests.support.runs import LocalRun
@@ -138,7 +139,7 @@ def test_a_run_on_s3_stops_resumes_and_refuses_a_second_run(
         reader.start()
         first = LocalRun(setup.path, tmp_path / "first.log", env=env)
         # 100 ids committed: several checkpoints on S3 (a loaded machine may run at a few records a second)
-        assert reader.wait_for(100, 600, check=lambda: first.process.poll() is None), first.output()[-3000:]
+        assert reader.wait_for(100, 600, check=first.still_running), first.output()[-3000:]
 
         second = _llmstream("run", "--config", str(setup.path), env=env)
         assert second.returncode != 0 and "another llmstream run" in second.stderr, second.stderr[-2000:]
@@ -224,7 +225,7 @@ def test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there(
         submitted = _llmstream("submit", "--config", str(setup.path), *at, env=env)
         assert submitted.returncode == 0 and "no snapshot" in submitted.stdout, submitted.stdout + submitted.stderr[-3000:]
         first = str(cluster.live_jobs(setup.config.name)[0]["jid"])
-        assert reader.wait_for(100, 600, check=lambda: cluster.job_status(first) == "RUNNING"), cluster.failure(first)
+        assert reader.wait_for(100, 600, check=not_failed(cluster, first)), cluster.failure(first)
 
         faster = _variant(setup.path, "faster", **{"async": {"capacity": 8}})
         upgraded = _llmstream("upgrade", "--config", str(faster), *at, env=env, timeout=400)
@@ -246,7 +247,7 @@ def test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there(
         assert status.returncode == 0, status.stderr[-2000:]
         assert json.loads(status.stdout)["job"]["id"] == second, status.stdout[-2000:]
 
-        assert reader.wait_for(len(records), 600, check=lambda: cluster.job_status(second) == "RUNNING"), \
+        assert reader.wait_for(len(records), 600, check=not_failed(cluster, second)), \
             cluster.failure(second)
         stopped = _llmstream("stop", "--config", str(faster), *at, env=env, timeout=300)
         assert stopped.returncode == 0 and f"savepoint {directory}/savepoints/" in stopped.stdout, \
@@ -354,7 +355,7 @@ def test_a_taskmanager_killed_with_state_on_s3_restores_from_the_bucket_and_lose
         submitted = _llmstream("submit", "--config", str(setup.path), "--jobmanager", cluster.address, env=env)
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr[-3000:]
         job = str(cluster.live_jobs(setup.config.name)[0]["jid"])
-        assert reader.wait_for(600, 900, check=lambda: cluster.job_status(job) == "RUNNING"), cluster.failure(job)
+        assert reader.wait_for(600, 900, check=not_failed(cluster, job)), cluster.failure(job)
         state = StateDir.for_job(setup.config)
         latest = state.latest()
         assert latest is not None and latest.uri.startswith(f"s3://{DEFAULT_BUCKET}/"), latest
@@ -363,7 +364,7 @@ def test_a_taskmanager_killed_with_state_on_s3_restores_from_the_bucket_and_lose
         committed_at_kill = reader.unique_ids()
         cluster.replace_taskmanager(job, start_timeout=180, running_timeout=300)
         running_at = time.monotonic()
-        assert reader.wait_for(len(ids), 900, check=lambda: cluster.job_status(job) != "FAILED"), cluster.failure(job)
+        assert reader.wait_for(len(ids), 900, check=not_failed(cluster, job)), cluster.failure(job)
         first = reader.first_arrival_after(running_at)
         assert cluster.num_restarts(job, settle_s=5) >= 1
         print(f"\nTaskManager kill -9 with state on S3: {committed_at_kill} of {len(ids)} committed at the kill; "

@@ -5,6 +5,7 @@ to a clean state before a test, `wait_for_checkpoints` waits for checkpoints the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from jobs.clients.flink_rest import TERMINAL_STATES, FlinkRest
 from jobs.dev.local_cluster import LocalCluster
@@ -34,6 +35,15 @@ def heal(cluster: LocalCluster, taskmanagers: int = 1, timeout: float = 180) -> 
     wait_until(settled, timeout, interval=1,
                message=lambda: f"the cluster to settle: {cluster.overview()}, TaskManager pids "
                                f"{cluster.taskmanager_pids()}")
+
+
+def not_failed(cluster: FlinkRest, job_id: str) -> Callable[[], None]:
+    """A `CommittedReader.wait_for` check: fails the wait at once, with Flink's reason, if the job
+    FAILED (a wait for output from a dead job would otherwise sit out its whole timeout)."""
+    def check() -> None:
+        assert cluster.job_status(job_id) != "FAILED", f"job {job_id} FAILED: {cluster.failure(job_id)}"
+
+    return check
 
 
 def wait_for_checkpoints(cluster: FlinkRest, job_id: str, n: int = 3, timeout: float = 240) -> int:

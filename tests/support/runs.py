@@ -16,7 +16,7 @@ from pathlib import Path
 from jobs.clients import kafka_admin
 from jobs.dev.local_cluster import LocalCluster
 from tests.conftest import SHELL_ENV
-from tests.support.cluster import wait_for_checkpoints
+from tests.support.cluster import not_failed, wait_for_checkpoints
 from tests.support.committed import CommittedReader, Tally, final_tally
 from tests.support.job_setup import JobSetup, unique_records
 from tests.support.waiting import METRICS_SETTLE_S
@@ -58,8 +58,7 @@ class Run:
         return job_id
 
     def not_failed(self) -> None:
-        state = self.cluster.job_status(self.job_id)
-        assert state != "FAILED", f"job {self.job_id} FAILED: {self.cluster.failure(self.job_id)}"
+        not_failed(self.cluster, self.job_id)()
 
     def wait_mid_stream(self, fraction: float = 0.15, timeout: float = 120) -> None:
         """Until a fraction of the ids is committed, so the fault lands mid-stream."""
@@ -113,6 +112,11 @@ class LocalRun:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def still_running(self) -> None:
+        """A `CommittedReader.wait_for` check: fails the wait at once, with the run's output, if the
+        command ended (a wait for its output would otherwise sit out its whole timeout)."""
+        assert self.process.poll() is None, f"llmstream run ended:\n{self.output()[-3000:]}"
 
     def signal_group(self, sig: int) -> None:
         """What Ctrl-C in a terminal does (SIGINT to the foreground group) or kill -9 of the group."""
