@@ -203,6 +203,11 @@ class BrokerConfig:
             "num.partitions": "1",
             "auto.create.topics.enable": "false",
             "transaction.max.timeout.ms": "900000",
+            # The log cleaner allocates its whole dedupe buffer (128 MB by default) on the heap at
+            # start-up, one humongous array: with the tests' 256 MB heaps it once failed with
+            # OutOfMemoryError and the broker exited. A local broker's compacted topics (consumer
+            # offsets, transaction state) are small; 16 MB holds ~700,000 keys.
+            "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
         }
         if quorum:
             props["default.replication.factor"] = str(replication)
