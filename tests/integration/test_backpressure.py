@@ -29,7 +29,7 @@ STORM_REJECTIONS = scaled(100)
 """The storm's length: 100 refusals straight from pytest, 50 in `make test`. Honouring each
 `Retry-After: 1` for the whole endpoint holds the job to a few records a second while 30% of
 calls are refused, so the storm is most of the test's time (docs/testing.md); 100 refusals make
-one of over a minute, 50 one of about half that (35 s at load ~20, 2026-12-07). Either way the
+one of over a minute, 50 one of about half that (~35 s at load ~20). Either way the
 limit halves from 16 to 2 within the first dozen refusals and checkpoints complete throughout the
 storm, with Flink's restart strategy off: one failed task or checkpoint would fail the job."""
 

@@ -85,7 +85,7 @@ def test_a_taskmanager_killed_while_batches_are_live_pays_for_nothing_twice(
 
     # The kill waits for a batch at the provider, not for a share of the output: the job reads all
     # 1,500 records at once and its batches end within seconds of each other, so on a slow machine
-    # the output went from none to all between two looks (CI, 2026-12-06).
+    # the output can go from none to all between two looks.
     wait_until(live, timeout=180, interval=0.2, message="a batch live at the provider")
     cluster.replace_taskmanager(run.job_id)
     result = run.finish(timeout=400)

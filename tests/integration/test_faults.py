@@ -162,9 +162,8 @@ def test_broker_stopped_20s_then_model_server_down_30s_then_500_on_20_percent_fo
     in the client, every record answered.
 
     Nothing lost or doubled, no dead letter (with 30 attempts each, none runs out of them), and no
-    restart but the broker outage's: b and c restart nothing. (Three tests with two set-ups until
-    2026-12-07: the broker's ~118 s and the model server's ~142 s in `make test`; the 500s had 10
-    attempts, 0.2-2 s apart, and allowed dead letters for exhausted retries until earlier that day.)"""
+    restart but the broker outage's: b and c restart nothing. (One stream for the three faults: one
+    job start and one drain instead of three.)"""
     broker = local_kafka.LocalBroker(local_kafka.BrokerConfig.ephemeral(tmp_path / "kafka", heap="384m"))
     broker.start(timeout=90)
     try:
@@ -263,7 +262,6 @@ def test_taskmanager_sigkill_cancel_resubmit_and_stop_with_savepoint_in_one_stre
     (A resubmission WITHOUT a checkpoint also resumes, from the group's committed offsets, but
     offsets and transactions are committed by different operators after a checkpoint, so a
     cancel between the two can replay one checkpoint's worth of records: not exactly once.)
-    Two tests with the same set-up until 2026-12-07 (~95 and ~115 s in `make test`).
     """
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, paced_simulator.url, name="tm-kill-resubmit")
     run = start_run(cluster, setup, "tmresub", n=FAULT_RECORDS)
@@ -346,8 +344,8 @@ def test_calls_in_flight_at_a_savepoint_and_at_a_taskmanager_sigkill_are_made_ag
     h. Stop with a savepoint (no drain) and resubmit from it: the pending requests in the savepoint
     are issued again. f. Then SIGKILL the TaskManager and start a fresh one: the restored inference
     stage starts the calls in its checkpointed state again, the source replays what came after the
-    checkpoint. Every id comes out exactly once. (Two tests with the same set-up until 2026-12-07,
-    ~90 s each in `make test`; the faults follow each other in one run of `SLOW_RECORDS` ids.)"""
+    checkpoint. Every id comes out exactly once. (The faults follow each other in one run of
+    `SLOW_RECORDS` ids.)"""
     setup = make_job(tmp_path, kafka_broker.bootstrap_servers, slow_simulator.url, name="inflight-faults",
                      async_={"capacity": SLOW_CAPACITY})
     run = start_run(cluster, setup, "inflight", n=SLOW_RECORDS)

@@ -81,11 +81,10 @@ def interrupted_records(runs: int) -> int:
     """How many ids the interrupted-runs test sends with `runs` interruptions: 5,000 with 15, 200 an
     interruption with fewer (1,200 with `make test`'s 6, 1,000 at least). Each interrupted run answers
     only a few dozen of them (most of its life is the start), and the final backfill does the rest,
-    which was 115 s of the test's 9.5 min in `make test` (CI, 2026-12-02) for no more interruptions.
+    which is most of the test's time and adds no interruption.
     The fault report gives how many ids' input offsets were committed before the final run (0 of 1,200
     and 5–155 of 1,000 at load 3–20: the interrupted runs' faults land with ids to answer). Capacity 48
-    (16 until 2026-12-02: ~40/s) triples the pace at which they go and puts 48 calls in flight at
-    each kill."""
+    (~40/s at 16) triples the pace at which they go and puts 48 calls in flight at each kill."""
     return 5000 if runs >= 15 else max(1000, 200 * runs)
 
 
@@ -334,13 +333,10 @@ def test_cluster_cancel_stop_upgrades_and_a_dead_jobmanager_all_resume_from_stat
     cluster replaced by a new one on the same state directory, where a backfill `submit --until-end`
     resumes from the dead cluster's last retained checkpoint (row r3) and finishes. Every id exactly once.
 
-    These were three tests with a job, a simulator and a stream each (r2, r4, r3: ~370 worker-seconds
-    in `make test`); their faults follow each other in one run, every assertion kept, each row still
-    written (from the one tally). The upgrades were five, one change each (324 s in `make test`,
-    CI 2026-12-07); they are three, each change still made with calls in flight and checked: the
-    capacity with the widening, the narrowing with the budget. And the new cluster's job is the
-    backfill, no longer a `submit`, a wait for output, `llmstream stop` and then the backfill from
-    that savepoint. An upgrade that changes the capacity alone, and `stop` then `submit --until-end`
+    The faults follow each other in one run (one job, simulator and stream instead of one each), each
+    row written from the one tally. Three upgrades carry the four changes, each still made with calls
+    in flight and checked: the capacity with the widening, the narrowing with the budget. The new
+    cluster's job is the backfill itself, from the dead cluster's checkpoint. An upgrade that changes the capacity alone, and `stop` then `submit --until-end`
     from the savepoint on a cluster, are
     `test_s3_state.py::test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there`
     (keyed, in `make test`; the vectorized lifecycle below too, in the full fault run); `stop` ->
