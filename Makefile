@@ -82,11 +82,13 @@ integration: venv jars redis docker
 # The test command CI runs: lint, types, unit tests (no JVM), then integration and
 # fault tests on a real broker, a real mini cluster and a real standalone cluster.
 # llama.cpp compiles (nice'd) in the background while the other tests run; the real-model
-# tests run last and wait on the same install lock (tests/integration/test_real_models.py).
+# tests run last and wait on the same install lock (tests/integration/test_real_models.py). The
+# container image and the Flink 2.2.1 build of the upgrade tests are made the same way.
 test: venv jars redis docker lint typecheck
 	mkdir -p var && (nice -n 10 $(BIN)/llmstream model-server --backend llama-cpp --install-only \
 		> var/model-install-background.log 2>&1 &)
 	(nice -n 10 $(BIN)/python -m jobs.dev.containers image > var/docker-image-background.log 2>&1 &)
+	(nice -n 10 $(BIN)/python -m tests.support.release_build > var/release-build-background.log 2>&1 &)
 	$(BIN)/python -m pytest tests -q -rs --durations=25 \
 		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -158,3 +158,11 @@ BEFORE_LANES = ReleaseBuild(name="llmstream-5c33062-flink-2.3.0", commit="5c3306
                             flink_version="2.3.0")
 """main at 5c33062, the last commit before the lanes moved to `udfs/lanes/` (90b96cf): its provider-batch
 lane keeps `Held` and `BatchEntry` in state pickled under `udfs.provider_batch.entries`."""
+
+
+if __name__ == "__main__":
+    # `make test` starts this in the background beside its image and llama.cpp builds, so the upgrade
+    # tests find the build ready (or finish waiting on its lock) instead of spending a worker's minute
+    # or more on pip. A failure here is only logged: the tests' fixture builds it again and fails there.
+    logging.basicConfig(level=logging.INFO)
+    FLINK_2_2.ensure()
