@@ -43,13 +43,12 @@ DRAIN_S = "20"
 """The test's drain bound, the same in both runs (the same command): the stage's last records are waited
 for 20 s once every task runs, then the draining savepoint 20 s more. The first run exhausts both waits
 (its hung calls outlast them by half an hour, whatever the machine's speed), so each second here is paid
-twice in it. The second run
-needs far less: its first wait starts once every task runs (restored, the Python worker up) and ends when
-the stage is seen to hold nothing, i.e. once the restored calls, 5 ms each, are answered; and even if that
-wait ran out, the draining savepoint itself waits for them. It exits 3 again only if those calls are not
-answered within both waits, or the draining savepoint of 200 records takes over 20 s: at load average
-25-33 it went straight to the savepoint, which with the restored calls took ~10 s, half the bound (the
-printed line says what each run took)."""
+twice in it. The second run needs far less: its first wait starts once every task runs (restored, the
+Python worker up) and ends when the stage is seen to hold nothing, i.e. once the restored calls, 5 ms
+each, are answered; and even if that wait ran out, the draining savepoint itself waits for them. It exits
+3 again only if those calls are not answered within both waits, or the draining savepoint of 200 records
+takes over 20 s: at load average 25-33 it went straight to the savepoint, which with the restored calls
+took ~10 s, half the bound (the printed line says what each run took)."""
 NOT_FINISHED = re.compile(r"backfill not finished: at most (\d+) records in the job's state, kept in (.+?); "
                           r"the same command finishes them")
 

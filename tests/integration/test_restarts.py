@@ -336,8 +336,8 @@ def test_cluster_cancel_stop_upgrades_and_a_dead_jobmanager_all_resume_from_stat
     The faults follow each other in one run (one job, simulator and stream instead of one each), each
     row written from the one tally. Three upgrades carry the four changes, each still made with calls
     in flight and checked: the capacity with the widening, the narrowing with the budget. The new
-    cluster's job is the backfill itself, from the dead cluster's checkpoint. An upgrade that changes the capacity alone, and `stop` then `submit --until-end`
-    from the savepoint on a cluster, are
+    cluster's job is the backfill itself, from the dead cluster's checkpoint. An upgrade that changes
+    the capacity alone, and `stop` then `submit --until-end` from the savepoint on a cluster, are
     `test_s3_state.py::test_a_cluster_job_on_s3_upgrades_stops_and_backfills_from_savepoints_there`
     (keyed, in `make test`; the vectorized lifecycle below too, in the full fault run); `stop` ->
     `submit` from the savepoint is still this test's first runs. The backfilled job's restarts are

@@ -162,7 +162,8 @@ lane keeps `Held` and `BatchEntry` in state pickled under `udfs.provider_batch.e
 
 if __name__ == "__main__":
     # `make test` starts this in the background beside its image and llama.cpp builds, so the upgrade
-    # tests find the build ready (or finish waiting on its lock) instead of spending a worker's minute
-    # or more on pip. A failure here is only logged: the tests' fixture builds it again and fails there.
+    # test finds the build ready (or finishes waiting on its lock) instead of spending a worker's minute
+    # or more on pip. Only `FLINK_2_2`: `BEFORE_LANES` is used by the full fault run alone. A failure
+    # ends this process only (var/release-build-background.log); the test's fixture builds it again.
     logging.basicConfig(level=logging.INFO)
     FLINK_2_2.ensure()
